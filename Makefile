@@ -1,0 +1,37 @@
+# `make serve` and `make test` set everything up on a fresh machine with only Python.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8000
+CONFIG ?= configs/default.yaml
+PYTEST_ARGS ?=
+
+.PHONY: install install-dev serve test lint format clean
+
+$(VENV)/.installed: pyproject.toml scripts/install.sh
+	bash scripts/install.sh $(VENV) runtime
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	bash scripts/install.sh $(VENV) dev
+	touch $@
+
+install: $(VENV)/.installed
+
+install-dev: $(VENV)/.installed-dev
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/tandem serve --config $(CONFIG) --host $(HOST) --port $(PORT)
+
+test: $(VENV)/.installed-dev
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

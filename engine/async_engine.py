@@ -1,0 +1,157 @@
+"""AsyncEngine: the LLMEngine step loop on its own thread, results to asyncio queues.
+
+The event loop never waits for a step. `generate()` validates on the caller's side (so bad
+input raises at once), then hands the request to the engine thread through an inbox; aborts
+take the same path. Outputs come back with `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine, QueueFullError
+from engine.outputs import RequestOutput
+from engine.request import SamplingParams
+from engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        self.eos_token_ids = engine.eos_token_ids
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._step_lock = threading.Lock()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._num_pending = 0
+        self._stats = EngineStats()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        return cls(LLMEngine(config))
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield output deltas until the request finishes; closing the iterator aborts it."""
+        self.engine.validate(prompt_token_ids, params)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        waiting = self._stats.num_waiting + self._num_pending
+        if waiting >= self.engine.config.scheduler.max_waiting:
+            raise QueueFullError(f"{waiting} requests are already waiting")
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request_id] = (loop, outputs)
+        self._num_pending += 1
+        self._inbox.put(("add", request_id, list(prompt_token_ids), params))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        """A snapshot published by the engine thread after every step."""
+        return self._stats
+
+    def check_invariants(self) -> None:
+        with self._step_lock:
+            self.engine.check_invariants()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._step_lock:
+                outputs = self._drain_inbox()
+                if self.engine.has_work():
+                    outputs += self.engine.step()
+                self._stats = replace(self.engine.stats())
+            self._publish(outputs)
+            if not self.engine.has_work() and self._inbox.empty():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+        with self._step_lock:  # fail whatever is left so no client waits forever
+            outputs = self.engine.fail_all("the server is shutting down")
+        self._publish(outputs)
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        outputs = []
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+            if item[0] == "add":
+                _, request_id, prompt, params = item
+                self._num_pending -= 1
+                if request_id not in self._streams:
+                    continue  # the client went away before the engine saw it
+                try:
+                    self.engine.add_request(request_id, prompt, params)
+                except (ValueError, QueueFullError) as exc:
+                    outputs.append(_error_output(request_id, str(exc)))
+            else:
+                out = self.engine.abort(item[1])
+                if out is not None:
+                    outputs.append(out)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            loop, q = stream
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, out)
+            except RuntimeError:  # the client's event loop is closed
+                pass
+
+
+def _error_output(request_id: str, message: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=[],
+        finished=True,
+        finish_reason="error",
+        error=message,
+    )

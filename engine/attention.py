@@ -1,0 +1,189 @@
+"""Paged attention behind transformers' AttentionInterface.
+
+Tandem loads every model with `attn_implementation="tandem_paged"`. The model runs one packed
+sequence `[1, num_tokens]` holding the scheduled tokens of all requests; the runner passes an
+`AttentionMetadata` as the keyword `tandem_metadata`, which transformers forwards untouched
+to `paged_attention_forward`. That function writes the new keys/values into their cache slots
+and attends each request's queries to that request's cached keys, causally.
+
+The reference path gathers each request's keys from the block table into a padded batch and
+runs `scaled_dot_product_attention` with a boolean mask. Requests are grouped so that one long
+prefill chunk does not pad every decode in the batch to its length. Faster paths (a Triton
+kernel reading the block table directly) can register beside it under another backend name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+ATTN_IMPLEMENTATION = "tandem_paged"
+# A group is split off when its queries would be padded past this many per request.
+_DECODE_GROUP_MAX_Q = 32
+
+
+@dataclass
+class AttentionGroup:
+    """Requests attended together in one padded SDPA call."""
+
+    token_index: torch.Tensor  # [group_tokens] positions of the group's tokens in the packed batch
+    query_seq: torch.Tensor  # [group_tokens] request index within the group
+    query_pos: torch.Tensor  # [group_tokens] query index within its request
+    gather_slots: torch.Tensor  # [group_seqs, max_kv_len] cache slot of every key (0 = pad)
+    mask: torch.Tensor  # [group_seqs, 1, max_q_len, max_kv_len] True = may attend
+    max_q_len: int
+
+
+@dataclass
+class AttentionMetadata:
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    """Per layer (key_cache, value_cache), each [num_blocks, block_size, kv_heads, head_dim]."""
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot each new token's K/V goes to
+    groups: list[AttentionGroup]
+
+
+def build_metadata(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    block_size: int,
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    device: torch.device,
+) -> AttentionMetadata:
+    """Metadata for requests with query_lens[i] new tokens ending at context_lens[i].
+
+    The new tokens of request i sit at positions [context_lens[i] - query_lens[i], context_lens[i]).
+    """
+    slots = []
+    for q_len, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
+        for pos in range(ctx - q_len, ctx):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+
+    small = [i for i, q in enumerate(query_lens) if q <= _DECODE_GROUP_MAX_Q]
+    large = [[i] for i, q in enumerate(query_lens) if q > _DECODE_GROUP_MAX_Q]
+    groups = [
+        _build_group(members, starts, query_lens, context_lens, block_tables, block_size, device)
+        for members in ([small] if small else []) + large
+    ]
+    return AttentionMetadata(
+        kv_caches=kv_caches,
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        groups=groups,
+    )
+
+
+def _build_group(
+    members: list[int],
+    starts: list[int],
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionGroup:
+    q_lens = torch.tensor([query_lens[i] for i in members])
+    ctx_lens = torch.tensor([context_lens[i] for i in members])
+    max_q, max_kv = int(q_lens.max()), int(ctx_lens.max())
+    max_blocks = -(-max_kv // block_size)
+    tables = torch.zeros(len(members), max_blocks, dtype=torch.long)
+    for row, i in enumerate(members):
+        table = block_tables[i][:max_blocks]
+        tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+    kv_pos = torch.arange(max_kv)
+    gather_slots = tables[:, kv_pos // block_size] * block_size + kv_pos % block_size
+    # Query j of request r sits at position ctx_r - q_r + j and sees keys up to that position.
+    q_pos = ctx_lens[:, None] - q_lens[:, None] + torch.arange(max_q)[None, :]
+    mask = kv_pos[None, None, :] <= q_pos[:, :, None]
+    # Padded query rows attend to key 0 only, so softmax never sees an all-masked row.
+    pad_rows = torch.arange(max_q)[None, :] >= q_lens[:, None]
+    mask[pad_rows] = kv_pos == 0
+    token_index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in members])
+    query_seq = torch.repeat_interleave(torch.arange(len(members)), q_lens)
+    query_pos = torch.cat([torch.arange(query_lens[i]) for i in members])
+    return AttentionGroup(
+        token_index=token_index.to(device),
+        query_seq=query_seq.to(device),
+        query_pos=query_pos.to(device),
+        gather_slots=gather_slots.to(device),
+        mask=mask[:, None].to(device),
+        max_q_len=max_q,
+    )
+
+
+def reference_attention(
+    query: torch.Tensor,  # [num_tokens, heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, heads, head_dim]
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    kv_heads = key_cache.shape[2]
+    flat_k = key_cache.view(-1, kv_heads, head_dim)
+    flat_v = value_cache.view(-1, kv_heads, head_dim)
+    out = torch.empty_like(query)
+    for g in metadata.groups:
+        num_seqs = g.gather_slots.shape[0]
+        q = query.new_zeros(num_seqs, g.max_q_len, num_heads, head_dim)
+        q[g.query_seq, g.query_pos] = query[g.token_index]
+        k = flat_k[g.gather_slots]  # [seqs, max_kv, kv_heads, head_dim]
+        v = flat_v[g.gather_slots]
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=g.mask,
+            scale=scale,
+            enable_gqa=kv_heads != num_heads,
+        )  # [seqs, heads, max_q, head_dim]
+        out[g.token_index] = o.transpose(1, 2)[g.query_seq, g.query_pos]
+    return out
+
+
+AttentionBackend = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
+]
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, heads, num_tokens, head_dim]
+    key: torch.Tensor,  # [1, kv_heads, num_tokens, head_dim]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    tandem_metadata: AttentionMetadata | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    if tandem_metadata is None:
+        raise RuntimeError("tandem_paged attention needs the `tandem_metadata` keyword argument")
+    key_cache, value_cache = tandem_metadata.kv_caches[module.layer_idx]
+    kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    slots = tandem_metadata.slot_mapping
+    key_cache.view(-1, kv_heads, head_dim)[slots] = key[0].transpose(0, 1).to(key_cache.dtype)
+    value_cache.view(-1, kv_heads, head_dim)[slots] = value[0].transpose(0, 1).to(key_cache.dtype)
+    scale = scaling if scaling is not None else head_dim**-0.5
+    out = reference_attention(
+        query[0].transpose(0, 1), key_cache, value_cache, tandem_metadata, scale
+    )
+    return out.unsqueeze(0), None  # [1, num_tokens, heads, head_dim]
+
+
+def _no_mask(*args: object, **kwargs: object) -> None:
+    """The paged function builds its own masks from the metadata."""
+    return None
+
+
+def register() -> None:
+    """Make `attn_implementation="tandem_paged"` loadable (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)

@@ -1,0 +1,145 @@
+"""Frozen engine configuration, validated once at construction.
+
+Every `ValueError` raised here names the setting (as the CLI flag spells it) and what is allowed,
+so the server can surface it unchanged at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+SPEC_METHODS = ("draft", "ngram", "off")
+DRAFT_LENGTH_POLICIES = ("adaptive", "fixed")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
+    _check(value in allowed, f"{flag} must be one of {', '.join(allowed)} (got {value!r})")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    """Local Hugging Face model directory of the target model."""
+    dtype: str = "auto"
+    """auto = float32 on CPU, bfloat16 on CUDA."""
+    device: str = "auto"
+    """auto = cuda when available, else cpu."""
+    max_model_len: int | None = None
+    """Longest prompt + output; None = the target's max_position_embeddings."""
+    seed: int = 0
+    """Seed for requests that do not bring their own."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.model), "--model must name a local model directory")
+        _check_choice("--dtype", self.dtype, DTYPES)
+        _check_choice("--device", self.device, DEVICES)
+        _check(
+            self.max_model_len is None or self.max_model_len >= 2,
+            f"--max-model-len must be at least 2 (got {self.max_model_len})",
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int | None = None
+    """Blocks in the pool; None = size the pool from the memory budget below."""
+    memory_gb: float = 1.0
+    """KV budget (GiB) on CPU when num_blocks is None."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory for weights + KV when num_blocks is None."""
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check(
+            1 <= self.block_size <= 256,
+            f"--block-size must be between 1 and 256 (got {self.block_size})",
+        )
+        _check(
+            self.num_blocks is None or self.num_blocks >= 1,
+            f"--kv-cache-blocks must be at least 1 (got {self.num_blocks})",
+        )
+        _check(self.memory_gb > 0, f"cache.memory_gb must be positive (got {self.memory_gb})")
+        _check(
+            0 < self.gpu_memory_utilization <= 1,
+            f"--gpu-memory-utilization must be in (0, 1] (got {self.gpu_memory_utilization})",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    """Most requests in the running batch."""
+    max_num_batched_tokens: int = 512
+    """Token budget per step (prefill chunks + decode + draft verification)."""
+    max_waiting: int = 1024
+    """Most requests waiting for admission; more are refused (HTTP 503)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.max_num_seqs >= 1, f"--max-num-seqs must be at least 1 (got {self.max_num_seqs})"
+        )
+        _check(
+            self.max_num_batched_tokens >= 16,
+            f"--max-num-batched-tokens must be at least 16 (got {self.max_num_batched_tokens})",
+        )
+        _check(self.max_waiting >= 0, f"--max-waiting must be >= 0 (got {self.max_waiting})")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str = "draft"
+    """draft = small draft model, ngram = prompt lookup, off = plain decoding."""
+    draft_model: str | None = None
+    """Local HF directory of the draft model (method=draft)."""
+    max_draft_tokens: int = 4
+    """K_max: most draft tokens per request per step."""
+    draft_length: str = "adaptive"
+    """adaptive = K chosen per step from a cost model; fixed = always max_draft_tokens."""
+    ngram_max: int = 4
+    """Longest suffix n-gram the prompt-lookup proposer matches."""
+    ngram_min: int = 1
+    """Shortest suffix n-gram it falls back to."""
+
+    def __post_init__(self) -> None:
+        _check_choice("--speculative-method", self.method, SPEC_METHODS)
+        _check_choice("--draft-length", self.draft_length, DRAFT_LENGTH_POLICIES)
+        _check(
+            0 <= self.max_draft_tokens <= 16,
+            f"--max-draft-tokens must be between 0 and 16 (got {self.max_draft_tokens})",
+        )
+        _check(
+            self.method != "draft" or bool(self.draft_model),
+            "--speculative-method draft needs --draft-model (or use ngram / off)",
+        )
+        _check(
+            1 <= self.ngram_min <= self.ngram_max,
+            f"ngram sizes need 1 <= ngram_min <= ngram_max (got {self.ngram_min}, {self.ngram_max})",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off" and self.max_draft_tokens > 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=lambda: SpecConfig(method="off"))
+
+    def __post_init__(self) -> None:
+        # A verification pass schedules 1 + K tokens for a request; it must fit in one step.
+        _check(
+            self.scheduler.max_num_batched_tokens >= 1 + self.spec.max_draft_tokens,
+            "--max-num-batched-tokens must be at least 1 + --max-draft-tokens",
+        )

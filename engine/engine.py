@@ -1,0 +1,237 @@
+"""LLMEngine: one synchronous step at a time. AsyncEngine (async_engine.py) runs it on a thread.
+
+A step: the scheduler picks the batch and K per request; the proposer drafts; the target
+verifies every request's last token + drafts (and any prefill chunks) in one packed forward;
+the rejection sampler keeps an accepted prefix plus one recovered/bonus token; the scheduler
+advances counters, rolls back rejected drafts and releases the blocks that held only them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+from transformers import GenerationConfig
+
+from engine.config import EngineConfig
+from engine.draft_length import FixedDraftLength, NoSpeculation
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner, resolve_device, resolve_dtype
+from engine.outputs import RequestOutput
+from engine.proposers import build_proposer
+from engine.request import Request, RequestStatus, SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput, make_output
+from engine.stats import EngineStats
+from engine.verifier import Verifier
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the caller should retry later."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        dtype = resolve_dtype(config.model.dtype, self.device)
+        self.runner = ModelRunner(config.model.model, self.device, dtype)
+        self.vocab_size = self.runner.vocab_size
+        self.eos_token_ids = _eos_token_ids(config.model.model, self.runner)
+        self.max_model_len = self._max_model_len()
+        self.proposer = build_proposer(config.spec, self.device, dtype, self.vocab_size)
+
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_blocks or self._blocks_from_budget(block_size)
+        self.runner.allocate_kv(num_blocks, block_size)
+        if self.proposer is not None:
+            self.proposer.allocate_kv(num_blocks, block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.policy = _make_policy(config)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv,
+            self.max_model_len,
+            self.policy,
+            has_draft_model=config.spec.enabled and config.spec.method == "draft",
+        )
+        self.verifier = Verifier(self.vocab_size, self.device)
+        self.totals = EngineStats()
+        self._seeds = itertools.count(config.model.seed)
+        logger.info(
+            "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, spec %s",
+            config.model.model,
+            self.device,
+            dtype,
+            num_blocks,
+            block_size,
+            self.max_model_len,
+            config.spec.method if config.spec.enabled else "off",
+        )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        """Validate and queue a request; raise ValueError (bad input) or QueueFullError."""
+        self.validate(prompt_token_ids, params)
+        if any(r.request_id == request_id for r in self._all_requests()):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
+        req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
+        seed = params.seed if params.seed is not None else next(self._seeds)
+        req.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.scheduler.add(req)
+        return req
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of range [0, {self.vocab_size})")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context length of {self.max_model_len} tokens"
+            )
+        if self.kv.blocks_needed(n + params.max_tokens) > self.kv.num_blocks:
+            raise ValueError(
+                f"the request needs {n + params.max_tokens} tokens of KV cache but the pool "
+                f"holds only {self.kv.num_blocks * self.kv.block_size}"
+            )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort(request_id)
+        return make_output(req, [], None) if req is not None else None
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self.totals.steps += 1
+        if not sched.scheduled:
+            return []
+        try:
+            tables = [self.kv.block_table(s.request.request_id) for s in sched.scheduled]
+            drafts = self.proposer.propose(sched, tables) if self.proposer else None
+            results = self.verifier.run(self.runner, sched, tables, drafts)
+        except Exception as exc:  # a failed forward fails this step's requests, not the engine
+            logger.exception("engine step failed")
+            return self._fail(sched, f"internal error in the engine step: {exc}")
+        outputs = self.scheduler.update(sched, results.tokens)
+        for out in outputs:
+            out.prompt_logprobs = results.prompt_logprobs.pop(out.request_id, None)
+        self._count(sched, outputs)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        s = self.totals
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.num_blocks_total = self.kv.num_blocks
+        s.num_blocks_free = self.kv.num_free_blocks
+        s.preemptions = self.scheduler.num_preemptions
+        s.spec_blocks_released = self.scheduler.num_blocks_released
+        spec = self.scheduler.spec_totals
+        s.spec_verify_passes = spec.verify_passes
+        s.spec_drafted_tokens = spec.drafted
+        s.spec_accepted_tokens = spec.accepted
+        s.spec_drafted_by_position = list(spec.drafted_by_position)
+        s.spec_accepted_by_position = list(spec.accepted_by_position)
+        return s
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        if not self.scheduler.has_work():
+            assert self.kv.num_free_blocks == self.kv.num_blocks, "idle engine holds KV blocks"
+
+    def _count(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+        t = self.totals
+        for item in sched.scheduled:
+            req = item.request
+            # Prompt tokens computed this step (recomputation after preemption counts again).
+            t.prompt_tokens += max(0, min(item.num_new_tokens, req.num_prompt_tokens))
+        t.generation_tokens += sum(len(o.new_token_ids) for o in outputs)
+        drafted = sum(item.num_draft_tokens for item in sched.scheduled)
+        t.mean_draft_length = drafted / max(sched.num_decodes, 1)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Finish every unfinished request with an error (shutdown)."""
+        reqs = list(self._all_requests())
+        for req in reqs:
+            self.scheduler.fail(req, message)
+        return [make_output(req, [], None) for req in reqs]
+
+    def _fail(self, sched: SchedulerOutput, message: str) -> list[RequestOutput]:
+        outputs = []
+        for item in sched.scheduled:
+            req = item.request
+            if not req.status.finished:
+                self.scheduler.fail(req, message)
+                outputs.append(make_output(req, [], None))
+        return outputs
+
+    def _all_requests(self):
+        return itertools.chain(self.scheduler.running, self.scheduler.waiting)
+
+    def _max_model_len(self) -> int:
+        limit = self.runner.max_positions
+        if self.runner.sliding_window:  # the reference path attends to the full context
+            limit = min(limit, self.runner.sliding_window)
+        wanted = self.config.model.max_model_len
+        if wanted is not None and wanted > limit:
+            raise ValueError(f"--max-model-len {wanted} exceeds the model's limit of {limit}")
+        return wanted or limit
+
+    def _blocks_from_budget(self, block_size: int) -> int:
+        per_block = self.runner.kv_bytes_per_block(block_size)
+        if self.proposer is not None:
+            per_block += self.proposer.kv_bytes_per_block(block_size)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1 - self.config.cache.gpu_memory_utilization)
+        else:
+            budget = self.config.cache.memory_gb * 2**30
+        num_blocks = int(budget // per_block)
+        if num_blocks < 1:
+            raise ValueError("no memory left for the KV cache; lower the model size or budget")
+        return num_blocks
+
+
+def _make_policy(config: EngineConfig):
+    if not config.spec.enabled:
+        return NoSpeculation()
+    return FixedDraftLength(config.spec.max_draft_tokens)
+
+
+def _eos_token_ids(model_path: str, runner: ModelRunner) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (_generation_config(model_path), runner.hf_config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        for token in eos if isinstance(eos, list) else [eos]:
+            if token is not None and token not in ids:
+                ids.append(int(token))
+    return tuple(ids)
+
+
+def _generation_config(model_path: str) -> GenerationConfig | None:
+    try:
+        return GenerationConfig.from_pretrained(model_path)
+    except OSError:
+        return None
+
+
+__all__ = ["LLMEngine", "QueueFullError", "RequestStatus"]
+
+
+# The async wrapper lives in its own module; re-exported here because the server imports the
+# engine's public API from `engine.engine`.
+from engine.async_engine import AsyncEngine  # noqa: E402
+
+__all__ += ["AsyncEngine"]

@@ -1,0 +1,122 @@
+"""Runs one Hugging Face causal LM on the paged KV cache. No policy lives here.
+
+The runner loads any `AutoModelForCausalLM` whose attention goes through transformers'
+AttentionInterface, owns that model's KV tensors, and turns a list of `SeqInput`s (what each
+request feeds this step) into one packed forward that returns the logits asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine import attention
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass
+class SeqInput:
+    """What one request feeds a forward pass."""
+
+    token_ids: list[int]
+    start_pos: int
+    """Position of token_ids[0]; the request's keys before it are already cached."""
+    block_table: list[int]
+    logit_offsets: list[int] = field(default_factory=list)
+    """Indices into token_ids whose next-token logits are wanted."""
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype) -> None:
+        attention.register()
+        self.device = device
+        self.dtype = dtype
+        self.hf_config = AutoConfig.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
+        )
+        self.model.to(device).eval()
+        text_config = self.hf_config.get_text_config()
+        self.num_layers = text_config.num_hidden_layers
+        self.num_kv_heads = getattr(
+            text_config, "num_key_value_heads", text_config.num_attention_heads
+        )
+        self.head_dim = getattr(text_config, "head_dim", None) or (
+            text_config.hidden_size // text_config.num_attention_heads
+        )
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.max_positions = text_config.max_position_embeddings
+        self.sliding_window = (
+            getattr(text_config, "sliding_window", None)
+            if getattr(text_config, "use_sliding_window", True)
+            else None
+        )
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = 0
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.block_size = block_size
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """Run the packed batch; return float32 logits [num_logits, vocab], in the order of
+        seqs and, within a request, of its logit_offsets."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        logit_index: list[int] = []
+        for seq in seqs:
+            logit_index.extend(len(token_ids) + off for off in seq.logit_offsets)
+            token_ids.extend(seq.token_ids)
+            positions.extend(range(seq.start_pos, seq.context_len))
+        metadata = attention.build_metadata(
+            self.kv_caches,
+            self.block_size,
+            [len(s.token_ids) for s in seqs],
+            [s.context_len for s in seqs],
+            [s.block_table for s in seqs],
+            self.device,
+        )
+        out = self.model(
+            input_ids=torch.tensor([token_ids], device=self.device),
+            position_ids=torch.tensor([positions], device=self.device),
+            logits_to_keep=torch.tensor(logit_index, dtype=torch.long, device=self.device),
+            use_cache=False,
+            tandem_metadata=metadata,
+        )
+        return out.logits[0].float()  # [num_logits, vocab]

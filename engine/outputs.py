@@ -1,0 +1,48 @@
+"""Plain dataclasses the engine hands to the server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Logprob of one emitted (or prompt) token and the top-N alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request (a delta, not the whole output)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    """stop | length | abort | error (set when finished)."""
+    new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """Only in the first output of a request that asked for them; the first entry is None."""
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    error: str | None = None
+
+    @classmethod
+    def make(cls, request_id: str = "r0", new_token_ids: list[int] | None = None) -> RequestOutput:
+        return cls(request_id=request_id, new_token_ids=list(new_token_ids or []))
+
+
+@dataclass
+class StepTokens:
+    """Verified tokens for one request after a step: accepted drafts then one recovered/bonus."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    num_drafted: int = 0
+    num_accepted: int = 0

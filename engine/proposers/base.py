@@ -1,0 +1,51 @@
+"""The Proposer protocol and its registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from engine.config import SpecConfig
+
+if TYPE_CHECKING:
+    from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class DraftBatch:
+    token_ids: list[list[int]]
+    """Per scheduled request (in SchedulerOutput order): at most its num_draft_tokens drafts."""
+    probs: torch.Tensor | None = None
+    """[total drafts, vocab] q for each draft, request by request; None = model-free (one-hot)."""
+
+
+class Proposer(Protocol):
+    """Proposes draft tokens for a scheduled batch.
+
+    Rules: `propose` returns at most `num_draft_tokens` drafts for each scheduled request, and
+    none for a request whose K is 0 (that request must cost the proposer no work). It may
+    return fewer (a lookup that finds nothing). It must not change what the scheduler owns
+    (num_computed_tokens, block tables); a proposer with a KV cache of its own uses the
+    target's block ids and tracks its progress in `Request.num_draft_computed_tokens`.
+    """
+
+    def kv_bytes_per_block(self, block_size: int) -> int: ...
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None: ...
+
+    def propose(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch: ...
+
+
+ProposerFactory = Callable[[SpecConfig, torch.device, torch.dtype, int], Proposer]
+PROPOSERS: dict[str, ProposerFactory] = {}
+
+
+def build_proposer(
+    config: SpecConfig, device: torch.device, dtype: torch.dtype, target_vocab: int
+) -> Proposer | None:
+    if not config.enabled:
+        return None
+    return PROPOSERS[config.method](config, device, dtype, target_vocab)

@@ -1,0 +1,138 @@
+"""From logits to the distribution a request samples from, plus logprobs.
+
+Every verified position of a request is a "row". A row's distribution is the request's own
+(penalties, min_tokens masking, temperature, top-k, top-p); greedy rows become one-hot at the
+argmax, which lets the rejection sampler treat greedy and sampled requests alike.
+
+Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is distributed as p.
+The noise comes from the request's own seeded generator, so a request's draws do not depend
+on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import TokenLogprob
+from engine.request import Request
+
+
+@dataclass
+class RowSpec:
+    """The context of one row: which request, and the tokens generated before it."""
+
+    request: Request
+    num_prior_drafts: int
+    """Draft tokens of this step that precede the row (they count as generated for it)."""
+
+    @property
+    def num_generated(self) -> int:
+        return self.request.num_output_tokens + self.num_prior_drafts
+
+
+def apply_penalties_and_masks(
+    logits: torch.Tensor,  # [num_rows, vocab], modified in place
+    rows: list[RowSpec],
+) -> torch.Tensor:
+    for i, row in enumerate(rows):
+        params = row.request.params
+        if row.num_generated < params.min_tokens and row.request.stop_token_ids:
+            logits[i, list(row.request.stop_token_ids)] = float("-inf")
+        if params.has_penalties:
+            generated = (
+                row.request.output_token_ids + row.request.spec_token_ids[: row.num_prior_drafts]
+            )
+            if generated:
+                counts = torch.bincount(
+                    torch.tensor(generated, device=logits.device), minlength=logits.shape[1]
+                )[: logits.shape[1]].to(logits.dtype)
+                logits[i] -= params.frequency_penalty * counts
+                logits[i] -= params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [num_rows, vocab] after penalties and masks
+    rows: list[RowSpec],
+) -> torch.Tensor:  # [num_rows, vocab]
+    """The distribution each row samples from (one-hot for greedy rows)."""
+    params = [row.request.params for row in rows]
+    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    temperature = torch.tensor(
+        [p.temperature if not p.greedy else 1.0 for p in params],
+        dtype=logits.dtype,
+        device=logits.device,
+    )
+    scaled = logits / temperature[:, None]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy):
+        scaled = _top_k_top_p(scaled, params)
+    probs = torch.softmax(scaled, dim=-1)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs)
+        one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def _top_k_top_p(scaled: torch.Tensor, params: list) -> torch.Tensor:
+    vocab = scaled.shape[1]
+    top_k = torch.tensor(
+        [p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=scaled.device
+    )
+    top_p = torch.tensor([p.top_p for p in params], dtype=scaled.dtype, device=scaled.device)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=scaled.device)[None, :]
+    drop = rank >= top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it
+    # already does. The first token is always kept.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+
+
+def exponential_noise(
+    requests: list[Request],
+    num_rows: list[int],
+    vocab: int,
+    device: torch.device,
+) -> torch.Tensor:  # [sum(num_rows), vocab]
+    """Exp(1) noise per row from each request's generator; ones for greedy requests."""
+    parts = []
+    for req, n in zip(requests, num_rows, strict=True):
+        if req.params.greedy:
+            parts.append(torch.ones(n, vocab, device=device))
+        else:
+            parts.append(torch.empty(n, vocab, device=device).exponential_(generator=req.generator))
+    return torch.cat(parts) if parts else torch.empty(0, vocab, device=device)
+
+
+def sample_from(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] x [rows, vocab] -> [rows] token ids distributed as probs."""
+    return (probs / noise).argmax(dim=-1)
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # [num_rows, vocab] raw model logits
+    token_ids: list[int],  # one per row
+    num_top: int,
+) -> list[TokenLogprob]:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0]
+    chosen_list = chosen.tolist()
+    if num_top > 0:
+        top_vals, top_ids = logprobs.topk(num_top, dim=-1)
+        tops = [
+            tuple(zip(i, v, strict=True))
+            for i, v in zip(top_ids.tolist(), top_vals.tolist(), strict=True)
+        ]
+    else:
+        tops = [()] * len(token_ids)
+    return [
+        TokenLogprob(token_id=t, logprob=lp, top=top)
+        for t, lp, top in zip(token_ids, chosen_list, tops, strict=True)
+    ]

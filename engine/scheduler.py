@@ -1,0 +1,236 @@
+"""Continuous batching under a per-step token budget.
+
+Each step every running request is given the tokens it is missing from the cache: a prefill
+chunk, or its last sampled token plus K draft tokens to verify. New requests join (FCFS)
+while budget, sequence slots and blocks last. When blocks run out the youngest running
+request is preempted: its blocks are freed and it is re-queued to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.draft_length import DraftLengthPolicy
+from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import RequestOutput, StepTokens
+from engine.request import Request, RequestStatus, SpecStats
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    """Tokens taken from all_token_ids this step (a prefill chunk, or 1 when decoding)."""
+    num_draft_tokens: int = 0
+    """K for this request and step; the proposer may fill fewer."""
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the request's tokens and so samples."""
+        req = self.request
+        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and s.samples)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        policy: DraftLengthPolicy,
+        has_draft_model: bool = False,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.has_draft_model = has_draft_model
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.num_blocks_released = 0
+        self.spec_totals = SpecStats()
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        decoding = [r for r in self.running if not r.is_prefill]
+        ks = dict(zip(decoding, self.policy.choose(decoding), strict=True))
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            k = 0
+            if req in ks:
+                # No point drafting past what the request may still emit or hold.
+                room = min(
+                    req.params.max_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - req.num_tokens,
+                )
+                k = max(0, min(ks[req], room, budget - num_new))
+            while not self.kv.allocate_slots(req, num_new, k):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new, k))
+                budget -= num_new + k
+                i += 1
+                continue
+            break  # req itself was preempted; nothing younger is left running
+
+        # After a preemption the pool is full: admitting now would only thrash.
+        while (
+            self.waiting
+            and not out.preempted
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            if req.num_computed_tokens == 0:
+                cached = self.kv.match_prefix(req)
+                req.num_computed_tokens = req.num_draft_computed_tokens = cached
+                req.num_cached_tokens = cached
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(req, num_new):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def update(self, sched: SchedulerOutput, results: dict[str, StepTokens]) -> list[RequestOutput]:
+        """Advance counters with the verified tokens; roll back and release rejected ones."""
+        outputs = []
+        for item in sched.scheduled:
+            req = item.request
+            if req.status.finished:
+                continue  # aborted while the step ran
+            result = results.get(req.request_id)
+            num_drafted = len(req.spec_token_ids)
+            req.spec_token_ids = []
+            if result is None:  # a prefill chunk that does not reach the end: nothing sampled
+                req.num_computed_tokens += item.num_new_tokens
+                self._cache(req)
+                continue
+            req.num_computed_tokens += item.num_new_tokens + result.num_accepted
+            req.num_draft_computed_tokens = min(
+                req.num_draft_computed_tokens, req.num_computed_tokens
+            )
+            if num_drafted:
+                req.spec.record(num_drafted, result.num_accepted)
+                self.spec_totals.record(num_drafted, result.num_accepted)
+                self.policy.observe(req, num_drafted, result.num_accepted)
+            new_tokens, logprobs = self._append(req, result)
+            # Blocks past the verified tokens hold only rejected drafts: give them back now.
+            self.num_blocks_released += self.kv.trim(req, req.num_computed_tokens)
+            if req.status.finished:
+                self._finish(req)
+            else:
+                self._cache(req)
+            outputs.append(make_output(req, new_tokens, logprobs))
+        return outputs
+
+    def abort(self, request_id: str) -> Request | None:
+        for queue in (self.running, self.waiting):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    req.status = RequestStatus.FINISHED_ABORTED
+                    self.kv.free(req)
+                    return req
+        return None
+
+    def fail(self, req: Request, message: str) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED_ERROR
+        req.error = message
+        req.spec_token_ids = []
+        self.kv.free(req)
+
+    def _append(self, req: Request, result: StepTokens) -> tuple[list[int], list | None]:
+        """Append verified tokens one by one, cutting at a stop token or a length limit."""
+        if req.params.max_tokens == 0:  # scoring only (echo + logprobs): nothing to emit
+            req.status = RequestStatus.FINISHED_LENGTH
+            return [], []
+        stops = req.stop_token_ids
+        appended = []
+        for token in result.token_ids:
+            req.output_token_ids.append(token)
+            appended.append(token)
+            if token in stops and req.num_output_tokens > req.params.min_tokens:
+                req.status = RequestStatus.FINISHED_STOPPED
+            elif (
+                req.num_output_tokens >= req.params.max_tokens
+                or req.num_tokens >= self.max_model_len
+            ):
+                req.status = RequestStatus.FINISHED_LENGTH
+            if req.status.finished:
+                break
+        logprobs = result.logprobs[: len(appended)] if result.logprobs is not None else None
+        return appended, logprobs
+
+    def _cache(self, req: Request) -> None:
+        cacheable = req.num_computed_tokens
+        if self.has_draft_model:  # a shared block must hold valid draft KV too
+            cacheable = min(cacheable, req.num_draft_computed_tokens)
+        self.kv.cache_verified(req, cacheable)
+
+    def _finish(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = req.num_draft_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+
+def make_output(req: Request, new_tokens: list[int], logprobs: list | None) -> RequestOutput:
+    return RequestOutput(
+        request_id=req.request_id,
+        new_token_ids=new_tokens,
+        finished=req.status.finished,
+        finish_reason=req.status.value if req.status.finished else None,
+        new_logprobs=logprobs,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_output_tokens=req.num_output_tokens,
+        num_cached_tokens=req.num_cached_tokens,
+        num_drafted_tokens=req.spec.drafted,
+        num_accepted_tokens=req.spec.accepted,
+        error=req.error,
+    )

@@ -1,0 +1,40 @@
+"""Engine-wide statistics: plain numbers, exported by server/metrics.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks_total: int = 0
+    num_blocks_free: int = 0
+    # Monotonic counters.
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    spec_verify_passes: int = 0
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_blocks_released: int = 0
+    spec_drafted_by_position: list[int] = field(default_factory=list)
+    spec_accepted_by_position: list[int] = field(default_factory=list)
+    # Gauges about the latest step.
+    mean_draft_length: float = 0.0
+    draft_length_reasons: dict[str, int] = field(default_factory=dict)
+    """Counter: why K was cut below K_max (reason -> request-steps)."""
+    speed_of_light: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kv_usage(self) -> float:
+        if self.num_blocks_total == 0:
+            return 0.0
+        return 1.0 - self.num_blocks_free / self.num_blocks_total
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / max(self.spec_drafted_tokens, 1)

@@ -1,0 +1,144 @@
+"""The target pass of a step: one packed forward, then rejection sampling per request.
+
+Each scheduled request feeds its missing tokens plus its drafts. Rows (positions whose
+logits we keep) are, per request: the prompt positions when prompt logprobs were asked for,
+then, when the request samples this step, its last token and every draft (1 + k rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.model_runner import ModelRunner, SeqInput
+from engine.outputs import StepTokens, TokenLogprob
+from engine.proposers.base import DraftBatch
+from engine.rejection_sampler import PAD, rejection_sample
+from engine.request import Request
+from engine.sampler import (
+    RowSpec,
+    apply_penalties_and_masks,
+    exponential_noise,
+    logits_to_probs,
+    token_logprobs,
+)
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class VerifyResult:
+    tokens: dict[str, StepTokens] = field(default_factory=dict)
+    """Verified tokens of every request that sampled this step."""
+    prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
+    """Complete prompt logprobs of requests whose prefill finished this step."""
+
+
+class Verifier:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+
+    def run(
+        self,
+        runner: ModelRunner,
+        sched: SchedulerOutput,
+        block_tables: list[list[int]],
+        drafts: DraftBatch | None,
+    ) -> VerifyResult:
+        seqs: list[SeqInput] = []
+        prompt_rows: list[tuple[Request, int]] = []  # (request, number of prompt rows)
+        samplers: list[Request] = []
+        for i, (item, table) in enumerate(zip(sched.scheduled, block_tables, strict=True)):
+            req = item.request
+            req.spec_token_ids = list(drafts.token_ids[i]) if drafts is not None else []
+            start = req.num_computed_tokens
+            tokens = req.all_token_ids[start : start + item.num_new_tokens] + req.spec_token_ids
+            offsets = []
+            if req.params.prompt_logprobs is not None and req.num_output_tokens == 0:
+                # Row j predicts the prompt token at position start + j + 1.
+                n = max(0, min(item.num_new_tokens, req.num_prompt_tokens - start - 1))
+                offsets.extend(range(n))
+                prompt_rows.append((req, n))
+            if item.samples:
+                offsets.extend(range(item.num_new_tokens - 1, len(tokens)))
+                samplers.append(req)
+            seqs.append(SeqInput(tokens, start, table, offsets))
+
+        logits = runner.forward(seqs)[:, : self.vocab_size]  # [num_rows, vocab]
+        result = VerifyResult()
+        # Split rows back per request, in the order they were laid out.
+        cursor = 0
+        prompt_logits: dict[str, torch.Tensor] = {}
+        sample_parts: list[torch.Tensor] = []
+        prompt_iter = iter(prompt_rows)
+        next_prompt = next(prompt_iter, None)
+        for item in sched.scheduled:
+            req = item.request
+            if next_prompt is not None and next_prompt[0] is req:
+                n = next_prompt[1]
+                prompt_logits[req.request_id] = logits[cursor : cursor + n]
+                cursor += n
+                next_prompt = next(prompt_iter, None)
+            if item.samples:
+                n = 1 + len(req.spec_token_ids)
+                sample_parts.append(logits[cursor : cursor + n])
+                cursor += n
+
+        for req, _ in prompt_rows:
+            self._add_prompt_logprobs(req, prompt_logits[req.request_id], result)
+        if samplers:
+            self._sample(samplers, torch.cat(sample_parts), drafts, result)
+        return result
+
+    def _add_prompt_logprobs(
+        self, req: Request, logits: torch.Tensor, result: VerifyResult
+    ) -> None:
+        start = req.num_computed_tokens
+        if start == 0 or req.prompt_logprobs is None:
+            req.prompt_logprobs = [None]  # the first prompt token has no logprob
+        if logits.shape[0]:
+            targets = req.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
+            req.prompt_logprobs.extend(
+                token_logprobs(logits, targets, req.params.prompt_logprobs or 0)
+            )
+        if len(req.prompt_logprobs) == req.num_prompt_tokens:
+            result.prompt_logprobs[req.request_id] = req.prompt_logprobs
+
+    def _sample(
+        self,
+        reqs: list[Request],
+        logits: torch.Tensor,  # [sum(1 + k_i), vocab]
+        drafts: DraftBatch | None,
+        result: VerifyResult,
+    ) -> None:
+        num_drafts = [len(r.spec_token_ids) for r in reqs]
+        rows = [RowSpec(r, j) for r, k in zip(reqs, num_drafts, strict=True) for j in range(k + 1)]
+        wants_logprobs = any(r.params.logprobs is not None for r in reqs)
+        raw = logits.clone() if wants_logprobs else logits
+        probs = logits_to_probs(apply_penalties_and_masks(logits, rows), rows)
+        draft_ids = torch.tensor(
+            [t for r in reqs for t in r.spec_token_ids], dtype=torch.long, device=self.device
+        )
+        # Only sampling (decoding) requests get drafts, so the probs line up with reqs.
+        draft_probs = drafts.probs if drafts is not None else None
+        uniform = torch.cat(
+            [
+                torch.zeros(k, device=self.device)
+                if r.params.greedy
+                else torch.rand(k, generator=r.generator, device=self.device)
+                for r, k in zip(reqs, num_drafts, strict=True)
+            ]
+            or [torch.zeros(0, device=self.device)]
+        )
+        noise = exponential_noise(reqs, [k + 1 for k in num_drafts], probs.shape[1], self.device)
+        out = rejection_sample(probs, draft_ids, draft_probs, num_drafts, uniform, noise).tolist()
+
+        row = 0
+        for req, k, emitted in zip(reqs, num_drafts, out, strict=True):
+            tokens = [t for t in emitted if t != PAD]
+            logprobs = None
+            if req.params.logprobs is not None:
+                logprobs = token_logprobs(raw[row : row + len(tokens)], tokens, req.params.logprobs)
+            result.tokens[req.request_id] = StepTokens(tokens, logprobs, k, len(tokens) - 1)
+            row += k + 1

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import build_model
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random models sharing one tokenizer: two Llamas, a Qwen2 (GQA), a Mistral."""
+    root = tmp_path_factory.mktemp("tiny")
+    target = build_model(root / "llama", "llama", seed=0)
+    return {
+        "llama": target,
+        "llama_draft": build_model(
+            root / "llama_draft",
+            "llama",
+            seed=1,
+            hidden_size=32,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            tokenizer_dir=target,
+        ),
+        "qwen2": build_model(root / "qwen2", "qwen2", seed=2, tokenizer_dir=target),
+        "mistral": build_model(root / "mistral", "mistral", seed=3, tokenizer_dir=target),
+    }
