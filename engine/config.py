@@ -122,7 +122,8 @@ class SpecConfig:
         )
         _check(
             1 <= self.ngram_min <= self.ngram_max,
-            f"ngram sizes need 1 <= ngram_min <= ngram_max (got {self.ngram_min}, {self.ngram_max})",
+            "ngram sizes need 1 <= ngram_min <= ngram_max "
+            f"(got {self.ngram_min}, {self.ngram_max})",
         )
 
     @property
