@@ -42,47 +42,57 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
-    def match_prefix(self, req: Request) -> int:
-        """Share cached blocks of req's prompt; return the number of tokens they cover.
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Cached blocks holding a prefix of req's tokens (no side effects).
 
-        At least one prompt token is always left to compute, so the step that admits the
-        request produces logits for its next token.
+        At least one token is always left to compute, so the step that admits the request
+        produces logits for its next token.
         """
         if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
-            return 0
+            return []
         tokens = req.all_token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size
-        hashes: list[bytes] = []
         blocks: list[int] = []
         parent = b""
-        for i in range(max_blocks):
+        for i in range((len(tokens) - 1) // self.block_size):
             parent = _chain_hash(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
             block = self.pool.lookup(parent)
             if block is None:
                 break
-            hashes.append(parent)
             blocks.append(block)
-        if not blocks:
-            return 0
-        self.pool.touch(blocks)
-        self.block_tables[req.request_id] = blocks
-        self._hashes[req.request_id] = hashes
-        return len(blocks) * self.block_size
+        return blocks
 
-    def can_allocate(self, req: Request, num_tokens: int) -> bool:
-        return self._missing_blocks(req, num_tokens) <= self.pool.num_free
+    def allocate_slots(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        num_lookahead: int = 0,
+        cached_blocks: list[int] | None = None,
+    ) -> bool:
+        """Make room for num_new_tokens (+ num_lookahead draft tokens) after the computed ones
+        (and after cached_blocks, a prefix from find_cached_prefix that req starts sharing).
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, num_lookahead: int = 0) -> bool:
-        """Make room for num_new_tokens (+ num_lookahead draft tokens) after the computed ones.
-
-        Returns False (and changes nothing) when the pool has too few free blocks.
+        All or nothing: returns False and changes nothing when too few blocks are free.
         """
-        total = req.num_computed_tokens + num_new_tokens + num_lookahead
-        missing = self._missing_blocks(req, total)
-        if missing > self.pool.num_free:
+        cached = cached_blocks or []
+        table = self.block_tables.get(req.request_id, [])
+        total = (
+            req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens + num_lookahead
+        )
+        missing = self.blocks_needed(total) - len(table) - len(cached)
+        # A cached block nobody holds sits in the free queue: sharing it uses up a free block.
+        revived = sum(1 for b in cached if self.pool.ref_cnt[b] == 0)
+        if max(missing, 0) + revived > self.pool.num_free:
             return False
+        table = self.block_tables.setdefault(req.request_id, [])
+        if cached:
+            self.pool.touch(cached)
+            table.extend(cached)
+            parent = b""
+            hashes = self._hashes.setdefault(req.request_id, [])
+            for block in cached:
+                parent = self.pool.block_hash[block]
+                hashes.append(parent)
         if missing > 0:
-            table = self.block_tables.setdefault(req.request_id, [])
             table.extend(self.pool.allocate(missing))
         return True
 
@@ -132,6 +142,3 @@ class KVCacheManager:
         for request_id, hashes in self._hashes.items():
             table = self.block_tables.get(request_id, [])
             assert len(hashes) <= len(table), f"{request_id}: more hashes than blocks"
-
-    def _missing_blocks(self, req: Request, total_tokens: int) -> int:
-        return self.blocks_needed(total_tokens) - len(self.block_tables.get(req.request_id, []))

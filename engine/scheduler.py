@@ -88,17 +88,12 @@ class Scheduler:
                     self.max_model_len - req.num_tokens,
                 )
                 k = max(0, min(ks[req], room, budget - num_new))
-            while not self.kv.allocate_slots(req, num_new, k):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            else:
-                out.scheduled.append(ScheduledRequest(req, num_new, k))
-                budget -= num_new + k
-                i += 1
-                continue
-            break  # req itself was preempted; nothing younger is left running
+            k = self._allocate_or_preempt(req, num_new, k, out)
+            if k is None:
+                break  # req itself was preempted; nothing younger is left running
+            out.scheduled.append(ScheduledRequest(req, num_new, k))
+            budget -= num_new + k
+            i += 1
 
         # After a preemption the pool is full: admitting now would only thrash.
         while (
@@ -108,13 +103,14 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
-            if req.num_computed_tokens == 0:
-                cached = self.kv.match_prefix(req)
-                req.num_computed_tokens = req.num_draft_computed_tokens = cached
-                req.num_cached_tokens = cached
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req, num_new):
+            cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, num_new, cached_blocks=cached):
                 break
+            if cached:
+                req.num_computed_tokens = req.num_draft_computed_tokens = num_cached
+                req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -155,6 +151,21 @@ class Scheduler:
                 self._cache(req)
             outputs.append(make_output(req, new_tokens, logprobs))
         return outputs
+
+    def _allocate_or_preempt(
+        self, req: Request, num_new: int, k: int, out: SchedulerOutput
+    ) -> int | None:
+        """Allocate req's slots, dropping its drafts and then preempting the youngest running
+        requests as needed. Returns the K that fit, or None when req itself was preempted."""
+        while not self.kv.allocate_slots(req, num_new, k):
+            if k > 0:
+                k = 0  # speculation is the first thing to give up under memory pressure
+                continue
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                return None
+        return k
 
     def abort(self, request_id: str) -> Request | None:
         for queue in (self.running, self.waiting):
