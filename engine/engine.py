@@ -76,7 +76,7 @@ class LLMEngine:
     ) -> Request:
         """Validate and queue a request; raise ValueError (bad input) or QueueFullError."""
         self.validate(prompt_token_ids, params)
-        if any(r.request_id == request_id for r in self._all_requests()):
+        if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
@@ -163,7 +163,7 @@ class LLMEngine:
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every unfinished request with an error (shutdown)."""
-        reqs = list(self._all_requests())
+        reqs = list(self.scheduler.requests.values())
         for req in reqs:
             self.scheduler.fail(req, message)
         return [make_output(req, [], None) for req in reqs]
@@ -176,9 +176,6 @@ class LLMEngine:
                 self.scheduler.fail(req, message)
                 outputs.append(make_output(req, [], None))
         return outputs
-
-    def _all_requests(self):
-        return itertools.chain(self.scheduler.running, self.scheduler.waiting)
 
     def _max_model_len(self) -> int:
         limit = self.runner.max_positions

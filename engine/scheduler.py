@@ -58,6 +58,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.policy = policy
         self.has_draft_model = has_draft_model
+        self.requests: dict[str, Request] = {}
+        """Every unfinished request, waiting or running, by id."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -65,6 +67,7 @@ class Scheduler:
         self.spec_totals = SpecStats()
 
     def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -146,6 +149,7 @@ class Scheduler:
             # Blocks past the verified tokens hold only rejected drafts: give them back now.
             self.num_blocks_released += self.kv.trim(req, req.num_computed_tokens)
             if req.status.finished:
+                self.running.remove(req)
                 self._finish(req)
             else:
                 self._cache(req)
@@ -168,24 +172,23 @@ class Scheduler:
         return k
 
     def abort(self, request_id: str) -> Request | None:
-        for queue in (self.running, self.waiting):
-            for req in queue:
-                if req.request_id == request_id:
-                    queue.remove(req)
-                    req.status = RequestStatus.FINISHED_ABORTED
-                    self.kv.free(req)
-                    return req
-        return None
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._remove(req, RequestStatus.FINISHED_ABORTED)
+        return req
 
     def fail(self, req: Request, message: str) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        req.status = RequestStatus.FINISHED_ERROR
         req.error = message
+        self._remove(req, RequestStatus.FINISHED_ERROR)
+
+    def _remove(self, req: Request, status: RequestStatus) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
         req.spec_token_ids = []
-        self.kv.free(req)
+        self._finish(req)
 
     def _append(self, req: Request, result: StepTokens) -> tuple[list[int], list | None]:
         """Append verified tokens one by one, cutting at a stop token or a length limit."""
@@ -216,7 +219,7 @@ class Scheduler:
         self.kv.cache_verified(req, cacheable)
 
     def _finish(self, req: Request) -> None:
-        self.running.remove(req)
+        del self.requests[req.request_id]
         self.kv.free(req)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:

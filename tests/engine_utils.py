@@ -21,6 +21,7 @@ def make_engine(
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 128,
     prefix_caching: bool = True,
+    max_waiting: int = 1024,
     device: str = "cpu",
 ) -> LLMEngine:
     return LLMEngine(
@@ -30,7 +31,9 @@ def make_engine(
                 block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_waiting=max_waiting,
             ),
             spec=spec or SpecConfig(method="off"),
         )

@@ -1,0 +1,139 @@
+"""The OpenAI API end to end (operations): errors, auth, disconnects, metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.server_helpers import GREEDY, MODEL, PROMPT, Served, error_of, scrape_metrics, serve
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dirs) -> Iterator[Served]:
+    yield from serve(tiny_dirs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"temperature": 3.0}, "temperature"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"prompt": ""}, "prompt"),
+        ({"max_tokens": 300}, "max_tokens"),
+        ({"prompt": [5, 100_000]}, "prompt"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"stop": [""]}, "stop"),
+        ({"logprobs": 50}, "logprobs"),
+    ],
+)
+def test_bad_requests_are_400s_in_openai_shape(served, kwargs, param):
+    args = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client.completions.create(**args)
+    error = error_of(info.value)
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+def test_context_length_error_is_explained(served):
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=300)
+    assert error_of(info.value)["code"] == "context_length_exceeded"
+    assert "256" in str(info.value)
+
+
+def test_unknown_model_and_auth_errors(served):
+    with pytest.raises(openai.NotFoundError) as info:
+        served.client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+    assert error_of(info.value)["code"] == "model_not_found"
+    wrong = openai.OpenAI(base_url=f"{served.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        wrong.models.list()
+    assert error_of(info.value)["code"] == "invalid_api_key"
+    with served.http(key=None) as http:
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        odd = http.get("/v1/models", headers={"Authorization": "Bearer cl\xe9".encode("latin-1")})
+    assert response.status_code == 401 and set(response.json()["error"]) >= {"message", "type"}
+    assert odd.status_code == 401  # a non-ASCII key is just a wrong key, not a crash
+
+
+def test_malformed_bodies_are_400s_in_openai_shape(served):
+    with served.http() as http:
+        bad_json = http.post(
+            "/v1/chat/completions",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+        )
+        missing = http.post("/v1/chat/completions", json={"model": MODEL})
+        wrong_type = http.post("/v1/completions", json={"model": MODEL, "prompt": {"a": 1}})
+        no_route = http.get("/v1/nothing-here")
+    for response in (bad_json, missing, wrong_type):
+        assert response.status_code == 400
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert "JSON" in bad_json.json()["error"]["message"]
+    assert missing.json()["error"]["param"] == "messages"
+    assert no_route.status_code == 404 and "error" in no_route.json()
+
+
+def test_unknown_fields_are_ignored_with_a_warning(served, caplog):
+    with served.http() as http, caplog.at_level("WARNING", logger="tandem.server"):
+        response = http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "best_of_wishes": 1},
+        )
+    assert response.status_code == 200
+    assert any("best_of_wishes" in record.getMessage() for record in caplog.records)
+
+
+def test_closing_a_stream_aborts_the_request(served):
+    stream = served.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=200, stream=True, **GREEDY
+    )
+    received = 0
+    for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].text)
+        if received == 3:
+            break
+    assert served.engine.stats().num_running == 1
+    stream.close()
+    served.wait_idle(timeout=1.0)
+
+
+def test_disconnecting_during_a_plain_request_aborts_it(served):
+    with served.http() as http, pytest.raises(httpx.ReadTimeout):
+        http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True},
+            timeout=0.5,
+        )
+    served.wait_idle(timeout=1.0)
+
+
+def test_metrics_move_with_traffic(served):
+    before = scrape_metrics(served)
+    served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, **GREEDY)
+    with pytest.raises(openai.BadRequestError):
+        served.client.completions.create(model=MODEL, prompt=PROMPT, temperature=9)
+    after = scrape_metrics(served)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    assert delta("tandem_prompt_tokens_total") > 0
+    assert delta("tandem_generation_tokens_total") == 6
+    assert delta("tandem_spec_drafted_tokens_total") > 0
+    assert delta("tandem_spec_drafted_tokens_by_position_total", position="0") > 0
+    assert delta("tandem_time_to_first_token_seconds_count") == 1
+    assert delta("tandem_inter_token_latency_seconds_count") == 5
+    assert delta("tandem_e2e_request_latency_seconds_count") == 1
+    assert delta("tandem_requests_finished_total", finish_reason="length") == 1
+    assert delta("tandem_request_errors_total", status="400") == 1
+    assert after[("tandem_requests_running", ())] == 0
+    assert 0 <= after[("tandem_kv_cache_usage_ratio", ())] <= 1
+    assert ("tandem_spec_mean_draft_length", ()) in after
+    assert ("tandem_preemptions_total", ()) in after
+    assert ("tandem_spec_blocks_released_total", ()) in after

@@ -1,0 +1,198 @@
+"""Speculative decoding end to end: lossless output, KV release on rejection."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.config import SpecConfig
+from engine.request import Request, SamplingParams
+from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
+from tests.tiny_models import build_model
+
+MAX_TOKENS = 24
+
+
+class PerRequestK:
+    """A test policy: request i of the batch always gets K = ks[i] (1..8)."""
+
+    def __init__(self, ks: dict[str, int]) -> None:
+        self.ks = ks
+
+    def choose(self, requests: list[Request]) -> list[int]:
+        return [self.ks[r.request_id] for r in requests]
+
+    def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+
+def _run_with_ks(engine, prompts, max_tokens=MAX_TOKENS, params=None):
+    ids = [f"s{i}" for i in range(len(prompts))]
+    engine.scheduler.policy = PerRequestK({rid: 1 + i % 8 for i, rid in enumerate(ids)})
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, params or greedy(max_tokens))
+    outputs = drain(engine)
+    return [outputs[rid] for rid in ids]
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference(tiny_dirs):
+    # Repetitive prompts give the n-gram proposer something to find.
+    prompts = random_prompts([5, 9, 14, 3, 22, 30, 7, 17, 11, 40], vocab=300, seed=11)
+    prompts = [p + p[: len(p) // 2] for p in prompts]
+    return prompts, hf_greedy(tiny_dirs["llama"], prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("drafter", ["different_draft", "draft_is_target", "ngram"])
+def test_greedy_speculative_equals_target_only(tiny_dirs, prompts_and_reference, drafter):
+    prompts, expected = prompts_and_reference
+    target = tiny_dirs["llama"]
+    spec = {
+        "different_draft": SpecConfig("draft", str(tiny_dirs["llama_draft"]), max_draft_tokens=8),
+        "draft_is_target": SpecConfig("draft", str(target), max_draft_tokens=8),
+        "ngram": SpecConfig("ngram", max_draft_tokens=8),
+    }[drafter]
+    engine = make_engine(target, spec=spec, block_size=4, max_num_batched_tokens=96)
+    assert _run_with_ks(engine, prompts) == expected
+    stats = engine.stats()
+    assert stats.spec_drafted_tokens > 0 and stats.spec_verify_passes > 0
+    if drafter == "draft_is_target":
+        assert stats.spec_accepted_tokens == stats.spec_drafted_tokens  # every draft accepted
+    if drafter == "different_draft":
+        assert stats.spec_accepted_tokens < stats.spec_drafted_tokens / 2  # disagrees often
+        assert stats.spec_blocks_released > 0
+
+
+def test_rejected_drafts_across_blocks_are_released_right_after_the_step(tiny_dirs):
+    target = tiny_dirs["llama"]
+    spec = SpecConfig("draft", str(tiny_dirs["llama_draft"]), max_draft_tokens=8)
+    engine = make_engine(target, spec=spec, block_size=2)
+    prompt = random_prompts([6], vocab=300, seed=12)[0]
+    engine.add_request("r", prompt, greedy(30))
+    engine.step()  # prefill
+    released_steps = 0
+    while engine.has_work():
+        req = engine.scheduler.running[0]
+        sched_free_before = engine.kv.num_free_blocks
+        engine.step()
+        engine.check_invariants()
+        if req.status.finished:
+            break
+        drafted = req.spec.drafted_by_position and req.spec.verify_passes
+        # The step allocated blocks for 1 + 8 tokens (several blocks of 2); after it, the
+        # request holds only blocks covering its verified tokens.
+        assert len(engine.kv.block_table("r")) == engine.kv.blocks_needed(req.num_computed_tokens)
+        if engine.kv.num_free_blocks >= sched_free_before - 1 and drafted:
+            released_steps += 1
+    assert engine.stats().spec_blocks_released > 0
+    assert released_steps > 0
+    drain(engine)
+
+
+def test_fewer_drafts_than_k_and_mixed_prefill(tiny_dirs):
+    """n-gram finds nothing for fresh random text: the engine must cope with 0 < drafts < K
+    while other requests are still prefilling in the same step."""
+    target = tiny_dirs["llama"]
+    engine = make_engine(
+        target, spec=SpecConfig("ngram", max_draft_tokens=4), max_num_batched_tokens=32
+    )
+    prompts = random_prompts([3, 60, 45], vocab=300, seed=13)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"n{i}", p, greedy(12))
+    outputs = drain(engine)
+    assert [outputs[f"n{i}"] for i in range(3)] == hf_greedy(target, prompts, 12)
+
+
+# --- statistical test of the whole pipeline ---------------------------------------------
+
+VOCAB = 4
+NEW_TOKENS = 4
+PROMPT = [1, 2, 3]
+
+
+def _keep_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Reference top-p: the smallest set of most likely tokens whose mass reaches top_p."""
+    sorted_p, order = probs.sort(descending=True)
+    before = sorted_p.cumsum(0) - sorted_p
+    keep_sorted = before < top_p
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    keep[order[keep_sorted]] = True
+    kept = torch.where(keep, probs, 0.0)
+    return kept / kept.sum()
+
+
+def _exact_distribution(model_dir: Path, top_p: float) -> dict[tuple[int, ...], float]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    seqs = list(itertools.product(range(VOCAB), repeat=NEW_TOKENS))
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + list(s) for s in seqs])).logits
+    exact = {}
+    for row, seq in enumerate(seqs):
+        prob = 1.0
+        for i, token in enumerate(seq):
+            p = torch.softmax(logits[row, len(PROMPT) - 1 + i], dim=-1)
+            prob *= _keep_top_p(p, top_p)[token].item()
+        exact[seq] = prob
+    return exact
+
+
+def _chi_square_test(counts: dict, exact: dict, n: int) -> tuple[float, float]:
+    """Chi-square statistic with cells of expected count < 5 pooled, and its 99.9% bound."""
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0.0, 0.0, 0
+    for seq, prob in exact.items():
+        obs, exp = counts.get(seq, 0), prob * n
+        if exp == 0:
+            assert obs == 0, f"sampled {seq}, which the target never produces"
+        elif exp < 5:
+            pooled_obs, pooled_exp = pooled_obs + obs, pooled_exp + exp
+        else:
+            stat += (obs - exp) ** 2 / exp
+            cells += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    dof = cells - 1
+    z = 3.09  # 99.9% (Wilson-Hilferty approximation of the chi-square quantile)
+    bound = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    return stat, bound
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vocab4")
+    kw = {"vocab_size": VOCAB, "max_positions": 32}
+    target = build_model(root / "target", seed=21, **kw)
+    draft = build_model(root / "draft", seed=22, hidden_size=32, num_layers=1, **kw)
+    return target, draft
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampled_continuations_follow_the_target_distribution(tiny_vocab_pair, top_p):
+    target, draft = tiny_vocab_pair
+    exact = _exact_distribution(target, top_p)
+    engine = make_engine(
+        target,
+        spec=SpecConfig("draft", str(draft), max_draft_tokens=3, draft_length="fixed"),
+        num_blocks=4096,
+        max_num_seqs=512,
+        max_num_batched_tokens=4096,
+        prefix_caching=False,
+        max_waiting=4000,
+    )
+    n = 4000
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_p=top_p, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(f"t{i}", PROMPT, params)
+    outputs = drain(engine)
+    counts: dict[tuple[int, ...], int] = {}
+    for tokens in outputs.values():
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+    stats = engine.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens  # both paths exercised
+    stat, bound = _chi_square_test(counts, exact, n)
+    assert stat < bound, f"chi-square {stat:.1f} >= {bound:.1f}"
