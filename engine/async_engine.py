@@ -8,11 +8,11 @@ take the same path. Outputs come back with `loop.call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, QueueFullError
@@ -60,10 +60,14 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    async def generate(
+    def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Yield output deltas until the request finishes; closing the iterator aborts it."""
+        """Submit a request and return its stream of output deltas.
+
+        Raises ValueError / QueueFullError here, at the call, before anything is streamed.
+        Closing the returned iterator before the request finishes aborts it.
+        """
         self.engine.validate(prompt_token_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -76,6 +80,11 @@ class AsyncEngine:
         self._num_pending += 1
         self._inbox.put(("add", request_id, list(prompt_token_ids), params))
         self._wake.set()
+        return self._stream(request_id, outputs)
+
+    async def _stream(
+        self, request_id: str, outputs: asyncio.Queue[RequestOutput]
+    ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -105,7 +114,7 @@ class AsyncEngine:
                 outputs = self._drain_inbox()
                 if self.engine.has_work():
                     outputs += self.engine.step()
-                self._stats = replace(self.engine.stats())
+                self._stats = copy.deepcopy(self.engine.stats())
             self._publish(outputs)
             if not self.engine.has_work() and self._inbox.empty():
                 self._wake.wait(timeout=0.5)

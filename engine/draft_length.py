@@ -1,22 +1,43 @@
 """How many draft tokens (K) each decoding request gets this step.
 
 A policy sees the whole decoding batch at once because the right K depends on the batch:
-speculation that pays at batch 1 wastes compute at batch 64. `observe` feeds it the outcome of
-every verification so it can track acceptance.
+speculation that pays at batch 1 wastes compute at batch 64 (SPECULATIVE.md). `observe` feeds
+it the outcome of every verification so it can track acceptance.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
+from engine.cost_model import CostModel
 from engine.request import Request
+
+# Reasons a request got fewer than K_max drafts (exported as a metric label).
+REASON_BATCH = "batch_cost"
+REASON_ACCEPTANCE = "low_acceptance"
+REASON_BUDGET = "token_budget"
+REASON_LENGTH = "max_tokens"
+REASON_MEMORY = "kv_memory"
+
+
+@dataclass
+class DraftLengths:
+    ks: list[int]
+    reasons: list[str | None] = field(default_factory=list)
+    """Per request: why K < K_max (None when it is not)."""
 
 
 class DraftLengthPolicy(Protocol):
     """Rules: `choose` returns one K in [0, max_draft_tokens] per request, in order; K = 0 means
-    a plain decode with no draft work for that request. It must not mutate the requests."""
+    a plain decode with no draft work for that request. It must not mutate the requests.
+    `num_other_tokens` is how many non-decode (prefill) tokens the step will also carry."""
 
-    def choose(self, requests: list[Request]) -> list[int]: ...
+    max_draft_tokens: int
+
+    def choose(self, requests: list[Request], num_other_tokens: int = 0) -> DraftLengths: ...
 
     def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None: ...
 
@@ -27,11 +48,97 @@ class FixedDraftLength:
     def __init__(self, max_draft_tokens: int) -> None:
         self.max_draft_tokens = max_draft_tokens
 
-    def choose(self, requests: list[Request]) -> list[int]:
-        return [self.max_draft_tokens] * len(requests)
+    def choose(self, requests: list[Request], num_other_tokens: int = 0) -> DraftLengths:
+        return DraftLengths([self.max_draft_tokens] * len(requests), [None] * len(requests))
 
     def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         pass
+
+
+class AdaptiveDraftLength:
+    """Maximise expected accepted tokens per second for the whole batch.
+
+    With per-token acceptance a_i, the d-th draft of request i adds a_i^d expected tokens
+    (it counts only if drafts 1..d-1 were accepted). Every increment (i, d) is ranked by that
+    gain; the policy takes the prefix of the ranking that maximises
+        (B + sum of gains) / (T_target(n_other + B + drafts) + T_draft(passes, drafts))
+    using the measured cost model. An empty prefix is plain decoding.
+
+    A seeded sampling request always gets K_max: under speculative sampling the exact sample
+    (not its distribution) depends on K, and a seed promises the same output every time, which
+    a K chosen from measured timings would break.
+    """
+
+    def __init__(
+        self, max_draft_tokens: int, cost: CostModel, prior: float = 0.6, prior_weight: float = 8
+    ) -> None:
+        self.max_draft_tokens = max_draft_tokens
+        self.cost = cost
+        self.prior_weight = prior_weight
+        self._accepted = prior * prior_weight  # decayed engine-wide counts
+        self._trials = prior_weight
+
+    @property
+    def global_acceptance(self) -> float:
+        return self._accepted / self._trials
+
+    def acceptance(self, req: Request) -> float:
+        """Per-token acceptance: the engine-wide rate as a prior, updated by the request's own
+        verified drafts (a rejection ends a trial run, so trials = accepted + rejections)."""
+        w = self.prior_weight
+        est = (req.spec.accepted + w * self.global_acceptance) / (req.spec.trials + w)
+        return float(min(max(est, 0.0), 0.99))
+
+    def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        decay = 0.995
+        self._accepted = decay * self._accepted + num_accepted
+        self._trials = decay * self._trials + num_accepted + (num_accepted < num_drafted)
+
+    def choose(self, requests: list[Request], num_other_tokens: int = 0) -> DraftLengths:
+        batch, k_max = len(requests), self.max_draft_tokens
+        if batch == 0 or k_max == 0:
+            return DraftLengths([0] * batch, [None] * batch)
+        a = np.array([self.acceptance(r) for r in requests])
+        depth = np.arange(1, k_max + 1)
+        gains = a[:, None] ** depth[None, :]  # [batch, k_max]: gain of the d-th draft
+        ks = self._best_prefix(gains, batch, num_other_tokens)
+        solo = self._best_prefix(gains, 1, 0, per_request=True)
+        reasons: list[str | None] = []
+        for i, (k, k_solo) in enumerate(zip(ks, solo, strict=True)):
+            params = requests[i].params
+            if params.seed is not None and not params.greedy:
+                ks[i] = k_max
+                reasons.append(None)
+            elif k >= k_max:
+                reasons.append(None)
+            else:  # would it get more alone? then the batch is what cut it
+                reasons.append(REASON_BATCH if k < k_solo else REASON_ACCEPTANCE)
+        return DraftLengths([int(k) for k in ks], reasons)
+
+    def _best_prefix(
+        self, gains: np.ndarray, batch: int, num_other: int, per_request: bool = False
+    ) -> np.ndarray:
+        """K per request from the best prefix of increments ranked by gain.
+
+        per_request=True solves each request alone (batch of one) instead, vectorised.
+        """
+        rows, k_max = gains.shape
+        if per_request:
+            drafts = np.arange(0, k_max + 1)[None, :]  # K = 0..k_max for each request
+            tokens = 1 + np.concatenate([np.zeros((rows, 1)), np.cumsum(gains, 1)], axis=1)
+            seconds = self.cost.target_time(1 + drafts) + self.cost.draft_time(drafts, drafts)
+            return np.argmax(tokens / seconds, axis=1)
+        order = np.argsort(-gains, axis=None, kind="stable")
+        sorted_gain = gains.reshape(-1)[order]
+        depth = order % k_max + 1
+        m = np.arange(0, order.size + 1)  # prefix length = total draft tokens
+        tokens = batch + np.concatenate([[0.0], np.cumsum(sorted_gain)])
+        passes = np.concatenate([[0], np.maximum.accumulate(depth)])
+        seconds = self.cost.target_time(num_other + batch + m) + self.cost.draft_time(passes, m)
+        best = int(np.argmax(tokens / seconds))
+        ks = np.zeros(rows, dtype=np.int64)
+        np.add.at(ks, order[:best] // k_max, 1)
+        return ks
 
 
 class NoSpeculation(FixedDraftLength):

@@ -10,18 +10,26 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import torch
 from transformers import GenerationConfig
 
 from engine.config import EngineConfig
-from engine.draft_length import FixedDraftLength, NoSpeculation
+from engine.cost_model import CostModel
+from engine.draft_length import (
+    AdaptiveDraftLength,
+    DraftLengthPolicy,
+    FixedDraftLength,
+    NoSpeculation,
+)
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ModelRunner, resolve_device, resolve_dtype
+from engine.model_runner import ModelRunner, SeqInput, resolve_device, resolve_dtype
 from engine.outputs import RequestOutput
 from engine.proposers import build_proposer
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, make_output
+from engine.speed_of_light import SpeedOfLight
 from engine.stats import EngineStats
 from engine.verifier import Verifier
 
@@ -49,7 +57,19 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.allocate_kv(num_blocks, block_size)
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.policy = _make_policy(config)
+        pool_tokens = num_blocks * block_size
+        if pool_tokens < self.max_model_len:
+            logger.warning(
+                "the KV pool holds %d tokens, less than max_model_len %d: capping it",
+                pool_tokens,
+                self.max_model_len,
+            )
+            self.max_model_len = pool_tokens
+        self.cost_model: CostModel | None = None
+        if config.spec.enabled and config.spec.draft_length == "adaptive":
+            self.cost_model = self._calibrate()
+        self.policy = self._make_policy()
+        self.speed_of_light = SpeedOfLight()
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv,
@@ -57,7 +77,7 @@ class LLMEngine:
             self.policy,
             has_draft_model=config.spec.enabled and config.spec.method == "draft",
         )
-        self.verifier = Verifier(self.vocab_size, self.device)
+        self.verifier = Verifier(self.vocab_size, self.device, self.speed_of_light)
         self.totals = EngineStats()
         self._seeds = itertools.count(config.model.seed)
         logger.info(
@@ -119,11 +139,24 @@ class LLMEngine:
             return []
         try:
             tables = [self.kv.block_table(s.request.request_id) for s in sched.scheduled]
+            start = time.perf_counter()
             drafts = self.proposer.propose(sched, tables) if self.proposer else None
+            drafted = time.perf_counter()
             results = self.verifier.run(self.runner, sched, tables, drafts)
+            verified = time.perf_counter()  # run() ends with a host copy, so the GPU is done
         except Exception as exc:  # a failed forward fails this step's requests, not the engine
             logger.exception("engine step failed")
             return self._fail(sched, f"internal error in the engine step: {exc}")
+        if self.cost_model is not None:
+            num_drafts = [len(d) for d in drafts.token_ids] if drafts else []
+            if any(num_drafts):
+                self.cost_model.observe_draft(max(num_drafts), sum(num_drafts), drafted - start)
+            self.cost_model.observe_target(
+                sched.num_batched_tokens
+                - sum(s.num_draft_tokens for s in sched.scheduled)
+                + sum(num_drafts),
+                verified - drafted,
+            )
         outputs = self.scheduler.update(sched, results.tokens)
         for out in outputs:
             out.prompt_logprobs = results.prompt_logprobs.pop(out.request_id, None)
@@ -144,6 +177,11 @@ class LLMEngine:
         s.spec_accepted_tokens = spec.accepted
         s.spec_drafted_by_position = list(spec.drafted_by_position)
         s.spec_accepted_by_position = list(spec.accepted_by_position)
+        s.draft_length_reasons = dict(self.scheduler.draft_length_reasons)
+        capacity = (
+            self.cost_model.capacity() if self.cost_model else 1 + self.policy.max_draft_tokens
+        )
+        s.speed_of_light = self.speed_of_light.snapshot(capacity)
         return s
 
     def check_invariants(self) -> None:
@@ -186,6 +224,53 @@ class LLMEngine:
             raise ValueError(f"--max-model-len {wanted} exceeds the model's limit of {limit}")
         return wanted or limit
 
+    def _make_policy(self) -> DraftLengthPolicy:
+        spec = self.config.spec
+        if not spec.enabled:
+            return NoSpeculation()
+        if self.cost_model is not None:
+            return AdaptiveDraftLength(spec.max_draft_tokens, self.cost_model)
+        return FixedDraftLength(spec.max_draft_tokens)
+
+    def _calibrate(self) -> CostModel:
+        """Time target passes by size and draft passes by batch, before any request runs.
+
+        The KV written here is garbage in blocks nobody holds yet; real requests overwrite it.
+        """
+        bs = self.kv.block_size
+        max_tokens = min(self.config.scheduler.max_num_batched_tokens, self.kv.num_blocks * bs)
+        table = list(range(self.kv.blocks_needed(max_tokens)))
+
+        def run_target(n: int) -> None:
+            self.runner.forward([SeqInput([0] * n, 0, table, [n - 1])])
+            _synchronize(self.device)
+
+        run_draft = None
+        draft_runner = getattr(self.proposer, "runner", None)
+        if draft_runner is not None:
+            ctx = min(32, max_tokens - 1)
+
+            def run_draft(b: int) -> None:
+                draft_runner.forward([SeqInput([0], ctx, table, [0]) for _ in range(b)])
+                _synchronize(self.device)
+
+        started = time.perf_counter()
+        cost = CostModel.calibrate(
+            run_target, run_draft, max_tokens, self.config.scheduler.max_num_seqs
+        )
+        logger.info(
+            "cost model calibrated in %.1fs: target pass %.2f ms (1 token) .. %.2f ms (%d), "
+            "draft pass %.2f ms + %.3f ms/request, verifier capacity P=%d",
+            time.perf_counter() - started,
+            cost.target_seconds[0] * 1e3,
+            cost.target_seconds[-1] * 1e3,
+            int(cost.sizes[-1]),
+            cost.draft_fixed * 1e3,
+            cost.draft_per_request * 1e3,
+            cost.capacity(),
+        )
+        return cost
+
     def _blocks_from_budget(self, block_size: int) -> int:
         per_block = self.runner.kv_bytes_per_block(block_size)
         if self.proposer is not None:
@@ -201,10 +286,9 @@ class LLMEngine:
         return num_blocks
 
 
-def _make_policy(config: EngineConfig):
-    if not config.spec.enabled:
-        return NoSpeculation()
-    return FixedDraftLength(config.spec.max_draft_tokens)
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _eos_token_ids(model_path: str, runner: ModelRunner) -> tuple[int, ...]:

@@ -83,6 +83,8 @@ class SpecStats:
 
     drafted: int = 0
     accepted: int = 0
+    trials: int = 0
+    """Drafts actually judged: the accepted ones plus the rejection that ended each run."""
     verify_passes: int = 0
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
@@ -90,6 +92,7 @@ class SpecStats:
     def record(self, num_drafted: int, num_accepted: int) -> None:
         self.drafted += num_drafted
         self.accepted += num_accepted
+        self.trials += num_accepted + (num_accepted < num_drafted)
         self.verify_passes += 1
         grow = num_drafted - len(self.drafted_by_position)
         if grow > 0:

@@ -8,11 +8,16 @@ request is preempted: its blocks are freed and it is re-queued to be recomputed 
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
-from engine.draft_length import DraftLengthPolicy
+from engine.draft_length import (
+    REASON_BUDGET,
+    REASON_LENGTH,
+    REASON_MEMORY,
+    DraftLengthPolicy,
+)
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import RequestOutput, StepTokens
 from engine.request import Request, RequestStatus, SpecStats
@@ -65,6 +70,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_blocks_released = 0
         self.spec_totals = SpecStats()
+        self.draft_length_reasons: Counter[str] = Counter()
+        """Request-steps that got fewer than K_max drafts, by reason."""
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -77,23 +84,33 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         decoding = [r for r in self.running if not r.is_prefill]
-        ks = dict(zip(decoding, self.policy.choose(decoding), strict=True))
+        prefill = sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.is_prefill)
+        choice = self.policy.choose(decoding, min(prefill, max(budget - len(decoding), 0)))
+        wanted = dict(zip(decoding, zip(choice.ks, choice.reasons, strict=True), strict=True))
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            k = 0
-            if req in ks:
+            k_wanted, reason = wanted.get(req, (0, None))
+            k = k_wanted
+            if k > 0:
                 # No point drafting past what the request may still emit or hold.
                 room = min(
                     req.params.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens,
                 )
-                k = max(0, min(ks[req], room, budget - num_new))
-            k = self._allocate_or_preempt(req, num_new, k, out)
-            if k is None:
+                k = max(0, min(k, room, budget - num_new))
+                if k < k_wanted:
+                    reason = REASON_LENGTH if room <= k else REASON_BUDGET
+            k_fit = self._allocate_or_preempt(req, num_new, k, out)
+            if k_fit is None:
                 break  # req itself was preempted; nothing younger is left running
+            if k_fit < k:
+                reason = REASON_MEMORY
+            if reason is not None:
+                self.draft_length_reasons[reason] += 1
+            k = k_fit
             out.scheduled.append(ScheduledRequest(req, num_new, k))
             budget -= num_new + k
             i += 1

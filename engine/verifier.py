@@ -7,6 +7,7 @@ then, when the request samples this step, its last token and every draft (1 + k 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,7 @@ from engine.sampler import (
     token_logprobs,
 )
 from engine.scheduler import SchedulerOutput
+from engine.speed_of_light import SpeedOfLight
 
 
 @dataclass
@@ -35,9 +37,12 @@ class VerifyResult:
 
 
 class Verifier:
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self, vocab_size: int, device: torch.device, speed_of_light: SpeedOfLight | None = None
+    ) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.speed_of_light = speed_of_light
 
     def run(
         self,
@@ -114,6 +119,11 @@ class Verifier:
     ) -> None:
         num_drafts = [len(r.spec_token_ids) for r in reqs]
         rows = [RowSpec(r, j) for r, k in zip(reqs, num_drafts, strict=True) for j in range(k + 1)]
+        if self.speed_of_light is not None and any(num_drafts):
+            first_rows = torch.tensor(
+                [0] + list(itertools.accumulate(k + 1 for k in num_drafts))[:-1]
+            )
+            self.speed_of_light.observe_distributions(logits[first_rows.to(logits.device)])
         wants_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw = logits.clone() if wants_logprobs else logits
         probs = logits_to_probs(apply_penalties_and_masks(logits, rows), rows)
@@ -141,4 +151,6 @@ class Verifier:
             if req.params.logprobs is not None:
                 logprobs = token_logprobs(raw[row : row + len(tokens)], tokens, req.params.logprobs)
             result.tokens[req.request_id] = StepTokens(tokens, logprobs, k, len(tokens) - 1)
+            if k and self.speed_of_light is not None:
+                self.speed_of_light.observe_pass(len(tokens))
             row += k + 1

@@ -47,14 +47,20 @@ class ScriptedEngine:
     def stats(self) -> EngineStats:
         return EngineStats(num_blocks_total=32, num_blocks_free=32)
 
-    async def generate(
+    def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
+        # Like AsyncEngine: refusals raise at the call, outputs stream afterwards.
         self.params.append(params)
         if self.fail == "queue":
             raise QueueFullError("4 requests are already waiting")
         if self.fail == "invalid":
             raise ValueError("token id 999 is out of range")
+        return self._outputs(request_id, prompt_token_ids)
+
+    async def _outputs(
+        self, request_id: str, prompt_token_ids: list[int]
+    ) -> AsyncIterator[RequestOutput]:
         done = 0
         for i, group in enumerate(self.steps):
             done += len(group)

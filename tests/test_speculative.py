@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.config import SpecConfig
+from engine.draft_length import DraftLengths
 from engine.request import Request, SamplingParams
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 from tests.tiny_models import build_model
@@ -24,8 +25,10 @@ class PerRequestK:
     def __init__(self, ks: dict[str, int]) -> None:
         self.ks = ks
 
-    def choose(self, requests: list[Request]) -> list[int]:
-        return [self.ks[r.request_id] for r in requests]
+    max_draft_tokens = 8
+
+    def choose(self, requests: list[Request], num_other_tokens: int = 0) -> DraftLengths:
+        return DraftLengths([self.ks[r.request_id] for r in requests], [None] * len(requests))
 
     def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         pass

@@ -1,0 +1,117 @@
+"""What a step costs on this machine, measured rather than assumed.
+
+- target pass: seconds as a function of the number of tokens in the pass, a table over
+  log-spaced sizes measured at start-up and refined online from real steps (EMA per point);
+- draft pass: seconds = fixed + per_request * batch, fitted at start-up, then scaled online by
+  the ratio of measured to predicted proposer time.
+
+The verifier capacity P is the number of tokens a target pass takes for about the cost of a
+single-token pass (within `CAPACITY_SLACK`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+CAPACITY_SLACK = 1.25
+_EMA = 0.1
+
+
+class CostModel:
+    def __init__(
+        self,
+        sizes: list[int],
+        target_seconds: list[float],
+        draft_fixed: float,
+        draft_per_request: float,
+    ) -> None:
+        self.sizes = np.asarray(sizes, dtype=np.float64)
+        self.target_seconds = np.asarray(target_seconds, dtype=np.float64)
+        self.draft_fixed = draft_fixed
+        self.draft_per_request = draft_per_request
+        self.draft_scale = 1.0
+
+    @classmethod
+    def calibrate(
+        cls,
+        run_target: Callable[[int], None],
+        run_draft: Callable[[int], None] | None,
+        max_tokens: int,
+        max_batch: int,
+        repeats: int = 3,
+    ) -> CostModel:
+        """Time `run_target(n)` for log-spaced n up to max_tokens, and `run_draft(b)`."""
+        sizes = _log_sizes(max_tokens)
+        target = [_median_time(lambda n=n: run_target(n), repeats) for n in sizes]
+        fixed, per_request = 0.0, 0.0
+        if run_draft is not None:
+            batches = _log_sizes(max_batch)
+            times = [_median_time(lambda b=b: run_draft(b), repeats) for b in batches]
+            per_request, fixed = (
+                np.polyfit(batches, times, 1)
+                if len(batches) > 1
+                else (
+                    0.0,
+                    times[0],
+                )
+            )
+            fixed, per_request = max(float(fixed), 0.0), max(float(per_request), 0.0)
+        return cls(sizes, target, fixed, per_request)
+
+    def target_time(self, num_tokens: np.ndarray | float) -> np.ndarray:
+        # Linear inside the table, linear extrapolation past its end (compute-bound regime).
+        n = np.asarray(num_tokens, dtype=np.float64)
+        inside = np.interp(n, self.sizes, self.target_seconds)
+        if len(self.sizes) >= 2:
+            slope = (self.target_seconds[-1] - self.target_seconds[-2]) / (
+                self.sizes[-1] - self.sizes[-2]
+            )
+            inside = np.where(
+                n > self.sizes[-1], self.target_seconds[-1] + slope * (n - self.sizes[-1]), inside
+            )
+        return inside
+
+    def draft_time(self, num_passes: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+        """Seconds for `num_passes` draft passes proposing `num_drafts` tokens in total."""
+        return self.draft_scale * (
+            self.draft_fixed * np.asarray(num_passes) + self.draft_per_request * num_drafts
+        )
+
+    def capacity(self) -> int:
+        """Verifier capacity P: most tokens a pass holds within CAPACITY_SLACK x one token."""
+        limit = CAPACITY_SLACK * self.target_seconds[0]
+        ok = self.sizes[self.target_seconds <= limit]
+        return int(ok.max()) if ok.size else 1
+
+    def observe_target(self, num_tokens: int, seconds: float) -> None:
+        i = int(np.argmin(np.abs(np.log(self.sizes) - np.log(max(num_tokens, 1)))))
+        self.target_seconds[i] += _EMA * (seconds - self.target_seconds[i])
+        # Keep the table monotone so interpolation never rewards bigger passes.
+        np.maximum.accumulate(self.target_seconds, out=self.target_seconds)
+
+    def observe_draft(self, num_passes: int, num_drafts: int, seconds: float) -> None:
+        predicted = self.draft_fixed * num_passes + self.draft_per_request * num_drafts
+        if predicted > 0:
+            self.draft_scale += _EMA * (seconds / predicted - self.draft_scale)
+
+
+def _log_sizes(limit: int) -> list[int]:
+    sizes, n = [], 1
+    while n < limit:
+        sizes.append(n)
+        n *= 2
+    sizes.append(max(limit, 1))
+    return sorted(set(sizes))
+
+
+def _median_time(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))

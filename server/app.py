@@ -1,0 +1,105 @@
+"""`create_app(settings, engine=None)`: the FastAPI application, one engine per app.
+
+The lifespan loads the tokenizer (and, without an injected engine, the models) in a worker
+thread after the server is already listening, so /health answers 503 while loading; then it
+starts the engine's step loop inside the running event loop and stops it on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+
+from server.errors import install_error_handlers
+from server.routes import build_router, package_version
+from server.settings import Settings
+from server.state import ServerState, Status
+
+if TYPE_CHECKING:
+    from engine.engine import AsyncEngine
+
+log = logging.getLogger("tandem.server")
+
+
+def create_app(
+    settings: Settings,
+    engine: AsyncEngine | None = None,
+    *,
+    on_fatal: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """An app serving `engine`, or one it loads from `settings.engine` at start-up.
+
+    on_fatal: called when loading fails (the CLI uses it to stop the server with an error).
+    """
+    state = ServerState(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = asyncio.create_task(_load(state, engine, on_fatal))
+        try:
+            yield
+        finally:
+            state.status = Status.DRAINING
+            loader.cancel()
+            await asyncio.gather(loader, return_exceptions=True)
+            if state.engine is not None:
+                await asyncio.to_thread(state.engine.shutdown)
+
+    app = FastAPI(title="Tandem", version=package_version(), lifespan=lifespan)
+    app.state.tandem = state
+    install_error_handlers(app)
+    app.include_router(build_router())
+    return app
+
+
+async def _load(
+    state: ServerState,
+    engine: AsyncEngine | None,
+    on_fatal: Callable[[BaseException], None] | None,
+) -> None:
+    settings = state.settings
+    try:
+        tokenizer, stop_ids = await asyncio.to_thread(_load_tokenizer, settings.model_path)
+        if engine is None:
+            from engine.engine import AsyncEngine  # imports torch; keep `--help` fast
+
+            engine = await asyncio.to_thread(AsyncEngine.from_config, settings.engine)
+    except Exception as exc:
+        if isinstance(exc, ValueError):  # a setting the model cannot honour: no traceback
+            log.error("loading %s failed: %s", settings.model_path, exc)
+        else:
+            log.exception("loading %s failed", settings.model_path)
+        state.status, state.failure = Status.FAILED, str(exc)
+        if on_fatal is not None:
+            on_fatal(exc)
+        return
+    from server.logprobs import TokenTexts
+
+    state.tokenizer = tokenizer
+    state.token_texts = TokenTexts(tokenizer)
+    state.stop_token_ids = stop_ids
+    engine.start()
+    state.engine = engine
+    if state.status is Status.LOADING:
+        state.status = Status.READY
+        log.info("serving %s as %r", settings.model_path, settings.served_model_name)
+
+
+def _load_tokenizer(model_path: str) -> tuple[Any, tuple[int, ...]]:
+    """The target's tokenizer and every EOS id its generation config names."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    ids = eos if isinstance(eos, list) else [eos]
+    return tokenizer, tuple(int(t) for t in ids if t is not None)

@@ -1,0 +1,144 @@
+"""POST /v1/chat/completions: messages through the chat template, an assistant message out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from server.errors import APIError
+from server.logprobs import chat_logprobs
+from server.prompts import check_prompt, render_chat, sampling_params
+from server.protocol import ChatCompletionRequest
+from server.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    Delta,
+    dump,
+    new_id,
+    now,
+)
+from server.serving import ChoiceDelta, ChoiceRequest, ChoiceUsage, total_usage
+from server.state import ServerState
+from server.streaming import respond
+
+
+async def create_chat_completion(
+    state: ServerState, req: ChatCompletionRequest, raw: Request
+) -> Response:
+    arrival = time.monotonic()
+    model = state.check_model(req.model)
+    state.ready_engine()
+    if req.max_tokens == 0:
+        raise APIError("max_tokens must be at least 1", 400, param="max_tokens")
+    if req.top_logprobs and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs to be true", 400, param="top_logprobs")
+    prompt = render_chat(state, req.messages)
+    max_tokens = check_prompt(state, prompt, req.output_limit, None, "messages")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    request_id = new_id("chatcmpl")
+    choices = [
+        ChoiceRequest(
+            i,
+            f"{request_id}-{i}",
+            prompt.token_ids,
+            sampling_params(state, req, max_tokens=max_tokens, seed_offset=i, logprobs=logprobs),
+            tuple(req.stop_strings),
+        )
+        for i in range(req.n)
+    ]
+    view = _ChatView(state, req, len(prompt.token_ids), request_id, model)
+    return await respond(
+        raw,
+        state,
+        choices,
+        arrival=arrival,
+        stream=req.stream,
+        to_chunks=view.chunks,
+        to_body=view.body,
+    )
+
+
+class _ChatView:
+    """Turns choice deltas into chat completion bodies, streamed or whole."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        req: ChatCompletionRequest,
+        prompt_length: int,
+        request_id: str,
+        model: str,
+    ) -> None:
+        self.state = state
+        self.req = req
+        self.prompt_length = prompt_length
+        self.id = request_id
+        self.model = model
+        self.created = now()
+
+    def _logprobs(self, delta: ChoiceDelta) -> ChatLogprobs | None:
+        if not self.req.logprobs or self.state.token_texts is None:
+            return None
+        top_n = self.req.top_logprobs or 0
+        return ChatLogprobs(content=chat_logprobs(self.state.token_texts, delta.pieces, top_n))
+
+    def _usage(self, usages: dict[int, ChoiceUsage]) -> Any:
+        return total_usage([self.prompt_length], self.req.n, usages)
+
+    def body(self, results: dict[int, ChoiceDelta]) -> dict[str, Any]:
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=results[i].text),
+                logprobs=self._logprobs(results[i]),
+                finish_reason=results[i].finish_reason,
+            )
+            for i in sorted(results)
+        ]
+        usage = self._usage({i: d.usage for i, d in results.items()})
+        response = ChatCompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+        return dump(response)
+
+    def _chunk(self, choice: ChatChunkChoice | None, usage: Any = None) -> dict[str, Any]:
+        chunk = ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[choice] if choice else [],
+            usage=usage,
+        )
+        body = dump(chunk, keep_usage=self.req.include_usage)
+        for entry in body["choices"]:  # OpenAI deltas carry only the fields they set
+            entry["delta"] = {k: v for k, v in entry["delta"].items() if v is not None}
+        return body
+
+    async def chunks(self, deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[dict[str, Any]]:
+        usages: dict[int, ChoiceUsage] = {}
+        async for delta in deltas:
+            usages[delta.index] = delta.usage
+            if delta.first:
+                role = Delta(role="assistant", content="")
+                yield self._chunk(ChatChunkChoice(index=delta.index, delta=role))
+            logprobs = self._logprobs(delta)
+            if delta.text or (logprobs and logprobs.content):
+                content = Delta(content=delta.text)
+                yield self._chunk(
+                    ChatChunkChoice(index=delta.index, delta=content, logprobs=logprobs)
+                )
+            if delta.finish_reason:
+                end = ChatChunkChoice(
+                    index=delta.index, delta=Delta(), finish_reason=delta.finish_reason
+                )
+                yield self._chunk(end)
+        if self.req.include_usage:
+            yield self._chunk(None, usage=self._usage(usages))

@@ -1,0 +1,175 @@
+"""Every setting, named once: its YAML key, its flag, its type, its help.
+
+The CLI builds its parser from `OPTIONS` and `server.settings` merges YAML and flags through it,
+so a flag cannot exist without a YAML key and documentation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from engine.config import DEVICES, DRAFT_LENGTH_POLICIES, DTYPES, SPEC_METHODS
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+API_KEY_ENV = "TANDEM_API_KEY"
+
+
+def _optional(
+    convert: Callable[[str], Any], words: tuple[str, ...] = ("none", "null")
+) -> Callable[[str], Any]:
+    """A converter that also accepts `words` for None (the YAML null of a flag)."""
+
+    def parse(text: str) -> Any:
+        return None if text.lower() in words else convert(text)
+
+    parse.__name__ = convert.__name__  # argparse names the type in its error message
+    return parse
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+@dataclass(frozen=True)
+class Option:
+    key: str
+    """section.name in the YAML file."""
+    flag: str | None
+    """None = YAML only."""
+    convert: Callable[[str], Any]
+    help: str
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    is_path: bool = False
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "model.path",
+        "--model",
+        str,
+        "target model: a local Hugging Face model directory",
+        metavar="PATH",
+        is_path=True,
+    ),
+    Option(
+        "model.dtype",
+        "--dtype",
+        str,
+        "weight and activation dtype (auto = float32 on CPU, bfloat16 on CUDA)",
+        choices=DTYPES,
+    ),
+    Option(
+        "model.device", "--device", str, "auto = cuda when available, else cpu", choices=DEVICES
+    ),
+    Option(
+        "model.max_model_len",
+        "--max-model-len",
+        _optional(int, ("auto", "none", "null")),
+        "longest prompt + output in tokens (auto = the model's max_position_embeddings)",
+        metavar="N",
+    ),
+    Option(
+        "model.seed", "--seed", int, "seed for requests that do not bring their own", metavar="N"
+    ),
+    Option(
+        "speculative.method",
+        "--speculative-method",
+        str,
+        "draft = small draft model, ngram = prompt lookup, off = plain decoding",
+        choices=SPEC_METHODS,
+    ),
+    Option(
+        "speculative.draft_model",
+        "--draft-model",
+        _optional(str),
+        "draft model directory (sharing the target's tokenizer) for --speculative-method draft",
+        metavar="PATH",
+        is_path=True,
+    ),
+    Option(
+        "speculative.max_draft_tokens",
+        "--max-draft-tokens",
+        int,
+        "K_max: most draft tokens per request per step (0..16)",
+        metavar="K",
+    ),
+    Option(
+        "speculative.draft_length",
+        "--draft-length",
+        str,
+        "adaptive = K chosen each step from a cost model, fixed = always --max-draft-tokens",
+        choices=DRAFT_LENGTH_POLICIES,
+    ),
+    Option("speculative.ngram_max", None, int, "longest n-gram prompt lookup matches"),
+    Option("speculative.ngram_min", None, int, "shortest n-gram prompt lookup falls back to"),
+    Option(
+        "cache.block_size", "--block-size", int, "tokens per KV cache block (1..256)", metavar="N"
+    ),
+    Option(
+        "cache.num_blocks",
+        "--kv-cache-blocks",
+        _optional(int, ("auto", "none", "null")),
+        "KV cache blocks in the pool (auto = size the pool from the memory budget)",
+        metavar="N",
+    ),
+    Option("cache.memory_gb", None, float, "KV cache budget in GiB on CPU when num_blocks is auto"),
+    Option(
+        "cache.gpu_memory_utilization",
+        "--gpu-memory-utilization",
+        float,
+        "fraction of GPU memory for weights + KV cache when --kv-cache-blocks is auto (0..1]",
+        metavar="F",
+    ),
+    Option(
+        "cache.enable_prefix_caching", None, parse_bool, "reuse KV blocks of shared prompt prefixes"
+    ),
+    Option(
+        "scheduler.max_num_seqs",
+        "--max-num-seqs",
+        int,
+        "most requests in the running batch",
+        metavar="N",
+    ),
+    Option(
+        "scheduler.max_num_batched_tokens",
+        "--max-num-batched-tokens",
+        int,
+        "token budget per engine step (prefill chunks + decode + draft verification)",
+        metavar="N",
+    ),
+    Option(
+        "scheduler.max_waiting",
+        "--max-waiting",
+        int,
+        "most requests waiting for admission; more are refused with HTTP 503",
+        metavar="N",
+    ),
+    Option("server.host", "--host", str, "address to listen on", metavar="ADDR"),
+    Option("server.port", "--port", int, "port to listen on", metavar="PORT"),
+    Option(
+        "server.served_model_name",
+        "--served-model-name",
+        _optional(str),
+        "model name clients use (default: the --model path as given)",
+        metavar="NAME",
+    ),
+    Option(
+        "server.api_key",
+        "--api-key",
+        _optional(str),
+        f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else no key)",
+        metavar="KEY",
+    ),
+    Option("server.log_level", "--log-level", str, "logging level", choices=LOG_LEVELS),
+)
+BY_KEY = MappingProxyType({option.key: option for option in OPTIONS})
+# YAML keys whose dataclass field is spelled differently.

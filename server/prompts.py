@@ -1,0 +1,125 @@
+"""Text -> token ids (plain prompts and chat templates), sampling parameters, length checks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.request import SamplingParams
+from server.errors import APIError
+from server.protocol import ChatMessage, SamplingRequest
+from server.state import ServerState
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: list[int]
+    text: str | None = None
+    """The prompt as the client sent it, when it was text (echoed verbatim)."""
+
+
+def encode_prompt(state: ServerState, prompt: str | list[int]) -> Prompt:
+    if isinstance(prompt, str):
+        return Prompt(state.tokenizer.encode(prompt), prompt)
+    return Prompt(list(prompt))
+
+
+def render_chat(state: ServerState, messages: Sequence[ChatMessage]) -> Prompt:
+    """Apply the model's chat template (with the assistant turn opened) and tokenize."""
+    tokenizer = state.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(
+            "This model has no chat template; use /v1/completions instead.", 400, param="messages"
+        )
+    conversation: list[dict[str, Any]] = []
+    for message in messages:
+        entry = {**(message.model_extra or {}), "role": message.role, "content": message.text()}
+        if message.name is not None:
+            entry["name"] = message.name
+        conversation.append(entry)
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True
+        )
+    except Exception as exc:  # jinja2 raises TemplateError, templates raise their own
+        message = f"The chat template rejected the messages: {exc}"
+        raise APIError(message, 400, param="messages") from exc
+    # The template already wrote any BOS it wants; do not add a second one.
+    return Prompt(tokenizer.encode(text, add_special_tokens=False))
+
+
+def check_prompt(
+    state: ServerState, prompt: Prompt, requested: int | None, default: int | None, param: str
+) -> int:
+    """Validate the token ids and return max_tokens: the request's, or what fits.
+
+    `default` None = as many as the context has room for (chat); else at most `default`.
+    """
+    engine = state.ready_engine()
+    ids = prompt.token_ids
+    if not ids:
+        raise APIError("The prompt is empty after tokenization.", 400, param=param)
+    bad = [t for t in ids if not 0 <= t < engine.vocab_size]
+    if bad:
+        raise APIError(
+            f"Token ids must be in [0, {engine.vocab_size}) (got {bad[0]}).", 400, param=param
+        )
+    limit = engine.max_model_len
+    # A KV pool smaller than the context caps a request too (the engine refuses more).
+    blocks = engine.stats().num_blocks_total
+    if blocks:
+        limit = min(limit, blocks * state.settings.engine.cache.block_size)
+    room = limit - len(ids)
+    if requested is None:
+        if room < 1:
+            raise _too_long(limit, len(ids), 1, param)
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise _too_long(limit, len(ids), requested, "max_tokens")
+    return requested
+
+
+def _too_long(limit: int, prompt: int, completion: int, param: str) -> APIError:
+    return APIError(
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{prompt + completion} tokens ({prompt} in the prompt, {completion} for the "
+        "completion). Please reduce the prompt or the completion length.",
+        400,
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def sampling_params(
+    state: ServerState,
+    req: SamplingRequest,
+    *,
+    max_tokens: int,
+    seed_offset: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    stop_ids = tuple(req.stop_token_ids or ())
+    if not req.ignore_eos:
+        stop_ids += tuple(t for t in state.stop_token_ids if t not in stop_ids)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(req.top_k, 0),
+        min_tokens=req.min_tokens,
+        seed=None if req.seed is None else req.seed + seed_offset,
+        stop_token_ids=stop_ids,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+    )
+    try:
+        params.validate()
+    except ValueError as exc:
+        message = str(exc)
+        raise APIError(message, 400, param=message.split(" ", 1)[0]) from exc
+    return params

@@ -1,0 +1,132 @@
+"""Request bodies of the OpenAI API, validated at the edge.
+
+Range checks live in the field declarations, so a bad value is a 400 that names the field.
+Unknown fields are kept (`extra="allow"`) and reported by `unknown_fields` so the route can
+log them instead of failing a client that sends a newer parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP_STRINGS = 16
+MAX_N = 128
+MAX_LOGPROBS = 20
+SEED_RANGE = (-(2**63), 2**63 - 1 - MAX_N)
+"""torch generators take 64-bit seeds; choice i of n uses seed + i."""
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # SDKs send `"n": null` and the like for parameters the caller left unset.
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class SamplingRequest(_Lenient):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    user: str | None = None
+    # Extensions (vLLM spells them the same way).
+    top_k: int = Field(0, ge=-1, description="0 or -1 = no top-k cut")
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> list[str]:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        if isinstance(value, str) or not value:
+            if not value:
+                raise ValueError("prompt must not be empty")
+            return value
+        if isinstance(value[0], list) and any(not ids for ids in value):
+            raise ValueError("token id prompts must not be empty")
+        if isinstance(value[0], str) and any(not text for text in value):
+            raise ValueError("prompts must not be empty strings")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list: one entry per prompt, text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], int):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens

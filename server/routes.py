@@ -1,0 +1,95 @@
+"""HTTP routes: thin handlers that validate, check auth and delegate."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from importlib import metadata
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from server.chat import create_chat_completion
+from server.completions import create_completion
+from server.errors import APIError
+from server.metrics import CONTENT_TYPE
+from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from server.responses import ModelCard, ModelList
+from server.state import ServerState, Status
+
+log = logging.getLogger("tandem.server")
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.tandem
+
+
+def require_api_key(request: Request) -> None:
+    key = get_state(request).settings.server.api_key
+    if not key:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    given = token.strip().encode("utf-8", "surrogateescape")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode("utf-8")):
+        raise APIError(
+            "Missing or incorrect API key: send 'Authorization: Bearer <key>'.",
+            401,
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+def _warn_unknown(request: Request, body: SamplingRequest) -> None:
+    unknown = body.unknown_fields()
+    if unknown:
+        log.warning("%s: ignoring unknown fields %s", request.url.path, ", ".join(unknown))
+
+
+def build_router() -> APIRouter:
+    router = APIRouter()
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+    @router.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        state = get_state(request)
+        state.ready_engine()  # 503 while loading, draining or after a failed load
+        return JSONResponse({"status": Status.READY.value})
+
+    @router.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": package_version()})
+
+    @router.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+    @v1.get("/models")
+    async def models(request: Request) -> JSONResponse:
+        state = get_state(request)
+        engine = state.engine
+        card = ModelCard(
+            id=state.settings.served_model_name,
+            root=state.settings.model_path,
+            max_model_len=engine.max_model_len if engine is not None else None,
+        )
+        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        _warn_unknown(request, body)
+        return await create_completion(get_state(request), body, request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _warn_unknown(request, body)
+        return await create_chat_completion(get_state(request), body, request)
+
+    router.include_router(v1)
+    return router
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("tandem")
+    except metadata.PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,195 @@
+"""One choice of one request, from engine tokens to released text with a finish reason.
+
+`generate_choice` drives `AsyncEngine.generate` for one engine request: it detokenizes
+incrementally, holds back text that may still become a stop string, aborts the engine
+request when a stop string matches, and measures latencies. Both endpoints, streamed or not,
+consume the same `ChoiceDelta`s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from itertools import repeat
+from typing import TYPE_CHECKING
+
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.request import SamplingParams
+from server.detokenizer import IncrementalDetokenizer, Piece, StopStringFilter
+from server.errors import APIError
+from server.responses import PromptTokensDetails, SpeculativeUsage, Usage
+from server.state import ServerState
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+
+
+@dataclass(frozen=True)
+class ChoiceRequest:
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stops: tuple[str, ...] = ()
+
+
+@dataclass
+class ChoiceUsage:
+    """Counts for one engine request so far (the engine reports running totals)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> ChoiceUsage:
+        return cls(
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens,
+            cached_tokens=out.num_cached_tokens,
+            drafted_tokens=out.num_drafted_tokens,
+            accepted_tokens=out.num_accepted_tokens,
+        )
+
+
+@dataclass
+class ChoiceDelta:
+    """Newly released output of one choice. The first delta of a choice has `first` set."""
+
+    index: int
+    pieces: list[Piece] = field(default_factory=list)
+    finish_reason: str | None = None
+    """stop | length, on the last delta only."""
+    usage: ChoiceUsage = field(default_factory=ChoiceUsage)
+    first: bool = False
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(piece.text for piece in self.pieces)
+
+
+def _failure(out: RequestOutput) -> APIError:
+    if out.finish_reason == "abort":
+        return APIError("The request was aborted by the server (shutting down?)", 503)
+    return APIError(f"Generation failed: {out.error or 'engine error'}", 500, code="engine_error")
+
+
+async def generate_choice(
+    state: ServerState, choice: ChoiceRequest, arrival: float
+) -> AsyncIterator[ChoiceDelta]:
+    """Yield a first delta as soon as the engine answers, then one per release of text.
+
+    Raises APIError for input the engine refuses (400), a full queue (503) or a request the
+    engine failed (500). Leaving early (client gone, task cancelled) aborts the engine request.
+    """
+    engine = state.ready_engine()
+    metrics = state.metrics
+    detok = IncrementalDetokenizer(state.tokenizer, choice.prompt_ids)
+    stops = StopStringFilter(choice.stops)
+    first, last_token_time = True, None
+    reason = "abort"  # until the engine or a stop string says otherwise
+    engine_done = False
+    try:
+        outputs = _submit(engine, choice)
+        async with aclosing(outputs):
+            async for out in outputs:
+                engine_done = out.finished
+                now = time.monotonic()
+                if out.new_token_ids:
+                    if last_token_time is None:
+                        metrics.time_to_first_token.observe(now - arrival)
+                    else:
+                        metrics.observe_tokens(now - last_token_time, len(out.new_token_ids))
+                    last_token_time = now
+                if out.finished and out.finish_reason not in ("stop", "length"):
+                    reason = out.finish_reason or "error"
+                    raise _failure(out)
+                logprobs = out.new_logprobs or repeat(None)
+                pieces = [
+                    Piece(tid, detok.step(tid), lp)
+                    for tid, lp in zip(out.new_token_ids, logprobs, strict=False)
+                ]
+                if out.finished and (tail := detok.flush()):
+                    pieces.append(Piece(None, tail))
+                released, stopped = stops.push(pieces)
+                finish = "stop" if stopped else out.finish_reason if out.finished else None
+                if finish is not None:
+                    released += stops.flush()
+                elif not released and not first:
+                    continue
+                prompt_logprobs = out.prompt_logprobs if first else None
+                delta = ChoiceDelta(
+                    choice.index, released, finish, ChoiceUsage.of(out), first, prompt_logprobs
+                )
+                if finish is not None:
+                    reason = finish
+                    yield delta
+                    return
+                yield delta
+                first = False
+    except APIError:
+        if reason == "abort":  # refused before it started
+            reason = "rejected"
+        raise
+    finally:
+        if not engine_done:
+            # After a stop string the engine would go on; after the consumer left (client
+            # gone, task cancelled) the request's KV blocks must be freed at once.
+            engine.abort(choice.request_id)
+        if reason in ("stop", "length"):
+            metrics.e2e_latency.observe(time.monotonic() - arrival)
+        metrics.requests_finished.labels(reason).inc()
+
+
+def _submit(engine: AsyncEngine, choice: ChoiceRequest) -> AsyncIterator[RequestOutput]:
+    """Hand the request to the engine; its refusals become the HTTP errors they are."""
+    from engine.engine import QueueFullError  # engine.engine imports torch: load it lazily
+
+    try:
+        return engine.generate(choice.request_id, choice.prompt_ids, choice.params)
+    except QueueFullError as exc:
+        raise APIError(
+            f"Server busy: the waiting queue is full ({exc})", 503,
+            code="queue_full", headers={"Retry-After": "1"},
+        ) from exc  # fmt: skip
+    except ValueError as exc:
+        raise APIError(str(exc), 400) from exc
+
+
+async def collect(deltas: AsyncIterator[ChoiceDelta]) -> dict[int, ChoiceDelta]:
+    """Fold each choice's deltas into one (for non-streamed responses)."""
+    merged: dict[int, ChoiceDelta] = {}
+    async with aclosing(deltas):  # type: ignore[type-var]
+        async for delta in deltas:
+            whole = merged.setdefault(
+                delta.index,
+                ChoiceDelta(delta.index, first=True, prompt_logprobs=delta.prompt_logprobs),
+            )
+            whole.pieces.extend(delta.pieces)
+            whole.finish_reason = delta.finish_reason
+            whole.usage = delta.usage
+    return merged
+
+
+def total_usage(prompt_lengths: list[int], n: int, usages: dict[int, ChoiceUsage]) -> Usage:
+    """Usage of a request: each prompt counted once, every choice's completion counted."""
+    cached = sum(
+        max((usages[p * n + i].cached_tokens for i in range(n) if p * n + i in usages), default=0)
+        for p in range(len(prompt_lengths))
+    )
+    completion = sum(u.completion_tokens for u in usages.values())
+    return Usage(
+        prompt_tokens=sum(prompt_lengths),
+        completion_tokens=completion,
+        total_tokens=sum(prompt_lengths) + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        speculative=SpeculativeUsage(
+            drafted_tokens=sum(u.drafted_tokens for u in usages.values()),
+            accepted_tokens=sum(u.accepted_tokens for u in usages.values()),
+        ),
+    )

@@ -1,0 +1,190 @@
+"""Server settings: a YAML file, then the environment, then command-line flags, in that order.
+
+Keys and flags come from `server.options.OPTIONS`. Values are checked by the `engine.config`
+dataclasses (whose errors already name the flag) plus the few server-only checks here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from server.options import API_KEY_ENV, BY_KEY, LOG_LEVELS, Option, parse_bool
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    """None = the model path as written in the config or on the command line."""
+    api_key: str | None = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be between 0 and 65535 (got {self.port})")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(
+                f"--log-level must be one of {', '.join(LOG_LEVELS)} (got {self.log_level!r})"
+            )
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("--served-model-name must not be empty")
+
+
+@dataclass(frozen=True)
+class Settings:
+    engine: EngineConfig
+    server: ServerConfig
+    model_ref: str
+    """The model path as the user wrote it (the default served model name)."""
+
+    @property
+    def model_path(self) -> str:
+        return self.engine.model.model
+
+    @property
+    def served_model_name(self) -> str:
+        return self.server.served_model_name or self.model_ref
+
+    def model_names(self) -> tuple[str, ...]:
+        """Names a request's `model` field may use: the served name, or the model path."""
+        return (self.served_model_name, self.model_ref, self.model_path)
+
+
+_FIELD_NAMES = MappingProxyType({"model.path": "model"})
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """Flatten a config file into {section.name: value}, refusing keys nobody reads."""
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ValueError(f"--config: cannot read {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config: {path} is not valid YAML: {exc}") from exc
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"--config: {path} must hold a mapping of sections")
+    flat: dict[str, Any] = {}
+    for section, body in raw.items():
+        if not isinstance(body, Mapping):
+            raise ValueError(f"{path}: section {section!r} must be a mapping")
+        for name, value in body.items():
+            key = f"{section}.{name}"
+            if key not in BY_KEY:
+                raise ValueError(f"{path}: unknown key {key!r}; known keys: {', '.join(BY_KEY)}")
+            flat[key] = _coerce(BY_KEY[key], value, path)
+    return flat
+
+
+def _coerce(option: Option, value: Any, path: Path) -> Any:
+    """YAML already typed the value; run it through the flag's converter so both agree."""
+    if value is None or (isinstance(value, bool) and option.convert is parse_bool):
+        return value
+    if isinstance(value, bool) or isinstance(value, (dict, list)):
+        raise ValueError(f"{path}: {option.key} has the wrong type (got {value!r})")
+    try:
+        converted = option.convert(str(value))
+    except ValueError as exc:
+        raise ValueError(f"{path}: {option.key} has the wrong type (got {value!r})") from exc
+    if option.choices and converted not in option.choices:
+        raise ValueError(
+            f"{path}: {option.key} must be one of {', '.join(option.choices)} (got {value!r})"
+        )
+    return converted
+
+
+def resolve_config_path(path: str, config_dir: Path) -> str:
+    """Where a relative path in a config file points.
+
+    Tried in order: beside the config file, then the directory above it (so the presets in
+    configs/ can say `models/target` as seen from the repo root), then the working directory.
+    """
+    given = Path(path).expanduser()
+    if given.is_absolute():
+        return str(given)
+    for base in (config_dir, config_dir.parent, Path.cwd()):
+        if (base / given).exists():
+            return str((base / given).resolve())
+    return str((config_dir / given).resolve())
+
+
+def load_settings(
+    config_file: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Merge YAML < environment < overrides ({section.name: value}, e.g. from flags).
+
+    Raises ValueError that names the flag or key to change.
+    """
+    overrides = dict(overrides or {})
+    environ = os.environ if environ is None else environ
+    if config_file is None and not DEFAULT_CONFIG.exists():
+        values: dict[str, Any] = {}
+        config_dir = Path.cwd()
+    else:
+        path = Path(config_file) if config_file is not None else DEFAULT_CONFIG
+        values = read_yaml(path)
+        config_dir = path.resolve().parent
+    refs: dict[str, str] = {}
+    for key, value in values.items():
+        if BY_KEY[key].is_path and value is not None:
+            refs[key] = value
+            values[key] = resolve_config_path(value, config_dir)
+    if environ.get(API_KEY_ENV):
+        values["server.api_key"] = environ[API_KEY_ENV]
+    for key, value in overrides.items():
+        if key not in BY_KEY:
+            raise ValueError(f"unknown setting {key!r}")
+        if BY_KEY[key].is_path and value is not None:
+            refs[key] = value
+            value = str(Path(value).expanduser().resolve())
+        values[key] = value
+    return _build(values, refs)
+
+
+def _section(values: Mapping[str, Any], section: str) -> dict[str, Any]:
+    prefix = f"{section}."
+    return {
+        _FIELD_NAMES.get(key, key[len(prefix) :]): value
+        for key, value in values.items()
+        if key.startswith(prefix)
+    }
+
+
+def _check_dir(flag: str, directory: str, ref: str | None) -> None:
+    if not Path(directory).is_dir():
+        written = f" ({ref!r} as written)" if ref and ref != directory else ""
+        raise ValueError(f"{flag}: no model directory at {directory}{written}")
+
+
+def _build(values: Mapping[str, Any], refs: Mapping[str, str]) -> Settings:
+    model = _section(values, "model")
+    if not model.get("model"):
+        raise ValueError("--model is required (a local Hugging Face model directory)")
+    spec = _section(values, "speculative")
+    spec.setdefault("method", "draft" if spec.get("draft_model") else "off")
+    engine = EngineConfig(
+        model=ModelConfig(**model),
+        cache=CacheConfig(**_section(values, "cache")),
+        scheduler=SchedulerConfig(**_section(values, "scheduler")),
+        spec=SpecConfig(**spec),
+    )
+    server = ServerConfig(**_section(values, "server"))
+    _check_dir("--model", engine.model.model, refs.get("model.path"))
+    if engine.spec.method == "draft" and engine.spec.draft_model:
+        _check_dir("--draft-model", engine.spec.draft_model, refs.get("speculative.draft_model"))
+    return Settings(
+        engine=engine, server=server, model_ref=refs.get("model.path", engine.model.model)
+    )

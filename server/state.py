@@ -1,0 +1,70 @@
+"""Everything one app instance serves with, hung on `app.state.tandem` (never module-level)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from server.errors import APIError
+from server.metrics import Metrics
+from server.settings import Settings
+
+if TYPE_CHECKING:
+    from engine.engine import AsyncEngine
+    from server.logprobs import TokenTexts
+
+
+class Status(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+@dataclass
+class ServerState:
+    settings: Settings
+    metrics: Metrics = field(init=False)
+    engine: AsyncEngine | None = None
+    tokenizer: Any = None
+    """A transformers tokenizer loaded from the target's directory."""
+    token_texts: TokenTexts | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    """EOS ids from the model's generation config (the engine stops on them)."""
+    status: Status = Status.LOADING
+    failure: str | None = None
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self._engine_stats)
+
+    def _engine_stats(self) -> Any:
+        return self.engine.stats() if self.engine is not None else None
+
+    def ready_engine(self) -> AsyncEngine:
+        """The engine, or a 503 telling the client to come back."""
+        if self.status is not Status.READY or self.engine is None:
+            reason = {
+                Status.LOADING: "the model is still loading",
+                Status.DRAINING: "the server is shutting down",
+                Status.FAILED: f"the model failed to load: {self.failure}",
+            }.get(self.status, "the engine is not running")
+            raise APIError(
+                f"Service unavailable: {reason}",
+                503,
+                code="not_ready",
+                headers={"Retry-After": "5"},
+            )
+        return self.engine
+
+    def check_model(self, name: str | None) -> str:
+        """The served model name, or a 404 when `name` is some other model."""
+        served = self.settings.served_model_name
+        if name is None or name in self.settings.model_names():
+            return served
+        raise APIError(
+            f"The model `{name}` does not exist. This server serves `{served}`.",
+            404,
+            param="model",
+            code="model_not_found",
+        )

@@ -1,0 +1,165 @@
+"""Running several choices at once, SSE framing, and aborting work nobody will read.
+
+A client that goes away must not keep the engine busy: streamed responses abort their engine
+requests when the SSE response ends for any reason (sse-starlette cancels the body on
+disconnect), and non-streamed ones race their work against the client's disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from server.errors import APIError
+from server.serving import ChoiceDelta, ChoiceRequest, collect, generate_choice
+from server.state import ServerState
+
+T = TypeVar("T")
+log = logging.getLogger("tandem.server")
+PING_SECONDS = 15
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+_DONE = object()
+
+
+async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """Items of all streams as they come. The first error ends everything; so does leaving."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:  # type: ignore[type-var]
+            async for item in only:
+                yield item
+        return
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[T]) -> None:
+        try:
+            async with aclosing(stream) as items:  # type: ignore[type-var]
+                async for item in items:
+                    await queue.put(item)
+            await queue.put(_DONE)
+        except Exception as exc:
+            await queue.put(_Failed(exc))
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, _Failed):
+                raise item.error
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        # Let the cancelled generators run their cleanup (engine aborts) before returning.
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def started(stream: AsyncIterator[T]) -> AsyncIterator[T]:
+    """Wait for the first item (so refusals become HTTP errors), then replay it and the rest."""
+    try:
+        first = await anext(stream)
+    except BaseException:
+        await stream.aclose()  # type: ignore[attr-defined]
+        raise
+
+    async def replay() -> AsyncIterator[T]:
+        async with aclosing(stream) as rest:  # type: ignore[type-var]
+            yield first
+            async for item in rest:
+                yield item
+
+    return replay()
+
+
+def sse_response(
+    chunks: AsyncIterator[dict[str, Any]], on_close: Callable[[], None]
+) -> EventSourceResponse:
+    """`data: {json}` per chunk, an error event if generation fails, then `data: [DONE]`."""
+
+    async def events() -> AsyncIterator[dict[str, str]]:
+        try:
+            async with aclosing(chunks) as items:  # type: ignore[type-var]
+                async for chunk in items:
+                    yield {"data": json.dumps(chunk, ensure_ascii=False)}
+        except APIError as exc:
+            yield {"data": json.dumps(exc.body(), ensure_ascii=False)}
+        except Exception as exc:
+            log.exception("stream failed")
+            body = APIError(f"Internal server error: {type(exc).__name__}", 500).body()
+            yield {"data": json.dumps(body)}
+        finally:
+            on_close()
+        yield {"data": "[DONE]"}
+
+    # on_close also runs as a background task: it covers a body that never started.
+    return EventSourceResponse(events(), ping=PING_SECONDS, background=BackgroundTask(on_close))
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
+    """Run work unless the client disconnects first: (True, result) or (False, None)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return False, None
+    return True, task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def respond(
+    raw: Request,
+    state: ServerState,
+    choices: Sequence[ChoiceRequest],
+    *,
+    arrival: float,
+    stream: bool,
+    to_chunks: Callable[[AsyncIterator[ChoiceDelta]], AsyncIterator[dict[str, Any]]],
+    to_body: Callable[[dict[int, ChoiceDelta]], dict[str, Any]],
+) -> Response:
+    """Run every choice of a request; answer with an SSE stream or one JSON body.
+
+    arrival: time.monotonic() when the request came in (latency metrics count from it).
+    """
+    engine = state.ready_engine()
+    deltas = merge([generate_choice(state, choice, arrival) for choice in choices])
+
+    def abort_all() -> None:
+        for choice in choices:
+            engine.abort(choice.request_id)
+
+    if stream:
+        return sse_response(to_chunks(await started(deltas)), on_close=abort_all)
+    finished, results = await until_disconnected(raw, collect(deltas))
+    if not finished or results is None:
+        abort_all()
+        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+    return JSONResponse(to_body(results))
