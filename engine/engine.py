@@ -147,8 +147,11 @@ class LLMEngine:
         except Exception as exc:  # a failed forward fails this step's requests, not the engine
             logger.exception("engine step failed")
             return self._fail(sched, f"internal error in the engine step: {exc}")
+        num_drafts = [len(d) for d in drafts.token_ids] if drafts else []
+        self.totals.draft_seconds += drafted - start
+        self.totals.target_seconds += verified - drafted
+        self.totals.draft_passes += max(num_drafts, default=0)
         if self.cost_model is not None:
-            num_drafts = [len(d) for d in drafts.token_ids] if drafts else []
             if any(num_drafts):
                 self.cost_model.observe_draft(max(num_drafts), sum(num_drafts), drafted - start)
             self.cost_model.observe_target(
@@ -198,6 +201,7 @@ class LLMEngine:
         t.generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         drafted = sum(item.num_draft_tokens for item in sched.scheduled)
         t.mean_draft_length = drafted / max(sched.num_decodes, 1)
+        t.decode_request_steps += sched.num_decodes
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every unfinished request with an error (shutdown)."""

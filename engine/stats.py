@@ -21,6 +21,13 @@ class EngineStats:
     spec_drafted_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_blocks_released: int = 0
+    draft_seconds: float = 0.0
+    """Wall time spent in the proposer (all draft passes)."""
+    target_seconds: float = 0.0
+    """Wall time spent in target passes (forward + verification)."""
+    draft_passes: int = 0
+    decode_request_steps: int = 0
+    """Request-steps that verified a decode (with or without drafts): the denominator of mean K."""
     spec_drafted_by_position: list[int] = field(default_factory=list)
     spec_accepted_by_position: list[int] = field(default_factory=list)
     # Gauges about the latest step.

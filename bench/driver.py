@@ -1,0 +1,114 @@
+"""A closed-loop load driver over an in-process LLMEngine.
+
+`concurrency` requests are kept in flight: when one finishes the next prompt is added. Time
+to first token is measured from a request's arrival to the step that returned its first
+token; inter-token latency is (last token time - first token time) / (tokens - 1). Tokens
+that arrive together in one speculative step share a timestamp, as a client sees them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+from engine.engine import LLMEngine
+from engine.request import SamplingParams
+
+
+@dataclass
+class RunResult:
+    setting: str
+    concurrency: int
+    requests: int
+    output_tokens: int
+    seconds: float
+    tokens_per_s: float
+    ttft_mean_ms: float
+    itl_mean_ms: float
+    acceptance: float
+    """Per-token acceptance: accepted / judged drafts (nan when nothing was drafted)."""
+    mean_k: float
+    """Drafts per decode request-step, K = 0 steps included (0 when speculation is off)."""
+    tokens_per_pass: float
+    draft_seconds: float
+    target_seconds: float
+    draft_passes: int
+    verify_steps: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_closed_loop(
+    engine: LLMEngine,
+    setting: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    num_requests: int,
+) -> RunResult:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    before = _counters(engine)
+    arrival: dict[str, float] = {}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    submitted = finished = tokens = 0
+    steps = 0
+    start = time.perf_counter()
+    while finished < num_requests:
+        while submitted - finished < concurrency and submitted < num_requests:
+            rid = f"{setting}-{concurrency}-{submitted}"
+            engine.add_request(rid, prompts[submitted % len(prompts)], params)
+            arrival[rid] = time.perf_counter()
+            submitted += 1
+        outputs = engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for out in outputs:
+            if out.new_token_ids:
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
+                tokens += len(out.new_token_ids)
+            finished += out.finished
+    seconds = time.perf_counter() - start
+    after = _counters(engine)
+    delta = {k: after[k] - before[k] for k in after}
+    ttft = [first[r] - arrival[r] for r in first]
+    itl = [(last[r] - first[r]) / (counts[r] - 1) for r in first if counts[r] > 1]
+    return RunResult(
+        setting=setting,
+        concurrency=concurrency,
+        requests=num_requests,
+        output_tokens=tokens,
+        seconds=seconds,
+        tokens_per_s=tokens / seconds,
+        ttft_mean_ms=1e3 * statistics.fmean(ttft),
+        itl_mean_ms=1e3 * statistics.fmean(itl) if itl else float("nan"),
+        acceptance=delta["accepted"] / delta["trials"] if delta["trials"] else float("nan"),
+        mean_k=delta["drafted"] / delta["decodes"] if delta["decodes"] else 0.0,
+        tokens_per_pass=(delta["accepted"] + delta["passes"]) / delta["passes"]
+        if delta["passes"]
+        else 1.0,
+        draft_seconds=delta["draft_seconds"],
+        target_seconds=delta["target_seconds"],
+        draft_passes=int(delta["draft_passes"]),
+        verify_steps=steps,
+    )
+
+
+def _counters(engine: LLMEngine) -> dict[str, float]:
+    stats = engine.stats()
+    spec = engine.scheduler.spec_totals
+    return {
+        "accepted": spec.accepted,
+        "drafted": spec.drafted,
+        "trials": spec.trials,
+        "passes": spec.verify_passes,
+        "draft_seconds": stats.draft_seconds,
+        "target_seconds": stats.target_seconds,
+        "draft_passes": stats.draft_passes,
+        "decodes": stats.decode_request_steps,
+    }

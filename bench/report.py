@@ -1,0 +1,159 @@
+"""Turn bench/results/*.json into docs/BENCHMARKS.md (tables) and docs/*.png (plots).
+
+python -m bench.report
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+DOCS = ROOT / "docs"
+
+
+def ideal_speedup(a: float, k: float, c: float) -> float:
+    """SPECULATIVE.md: (1 - a^(K+1)) / ((1 - a)(K c + 1))."""
+    if k == 0 or math.isnan(a):
+        return 1.0
+    tokens = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+    return tokens / (k * c + 1)
+
+
+def k_sweep_section(data: dict) -> list[str]:
+    rows = data["results"]
+    off = next(r for r in rows if r["setting"] == "off")
+    target_pass = off["target_seconds"] / off["verify_steps"]
+    lines = [
+        "## Speculation at concurrency 1 (issue 4)",
+        "",
+        _provenance(data),
+        "",
+        "`a` is the per-token acceptance (accepted / judged drafts), `K` the mean drafts per",
+        "decode step, `c` the measured cost of one draft pass over one plain target pass, and",
+        "*ideal* the speedup SPECULATIVE.md predicts for that a, K and c. Efficiency is the",
+        "measured speedup over the ideal.",
+        "",
+        "| setting | tokens/s | speedup | a | K | tokens/pass | c | ideal | efficiency |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        speedup = r["tokens_per_s"] / off["tokens_per_s"]
+        if r["draft_passes"]:
+            c = (r["draft_seconds"] / r["draft_passes"]) / target_pass
+            ideal = ideal_speedup(r["acceptance"], r["mean_k"], c)
+            extra = (
+                f"{r['acceptance']:.3f} | {r['mean_k']:.2f} | {r['tokens_per_pass']:.2f} | "
+                f"{c:.3f} | {ideal:.2f}x | {speedup / ideal:.0%}"
+            )
+        else:
+            extra = "- | 0 | 1.00 | - | 1.00x | -"
+        lines.append(f"| {r['setting']} | {r['tokens_per_s']:.1f} | {speedup:.2f}x | {extra} |")
+    return lines
+
+
+def concurrency_section(data: dict, plot: Path) -> list[str]:
+    rows = data["results"]
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    levels = sorted({r["concurrency"] for r in rows})
+    table = {(r["setting"], r["concurrency"]): r for r in rows}
+    _plot(table, settings, levels, plot)
+    head = "| concurrency | " + " | ".join(settings) + " | adaptive / best other |"
+    lines = [
+        "## Throughput against concurrency (issue 6)",
+        "",
+        _provenance(data),
+        "",
+        f"![tokens/s against concurrency]({plot.name})",
+        "",
+        "Output tokens/s:",
+        "",
+        head,
+        "|" + "---|" * (len(settings) + 2),
+    ]
+    for level in levels:
+        cells = [table[(s, level)]["tokens_per_s"] for s in settings]
+        others = [v for s, v in zip(settings, cells, strict=True) if s != "adaptive"]
+        ratio = table[("adaptive", level)]["tokens_per_s"] / max(others)
+        lines.append(f"| {level} | " + " | ".join(f"{v:.1f}" for v in cells) + f" | {ratio:.2f} |")
+    for metric, title in [
+        ("ttft_mean_ms", "Mean time to first token (ms)"),
+        ("itl_mean_ms", "Mean inter-token latency (ms)"),
+        ("acceptance", "Per-token acceptance"),
+        ("mean_k", "Mean K per decode step"),
+    ]:
+        lines += ["", f"{title}:", "", "| concurrency | " + " | ".join(settings) + " |"]
+        lines.append("|" + "---|" * (len(settings) + 1))
+        for level in levels:
+            vals = [table[(s, level)][metric] for s in settings]
+            lines.append(
+                f"| {level} | "
+                + " | ".join("-" if math.isnan(v) else f"{v:.2f}" for v in vals)
+                + " |"
+            )
+    return lines
+
+
+def _plot(table: dict, settings: list[str], levels: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for s in settings:
+        ax.plot(
+            levels,
+            [table[(s, c)]["tokens_per_s"] for c in levels],
+            marker="o",
+            linewidth=2.5 if s == "adaptive" else 1.2,
+            label=s,
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Tandem, default pair: throughput by draft-length setting")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _provenance(data: dict) -> str:
+    m = data["machine"]
+    return (
+        f"Measured {m['date']} on {m['cpu']} ({m['cores']} torch threads, device {m['device']}, "
+        f"torch {m['torch']}); prompts of {data['prompt_tokens'][0]}-{data['prompt_tokens'][1]} "
+        f"held-out tokens, {data['max_tokens']} greedy output tokens each. Command: "
+        f"`{data['command']}`."
+    )
+
+
+def main() -> None:
+    sections = [
+        "# Benchmarks",
+        "",
+        "Every number here was measured by the command shown beside it and written by",
+        "`python -m bench.report` from `bench/results/*.json`. The default pair is the one in",
+        "`models/` (see `models/README.md`).",
+    ]
+    k_sweep = RESULTS / "k-sweep.json"
+    if k_sweep.exists():
+        sections += ["", *k_sweep_section(json.loads(k_sweep.read_text()))]
+    conc = RESULTS / "concurrency.json"
+    if conc.exists():
+        sections += [
+            "",
+            *concurrency_section(json.loads(conc.read_text()), DOCS / "concurrency_cpu.png"),
+        ]
+    DOCS.mkdir(exist_ok=True)
+    (DOCS / "BENCHMARKS.md").write_text("\n".join(sections) + "\n")
+    print(f"wrote {DOCS / 'BENCHMARKS.md'}")
+
+
+if __name__ == "__main__":
+    main()
