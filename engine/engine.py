@@ -173,6 +173,7 @@ class LLMEngine:
         s.num_blocks_total = self.kv.num_blocks
         s.num_blocks_free = self.kv.num_free_blocks
         s.preemptions = self.scheduler.num_preemptions
+        s.prefix_cache_hit_tokens = self.scheduler.num_prefix_hit_tokens
         s.spec_blocks_released = self.scheduler.num_blocks_released
         spec = self.scheduler.spec_totals
         s.spec_verify_passes = spec.verify_passes

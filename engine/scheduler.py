@@ -69,6 +69,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_blocks_released = 0
+        self.num_prefix_hit_tokens = 0
         self.spec_totals = SpecStats()
         self.draft_length_reasons: Counter[str] = Counter()
         """Request-steps that got fewer than K_max drafts, by reason."""
@@ -131,6 +132,7 @@ class Scheduler:
             if cached:
                 req.num_computed_tokens = req.num_draft_computed_tokens = num_cached
                 req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
+                self.num_prefix_hit_tokens += num_cached
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -116,6 +116,7 @@ def test_shared_prompt_prefix_shares_blocks(tiny_dirs):
     assert len(shared) == 24 // 4
     assert all(engine.kv.pool.ref_cnt[b] == 2 for b in shared)
     assert engine.scheduler.running[1].num_cached_tokens == 24
+    assert engine.stats().prefix_cache_hit_tokens == 24
     drain(engine, outputs)
     assert [outputs["first"], outputs["second"]] == expected
     assert engine.stats().prompt_tokens > 0
