@@ -65,11 +65,7 @@ def check_prompt(
         raise APIError(
             f"Token ids must be in [0, {engine.vocab_size}) (got {bad[0]}).", 400, param=param
         )
-    limit = engine.max_model_len
-    # A KV pool smaller than the context caps a request too (the engine refuses more).
-    blocks = engine.stats().num_blocks_total
-    if blocks:
-        limit = min(limit, blocks * state.settings.engine.cache.block_size)
+    limit = engine.max_model_len  # already capped by the KV pool's size
     room = limit - len(ids)
     if requested is None:
         if room < 1:
