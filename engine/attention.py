@@ -37,6 +37,9 @@ class AttentionGroup:
     gather_slots: torch.Tensor  # [group_seqs, max_kv_len] cache slot of every key (0 = pad)
     mask: torch.Tensor  # [group_seqs, 1, max_q_len, max_kv_len] True = may attend
     max_q_len: int
+    token_slice: slice | None = None
+    """The group's tokens as a slice of the batch when every request has max_q_len of them
+    and they are contiguous (a decode step with one K): queries are then a view, no scatter."""
 
 
 @dataclass
@@ -106,6 +109,11 @@ def _build_group(
     pad_rows = torch.arange(max_q)[None, :] >= q_lens[:, None]
     mask[pad_rows] = kv_pos == 0
     token_index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in members])
+    uniform = all(query_lens[i] == max_q for i in members)
+    contiguous = members == list(range(members[0], members[-1] + 1))
+    token_slice = (
+        slice(starts[members[0]], starts[members[-1] + 1]) if uniform and contiguous else None
+    )
     query_seq = torch.repeat_interleave(torch.arange(len(members)), q_lens)
     query_pos = torch.cat([torch.arange(query_lens[i]) for i in members])
     return AttentionGroup(
@@ -115,6 +123,7 @@ def _build_group(
         gather_slots=gather_slots.to(device),
         mask=mask[:, None].to(device),
         max_q_len=max_q,
+        token_slice=token_slice,
     )
 
 
@@ -129,11 +138,14 @@ def reference_attention(
     kv_heads = key_cache.shape[2]
     flat_k = key_cache.view(-1, kv_heads, head_dim)
     flat_v = value_cache.view(-1, kv_heads, head_dim)
-    out = torch.empty_like(query)
+    out = None if _covers(metadata, query) else torch.empty_like(query)
     for g in metadata.groups:
         num_seqs = g.gather_slots.shape[0]
-        q = query.new_zeros(num_seqs, g.max_q_len, num_heads, head_dim)
-        q[g.query_seq, g.query_pos] = query[g.token_index]
+        if g.token_slice is not None:
+            q = query[g.token_slice].view(num_seqs, g.max_q_len, num_heads, head_dim)
+        else:
+            q = query.new_zeros(num_seqs, g.max_q_len, num_heads, head_dim)
+            q[g.query_seq, g.query_pos] = query[g.token_index]
         k = flat_k[g.gather_slots]  # [seqs, max_kv, kv_heads, head_dim]
         v = flat_v[g.gather_slots]
         o = F.scaled_dot_product_attention(
@@ -144,8 +156,23 @@ def reference_attention(
             scale=scale,
             enable_gqa=kv_heads != num_heads,
         )  # [seqs, heads, max_q, head_dim]
-        out[g.token_index] = o.transpose(1, 2)[g.query_seq, g.query_pos]
+        o = o.transpose(1, 2)
+        if out is None:  # one group holding every token in order
+            return o.reshape(-1, num_heads, head_dim)
+        if g.token_slice is not None:
+            out[g.token_slice] = o.reshape(-1, num_heads, head_dim)
+        else:
+            out[g.token_index] = o[g.query_seq, g.query_pos]
     return out
+
+
+def _covers(metadata: AttentionMetadata, query: torch.Tensor) -> bool:
+    groups = metadata.groups
+    return (
+        len(groups) == 1
+        and groups[0].token_slice is not None
+        and groups[0].token_slice == slice(0, query.shape[0])
+    )
 
 
 AttentionBackend = Callable[
