@@ -60,6 +60,9 @@ def serve(tiny_dirs: dict) -> Iterator[Served]:
         "speculative.method": "draft",
         "speculative.draft_model": str(tiny_dirs["llama_draft"]),
         "speculative.max_draft_tokens": 2,
+        # The random tiny draft never agrees with the target, so the adaptive policy would
+        # (rightly) stop drafting; fixed K keeps speculation in every request the tests send.
+        "speculative.draft_length": "fixed",
         "cache.block_size": 4,
         "cache.num_blocks": 192,
         "scheduler.max_num_seqs": 8,
