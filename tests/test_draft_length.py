@@ -1,0 +1,139 @@
+"""The adaptive draft-length policy: K from batch size, acceptance and a cost model."""
+
+from __future__ import annotations
+
+from engine.config import SpecConfig
+from engine.cost_model import CostModel
+from engine.draft_length import (
+    REASON_ACCEPTANCE,
+    REASON_BATCH,
+    AdaptiveDraftLength,
+)
+from engine.request import Request, SamplingParams
+from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
+
+SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+
+def memory_then_compute_bound() -> CostModel:
+    """10 ms flat up to 16 tokens (weights dominate), then +0.5 ms per token; 1 ms drafts."""
+    seconds = [0.010 + 0.0005 * max(0, n - 16) for n in SIZES]
+    return CostModel(SIZES, seconds, draft_fixed=0.001, draft_per_request=0.00002)
+
+
+def _requests(n: int, accepted: int, trials: int, **params) -> list[Request]:
+    reqs = []
+    for i in range(n):
+        req = Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64, **params))
+        req.spec.accepted, req.spec.trials = accepted, trials
+        reqs.append(req)
+    return reqs
+
+
+def test_high_acceptance_alone_drafts_k_max():
+    policy = AdaptiveDraftLength(8, memory_then_compute_bound())
+    choice = policy.choose(_requests(1, accepted=900, trials=1000, temperature=0))
+    assert choice.ks == [8] and choice.reasons == [None]
+
+
+def test_large_batch_on_compute_bound_target_drafts_less():
+    policy = AdaptiveDraftLength(8, memory_then_compute_bound())
+    alone = policy.choose(_requests(1, accepted=700, trials=1000, temperature=0)).ks[0]
+    batch = policy.choose(_requests(64, accepted=700, trials=1000, temperature=0))
+    assert max(batch.ks) < alone
+    assert REASON_BATCH in batch.reasons
+
+
+def test_low_acceptance_switches_speculation_off():
+    policy = AdaptiveDraftLength(8, memory_then_compute_bound())
+    choice = policy.choose(_requests(4, accepted=2, trials=200, temperature=0))
+    assert choice.ks == [0, 0, 0, 0]
+    assert choice.reasons == [REASON_ACCEPTANCE] * 4
+
+
+def test_more_acceptance_never_means_fewer_drafts():
+    policy = AdaptiveDraftLength(8, memory_then_compute_bound())
+    ks = [
+        policy.choose(_requests(1, accepted=a, trials=100, temperature=0)).ks[0]
+        for a in (10, 30, 50, 70, 90, 99)
+    ]
+    assert ks == sorted(ks) and ks[0] < ks[-1]
+
+
+def test_seeded_sampling_keeps_k_max_for_reproducibility():
+    policy = AdaptiveDraftLength(4, memory_then_compute_bound())
+    choice = policy.choose(_requests(64, accepted=1, trials=100, temperature=1.0, seed=7))
+    assert choice.ks == [4] * 64
+
+
+def test_acceptance_estimate_learns_from_observations():
+    policy = AdaptiveDraftLength(4, memory_then_compute_bound())
+    req = _requests(1, accepted=0, trials=0, temperature=0)[0]
+    prior = policy.acceptance(req)
+    for _ in range(50):
+        req.spec.record(4, 4)
+        policy.observe(req, 4, 4)
+    assert policy.acceptance(req) > prior
+    assert policy.global_acceptance > 0.9
+
+
+def test_cost_model_capacity_and_online_refinement():
+    cost = memory_then_compute_bound()
+    assert cost.capacity() == 16  # within 25% of a one-token pass
+    cost.observe_target(1, 0.030)  # a much slower real pass pulls the table up
+    assert cost.target_time(1) > 0.010
+    assert list(cost.target_seconds) == sorted(cost.target_seconds)
+
+
+def _count_draft_tokens(engine) -> list[int]:
+    """Wrap the draft runner's forward to count how many tokens it is fed per call."""
+    runner = engine.proposer.runner
+    original = runner.forward
+    fed: list[int] = []
+
+    def counting(seqs):
+        fed.append(sum(len(s.token_ids) for s in seqs))
+        return original(seqs)
+
+    runner.forward = counting
+    return fed
+
+
+def test_adaptive_engine_is_lossless_and_stops_drafting_for_a_hopeless_draft(tiny_dirs):
+    target = tiny_dirs["llama"]
+    prompts = random_prompts([5, 12, 20, 33], vocab=300, seed=31)
+    expected = hf_greedy(target, prompts, 40)
+    spec = SpecConfig("draft", str(tiny_dirs["llama_draft"]), max_draft_tokens=4)
+    engine = make_engine(target, spec=spec)
+    assert isinstance(engine.policy, AdaptiveDraftLength)
+    fed = _count_draft_tokens(engine)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"a{i}", p, greedy(40))
+    outputs = drain(engine)
+    assert [outputs[f"a{i}"] for i in range(4)] == expected
+    stats = engine.stats()
+    # The random draft almost never agrees: the policy learns that and stops speculating,
+    # and a K = 0 step costs the draft model nothing.
+    assert stats.draft_length_reasons.get(REASON_ACCEPTANCE, 0) > 0
+    assert stats.spec_drafted_tokens < 4 * 40 * 4 / 2
+    steps_without_draft_work = stats.steps - len(fed)
+    assert steps_without_draft_work > 10
+
+
+def test_adaptive_engine_with_a_perfect_cheap_draft_keeps_drafting(tiny_dirs):
+    """Draft = target accepts everything; with a cost model in which drafting is cheap (a big
+    target, a small draft) the policy must keep K high. (The measured cost of these tiny
+    models says the draft costs as much as the target, and then drafting never pays.)"""
+    target = tiny_dirs["llama"]
+    prompts = random_prompts([7, 15], vocab=300, seed=32)
+    spec = SpecConfig("draft", str(target), max_draft_tokens=4)
+    engine = make_engine(target, spec=spec)
+    engine.cost_model = None  # no online refinement from the real (equal) costs
+    engine.policy = engine.scheduler.policy = AdaptiveDraftLength(4, memory_then_compute_bound())
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{i}", p, greedy(30))
+    outputs = drain(engine)
+    assert [outputs["p0"], outputs["p1"]] == hf_greedy(target, prompts, 30)
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens == stats.spec_drafted_tokens > 0
+    assert stats.spec_drafted_tokens >= 2 * 30 / 2  # most steps drafted several tokens
