@@ -1,13 +1,24 @@
 #!/usr/bin/env bash
 # One install path for `make`, CI and the Dockerfile.
-#   scripts/install.sh VENV [runtime|dev]
+#   scripts/install.sh VENV [runtime|dev|torch]
 # torch is pinned and installed first so the wider range in pyproject.toml is already satisfied
-# and pip does not pull a different (CUDA) build. Set TORCH_SPEC to override, e.g. on a GPU host.
+# and pip does not pull a different build. Overrides, e.g. on a GPU host or in the image:
+#   TORCH_SPEC   what to install (default torch==2.13.0; on x86_64 Linux PyPI's wheel is the
+#                CUDA build, which also runs on the CPU)
+#   TORCH_INDEX  the index to take torch from, e.g. https://download.pytorch.org/whl/cu128 or
+#                https://download.pytorch.org/whl/cpu (default: pip's configured index)
+# `torch` stops after torch: the Dockerfile caches that big layer apart from the project's.
 set -euo pipefail
 venv=${1:-.venv}
 extras=${2:-runtime}
 python=${PYTHON:-python3}
 torch_spec=${TORCH_SPEC:-torch==2.13.0}
+torch_index=${TORCH_INDEX:-}
+
+case "$extras" in
+  runtime | dev | torch) ;;
+  *) echo "usage: $0 VENV [runtime|dev|torch]" >&2; exit 2 ;;
+esac
 
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
@@ -15,10 +26,14 @@ fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q --upgrade pip
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
-  "${pip[@]}" install -q "$torch_spec"
+  if [ -n "$torch_index" ]; then
+    "${pip[@]}" install -q --index-url "$torch_index" "$torch_spec"
+  else
+    "${pip[@]}" install -q "$torch_spec"
+  fi
 fi
-if [ "$extras" = dev ]; then
-  "${pip[@]}" install -q -e ".[dev]"
-else
-  "${pip[@]}" install -q -e .
-fi
+case "$extras" in
+  torch) ;;
+  dev) "${pip[@]}" install -q -e ".[dev]" ;;
+  *) "${pip[@]}" install -q -e . ;;
+esac

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
+from server.drain import DrainGate
 from server.errors import install_error_handlers
 from server.routes import build_router, package_version
 from server.settings import Settings
@@ -52,6 +53,7 @@ def create_app(
 
     app = FastAPI(title="Tandem", version=package_version(), lifespan=lifespan)
     app.state.tandem = state
+    app.add_middleware(DrainGate, state=state)
     install_error_handlers(app)
     app.include_router(build_router())
     return app

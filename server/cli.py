@@ -1,4 +1,5 @@
-"""`tandem serve`: parse flags, merge them over the YAML config, run uvicorn.
+"""`tandem serve`: parse flags, merge them over TANDEM_* variables and the YAML config, run
+uvicorn (with the graceful drain of `server.drain`).
 
 Configuration errors end the process with exit status 2 and one line that names the flag
 (or YAML key) and what is allowed, never a traceback.
@@ -7,11 +8,12 @@ Configuration errors end the process with exit status 2 and one line that names 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 from collections.abc import Sequence
 
-from server.options import OPTIONS
+from server.options import CONFIG_ENV, OPTIONS
 from server.settings import DEFAULT_CONFIG, Settings, load_settings, read_yaml
 
 
@@ -23,13 +25,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="serve the OpenAI API over HTTP",
-        description="Serve the OpenAI API. Flags override the keys of the YAML config "
-        "(each flag's key is shown as [section.key]).",
+        description="Serve the OpenAI API. Flags override TANDEM_* environment variables, "
+        "which override the keys of the YAML config (each flag's key and variable are shown as "
+        "[section.key, $VARIABLE]). On SIGTERM or Ctrl-C the server drains: /health turns 503, "
+        "new requests get 503, in-flight ones finish (up to --drain-timeout); a second signal "
+        "exits at once.",
     )
     serve.add_argument(
         "--config",
         metavar="FILE",
-        help=f"YAML config file (default: {DEFAULT_CONFIG})",
+        help=f"YAML config file (default: ${CONFIG_ENV}, else {DEFAULT_CONFIG})",
     )
     defaults = _shipped_defaults()
     for option in OPTIONS:
@@ -43,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
             choices=option.choices,
             metavar=option.metavar,
             default=argparse.SUPPRESS,
-            help=f"{option.help} [{option.key}{shown}]",
+            help=f"{option.help} [{option.key}, ${option.env}{shown}]",
         )
     # Errors found after parsing (engine.config checks) are reported by the subcommand's parser.
     serve.set_defaults(command_parser=serve)
@@ -71,10 +76,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve(settings: Settings) -> int:
-    """Run the server until interrupted; 1 when the engine failed to load."""
+    """Run the server until a signal drains it; 1 when the engine failed to load."""
     import uvicorn
 
     from server.app import create_app
+    from server.drain import DrainingServer
 
     level = settings.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -92,13 +98,19 @@ def serve(settings: Settings) -> int:
         host=settings.server.host,
         port=settings.server.port,
         log_level=settings.server.log_level,
-        timeout_graceful_shutdown=5,
+        # The drain already waited for in-flight requests; this only bounds the wait for
+        # the ones a drain timeout cut short.
+        timeout_graceful_shutdown=2,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app.state.tandem, settings.server.drain_timeout)
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+    except KeyboardInterrupt:  # a Ctrl-C before uvicorn took over the signal handlers
         pass
+    # The interpreter's last full garbage collection walks every torch/transformers object
+    # for seconds and frees nothing the OS would not; freezing them skips it, so a drained
+    # replica exits promptly.
+    gc.freeze()
     if failures:
         print(f"tandem serve: error: {failures[0]}", file=sys.stderr)
         return 1

@@ -14,7 +14,8 @@ from typing import Any
 from engine.config import DEVICES, DRAFT_LENGTH_POLICIES, DTYPES, SPEC_METHODS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-API_KEY_ENV = "TANDEM_API_KEY"
+ENV_PREFIX = "TANDEM_"
+CONFIG_ENV = "TANDEM_CONFIG"
 
 
 def _optional(
@@ -49,6 +50,13 @@ class Option:
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     is_path: bool = False
+
+    @property
+    def env(self) -> str | None:
+        """The environment variable for this flag: --draft-model -> TANDEM_DRAFT_MODEL."""
+        if self.flag is None:
+            return None
+        return ENV_PREFIX + self.flag.removeprefix("--").upper().replace("-", "_")
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -166,10 +174,17 @@ OPTIONS: tuple[Option, ...] = (
         "server.api_key",
         "--api-key",
         _optional(str),
-        f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else no key)",
+        "require 'Authorization: Bearer KEY' on /v1 routes (default: no key)",
         metavar="KEY",
     ),
     Option("server.log_level", "--log-level", str, "logging level", choices=LOG_LEVELS),
+    Option(
+        "server.drain_timeout",
+        "--drain-timeout",
+        float,
+        "on SIGTERM, seconds to let in-flight requests finish before exiting (new ones get 503)",
+        metavar="SECONDS",
+    ),
 )
 BY_KEY = MappingProxyType({option.key: option for option in OPTIONS})
 # YAML keys whose dataclass field is spelled differently.

@@ -52,7 +52,8 @@ def build_router() -> APIRouter:
     @router.get("/health")
     async def health(request: Request) -> JSONResponse:
         state = get_state(request)
-        state.ready_engine()  # 503 while loading, draining or after a failed load
+        if state.status is not Status.READY:  # loading, draining or failed: 503
+            raise state.unavailable()
         return JSONResponse({"status": Status.READY.value})
 
     @router.get("/version")

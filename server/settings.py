@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
-from server.options import API_KEY_ENV, BY_KEY, LOG_LEVELS, Option, parse_bool
+from server.options import BY_KEY, CONFIG_ENV, LOG_LEVELS, OPTIONS, Option, parse_bool
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
@@ -30,10 +30,16 @@ class ServerConfig:
     """None = the model path as written in the config or on the command line."""
     api_key: str | None = None
     log_level: str = "info"
+    drain_timeout: float = 30.0
+    """Seconds a SIGTERM waits for in-flight requests before the process exits."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be between 0 and 65535 (got {self.port})")
+        if not 0 <= self.drain_timeout <= 86400:
+            raise ValueError(
+                f"--drain-timeout must be between 0 and 86400 seconds (got {self.drain_timeout})"
+            )
         if self.log_level not in LOG_LEVELS:
             raise ValueError(
                 f"--log-level must be one of {', '.join(LOG_LEVELS)} (got {self.log_level!r})"
@@ -104,6 +110,29 @@ def _coerce(option: Option, value: Any, path: Path) -> Any:
     return converted
 
 
+def read_environ(environ: Mapping[str, str]) -> dict[str, Any]:
+    """{section.name: value} from the TANDEM_* variables that are set and not empty.
+
+    Every flag has one (`Option.env`); an empty variable counts as unset so that compose files
+    can pass `${VAR:-}` through.
+    """
+    values: dict[str, Any] = {}
+    for option in OPTIONS:
+        text = environ.get(option.env) if option.env else None
+        if not text:
+            continue
+        try:
+            value = option.convert(text)
+        except ValueError as exc:
+            raise ValueError(f"${option.env}: invalid value {text!r} for {option.flag}") from exc
+        if option.choices and value not in option.choices:
+            raise ValueError(
+                f"${option.env} must be one of {', '.join(option.choices)} (got {text!r})"
+            )
+        values[option.key] = value
+    return values
+
+
 def resolve_config_path(path: str, config_dir: Path) -> str:
     """Where a relative path in a config file points.
 
@@ -124,12 +153,14 @@ def load_settings(
     overrides: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Settings:
-    """Merge YAML < environment < overrides ({section.name: value}, e.g. from flags).
+    """Merge YAML < environment (TANDEM_*) < overrides ({section.name: value}, e.g. flags).
 
-    Raises ValueError that names the flag or key to change.
+    config_file: None = $TANDEM_CONFIG, else the shipped default config (when present).
+    Raises ValueError that names the flag, variable or key to change.
     """
-    overrides = dict(overrides or {})
     environ = os.environ if environ is None else environ
+    overrides = {**read_environ(environ), **(overrides or {})}
+    config_file = config_file or environ.get(CONFIG_ENV) or None
     if config_file is None and not DEFAULT_CONFIG.exists():
         values: dict[str, Any] = {}
         config_dir = Path.cwd()
@@ -142,8 +173,6 @@ def load_settings(
         if BY_KEY[key].is_path and value is not None:
             refs[key] = value
             values[key] = resolve_config_path(value, config_dir)
-    if environ.get(API_KEY_ENV):
-        values["server.api_key"] = environ[API_KEY_ENV]
     for key, value in overrides.items():
         if key not in BY_KEY:
             raise ValueError(f"unknown setting {key!r}")

@@ -34,6 +34,8 @@ class ServerState:
     """EOS ids from the model's generation config (the engine stops on them)."""
     status: Status = Status.LOADING
     failure: str | None = None
+    in_flight: int = 0
+    """API requests being answered now, streams included (a drain waits for zero)."""
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self._engine_stats)
@@ -42,20 +44,31 @@ class ServerState:
         return self.engine.stats() if self.engine is not None else None
 
     def ready_engine(self) -> AsyncEngine:
-        """The engine, or a 503 telling the client to come back."""
-        if self.status is not Status.READY or self.engine is None:
-            reason = {
-                Status.LOADING: "the model is still loading",
-                Status.DRAINING: "the server is shutting down",
-                Status.FAILED: f"the model failed to load: {self.failure}",
-            }.get(self.status, "the engine is not running")
-            raise APIError(
-                f"Service unavailable: {reason}",
-                503,
-                code="not_ready",
-                headers={"Retry-After": "5"},
-            )
+        """The engine, or a 503 telling the client to come back.
+
+        A draining server still serves what its drain gate (server.drain) let in before the
+        drain began; the gate refuses everything newer.
+        """
+        if self.status not in (Status.READY, Status.DRAINING) or self.engine is None:
+            raise self.unavailable()
         return self.engine
+
+    def unavailable(self) -> APIError:
+        """The 503 for a server that is not READY; Retry-After lets a balancer or client retry.
+
+        A draining replica answers it before starting any work, so retrying elsewhere is safe.
+        """
+        reason = {
+            Status.LOADING: "the model is still loading",
+            Status.DRAINING: "the server is shutting down",
+            Status.FAILED: f"the model failed to load: {self.failure}",
+        }.get(self.status, "the engine is not running")
+        return APIError(
+            f"Service unavailable: {reason}",
+            503,
+            code="not_ready",
+            headers={"Retry-After": "5"},
+        )
 
     def check_model(self, name: str | None) -> str:
         """The served model name, or a 404 when `name` is some other model."""

@@ -1,0 +1,63 @@
+# syntax=docker/dockerfile:1
+# Tandem: one image for GPU hosts (NVIDIA container runtime: `--gpus all`) and plain CPUs.
+# PyPI's x86_64 torch wheel carries CUDA; with `--device auto` (the default) the server uses
+# the GPU when the runtime exposes one and falls back to the CPU otherwise.
+#
+#   docker build -t tandem .
+#   docker run -p 8000:8000 tandem                          # the embedded default model pair
+#   docker run -p 8000:8000 --gpus all tandem --max-draft-tokens 6
+#   docker run -p 8000:8000 -v /srv/models:/models:ro -e TANDEM_MODEL=/models/target \
+#     -e TANDEM_DRAFT_MODEL=/models/draft tandem
+#   docker run -p 8000:8000 -v ./my.yaml:/config/tandem.yaml:ro \
+#     -e TANDEM_CONFIG=/config/tandem.yaml tandem
+#
+# Configuration: TANDEM_* variables (TANDEM_ + a `tandem serve` flag, e.g. TANDEM_API_KEY,
+# TANDEM_DEVICE, TANDEM_SPECULATIVE_METHOD, TANDEM_DRAIN_TIMEOUT) override the YAML config;
+# arguments after the image name are `tandem serve` flags and override both.
+# Build arguments, passed to scripts/install.sh (the install `make` runs):
+#   TORCH_SPEC   e.g. torch==2.13.0 (the default)
+#   TORCH_INDEX  e.g. https://download.pytorch.org/whl/cpu for a CPU-only image a few GB smaller
+ARG PYTHON_VERSION=3.11
+FROM python:${PYTHON_VERSION}-slim-bookworm
+
+ARG TORCH_SPEC=
+ARG TORCH_INDEX=
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+RUN useradd --create-home --uid 1000 --user-group tandem
+WORKDIR /app
+
+# torch first, in a layer of its own: it is most of the image and changes least.
+COPY scripts/install.sh scripts/install.sh
+RUN TORCH_SPEC="$TORCH_SPEC" TORCH_INDEX="$TORCH_INDEX" bash scripts/install.sh /opt/venv torch
+
+COPY pyproject.toml README.md ./
+COPY engine engine
+COPY server server
+RUN bash scripts/install.sh /opt/venv runtime
+
+# The embedded default pair and the presets; configs/default.yaml finds models/ beside it.
+COPY configs configs
+COPY models models
+COPY --chmod=0755 docker/entrypoint.sh /usr/local/bin/tandem-entrypoint
+
+ENV PATH=/opt/venv/bin:$PATH \
+    HF_HOME=/home/tandem/.cache/huggingface \
+    HF_HUB_OFFLINE=1 \
+    TANDEM_HOST=0.0.0.0 \
+    TANDEM_PORT=8000
+USER tandem
+EXPOSE 8000
+
+# /health is 200 only while the model is loaded and the server is not draining.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+    CMD python -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('TANDEM_PORT', '8000'), timeout=4)" || exit 1
+
+# SIGTERM drains: in-flight requests get up to TANDEM_DRAIN_TIMEOUT seconds (default 30).
+# Give `docker stop -t` / compose's stop_grace_period more than that.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["tandem-entrypoint"]
+CMD []

@@ -1,0 +1,175 @@
+"""The Dockerfile and docker/compose.yaml, checked without a Docker engine.
+
+The image must install exactly what `make test` installs (one script), and compose must
+wire the image, its ports, its health check and the nginx template together.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.deploy_helpers import REPO, nginx_binary
+
+DOCKER = REPO / "docker"
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    instructions, pending = [], ""
+    for line in (REPO / "Dockerfile").read_text().splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        keyword, _, rest = (pending + line).strip().partition(" ")
+        instructions.append((keyword.upper(), rest.strip()))
+        pending = ""
+    return instructions
+
+
+def _instructions(keyword: str) -> list[str]:
+    return [rest for kind, rest in dockerfile_instructions() if kind == keyword]
+
+
+def compose() -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def test_image_and_make_install_through_the_same_script():
+    runs = _instructions("RUN")
+    installs = [run for run in runs if "scripts/install.sh" in run]
+    assert any(re.search(r"scripts/install\.sh /opt/venv runtime\b", run) for run in installs)
+    assert not any("pip install" in run for run in runs), "install through scripts/install.sh"
+    copied = " ".join(_instructions("COPY"))
+    assert "scripts/install.sh" in copied and "pyproject.toml" in copied
+
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^\tbash scripts/install\.sh \$\(VENV\) runtime$", makefile, re.M)
+    assert re.search(r"^\tbash scripts/install\.sh \$\(VENV\) dev$", makefile, re.M)
+    assert re.search(r"^test: \$\(VENV\)/\.installed-dev$", makefile, re.M)
+    assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+def test_image_serves_on_all_interfaces_as_a_user_with_a_health_check():
+    users = _instructions("USER")
+    assert users and users[-1] not in ("root", "0")
+    env = " ".join(_instructions("ENV"))
+    assert "TANDEM_HOST=0.0.0.0" in env and "TANDEM_PORT=8000" in env
+    assert _instructions("EXPOSE") == ["8000"]
+    (health,) = _instructions("HEALTHCHECK")
+    assert "/health" in health and "CMD" in health
+    copied = _instructions("COPY")
+    assert "models models" in copied and "configs configs" in copied
+    assert any("docker/entrypoint.sh" in c for c in copied)
+    (entrypoint,) = _instructions("ENTRYPOINT")
+    assert "tandem-entrypoint" in entrypoint
+    for copy in copied:  # every source is in the repo and in the build context
+        sources = [p for p in copy.split() if not p.startswith("--")][:-1]
+        for source in sources:
+            assert (REPO / source).exists(), source
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {".git", ".venv*", "**/__pycache__", "bench/results"} <= set(ignored)
+    assert not {"models", "configs", "engine", "server", "scripts"} & set(ignored)
+
+
+def test_entrypoint_runs_tandem_serve_with_flags_and_anything_else_as_given(tmp_path):
+    # A stand-in `tandem` on PATH shows what the entry point would run.
+    fake = tmp_path / "tandem"
+    fake.write_text('#!/bin/sh\necho "tandem $*"\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+
+    def run(*args: str) -> str:
+        command = ["sh", str(DOCKER / "entrypoint.sh"), *args]
+        return subprocess.run(command, env=env, capture_output=True, text=True).stdout.strip()
+
+    assert run() == "tandem serve"
+    assert run("--max-draft-tokens", "6") == "tandem serve --max-draft-tokens 6"
+    assert run("echo", "hello") == "hello"
+
+
+def test_compose_names_the_image_the_ports_and_the_health_check():
+    services = compose()["services"]
+    tandem, nginx = services["tandem"], services["nginx"]
+
+    assert tandem["image"] == "${TANDEM_IMAGE:-tandem:latest}"
+    assert (DOCKER / tandem["build"]["context"] / tandem["build"]["dockerfile"]).is_file()
+    assert tandem["deploy"]["replicas"] >= 2
+    assert tandem["expose"] == ["8000"]
+    assert "/health" in " ".join(tandem["healthcheck"]["test"])
+    drain = float(tandem["environment"]["TANDEM_DRAIN_TIMEOUT"])
+    assert int(tandem["stop_grace_period"].removesuffix("s")) > drain
+    assert tandem["stop_signal"] == "SIGTERM"
+
+    assert nginx["image"].startswith("nginx:")
+    assert nginx["depends_on"]["tandem"]["condition"] == "service_healthy"
+    assert nginx["ports"] == ["${TANDEM_LB_PORT:-8080}:" + nginx["environment"]["NGINX_LISTEN"]]
+    assert nginx["environment"]["TANDEM_UPSTREAM"] == "tandem:8000"
+    # The template lands where nginx reads its main config from.
+    (mount,) = nginx["volumes"]
+    source, target, _ = mount.split(":")
+    assert (DOCKER / source).resolve() == DOCKER / "nginx.conf"
+    out_dir = nginx["environment"]["NGINX_ENVSUBST_OUTPUT_DIR"]
+    rendered = f"{out_dir}/{Path(target).name.removesuffix('.template')}"
+    assert target.startswith("/etc/nginx/templates/")
+    assert nginx["command"][nginx["command"].index("-c") + 1] == rendered
+
+    prometheus = services["prometheus"]
+    assert prometheus["profiles"] == ["monitoring"]
+    (mount,) = prometheus["volumes"]
+    scrape = yaml.safe_load((DOCKER / mount.split(":")[0]).read_text())
+    (job,) = scrape["scrape_configs"]
+    (sd,) = job["dns_sd_configs"]
+    assert sd["names"] == ["tandem"] and sd["port"] == 8000 and job["metrics_path"] == "/metrics"
+
+    gpu = yaml.safe_load((DOCKER / "compose.gpu.yaml").read_text())["services"]["tandem"]
+    (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+
+
+def test_nginx_conf_is_streaming_friendly():
+    conf = (DOCKER / "nginx.conf").read_text()
+    for directive in (
+        "least_conn;",
+        "proxy_buffering off;",
+        "proxy_next_upstream error timeout http_503 non_idempotent;",
+        "max_fails=1 fail_timeout=10s;",
+        "proxy_read_timeout 600s;",
+        "proxy_http_version 1.1;",
+    ):
+        assert directive in conf, directive
+
+
+@pytest.mark.skipif(
+    nginx_binary() is None or shutil.which("envsubst") is None,
+    reason="needs the nginx binary and envsubst (Debian: nginx, gettext-base)",
+)
+def test_compose_rendering_gives_a_config_nginx_accepts(tmp_path):
+    """The official image's template step: envsubst of the variables the container has."""
+    environment = dict(compose()["services"]["nginx"]["environment"])
+    # No Docker DNS here: the service name becomes a loopback address.
+    environment["TANDEM_UPSTREAM"] = "127.0.0.1:8000"
+    names = " ".join(f"${{{name}}}" for name in environment)
+    template = (DOCKER / "nginx.conf").read_text()
+    rendered = subprocess.run(
+        ["envsubst", names], input=template, env=environment, capture_output=True, text=True
+    ).stdout
+    assert "${" not in rendered and "$upstream_addr" in rendered  # nginx's own variables stay
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(rendered)
+    binary = nginx_binary()
+    assert binary is not None
+    check = subprocess.run(
+        [binary, "-t", "-p", f"{tmp_path}/", "-c", str(conf), "-e", "stderr"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert check.returncode == 0, check.stderr
