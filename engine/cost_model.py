@@ -11,10 +11,16 @@ single-token pass (within `CAPACITY_SLACK`).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 import numpy as np
+import torch
+
+from engine.model_runner import ModelRunner, SeqInput
+
+logger = logging.getLogger(__name__)
 
 CAPACITY_SLACK = 1.25
 _EMA = 0.1
@@ -96,6 +102,48 @@ class CostModel:
         predicted = self.draft_fixed * num_passes + self.draft_per_request * num_drafts
         if predicted > 0:
             self.draft_scale += _EMA * (seconds / predicted - self.draft_scale)
+
+
+def calibrate_runners(
+    target: ModelRunner,
+    draft: ModelRunner | None,
+    block_size: int,
+    max_tokens: int,
+    max_batch: int,
+) -> CostModel:
+    """Time target passes by size and draft passes by batch, before any request runs.
+
+    The KV written here is garbage in blocks nobody holds yet; real requests overwrite it.
+    """
+    table = list(range(-(-max_tokens // block_size)))
+    device = target.device
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def run_target(n: int) -> None:
+        target.forward([SeqInput([0] * n, 0, table, [n - 1])])
+        sync()
+
+    def run_draft(b: int) -> None:
+        assert draft is not None
+        ctx = min(32, max_tokens - 1)
+        draft.forward([SeqInput([0], ctx, table, [0]) for _ in range(b)])
+        sync()
+
+    started = time.perf_counter()
+    cost = CostModel.calibrate(
+        run_target, run_draft if draft is not None else None, max_tokens, max_batch
+    )
+    logger.info(
+        "cost model calibrated in %.1fs: target pass %.2f ms (1 token) .. %.2f ms (%d), "
+        "draft pass %.2f ms + %.3f ms/request, verifier capacity P=%d",
+        time.perf_counter() - started, cost.target_seconds[0] * 1e3,
+        cost.target_seconds[-1] * 1e3, int(cost.sizes[-1]), cost.draft_fixed * 1e3,
+        cost.draft_per_request * 1e3, cost.capacity(),
+    )  # fmt: skip
+    return cost
 
 
 def _log_sizes(limit: int) -> list[int]:

@@ -16,7 +16,7 @@ import torch
 from transformers import GenerationConfig
 
 from engine.config import EngineConfig
-from engine.cost_model import CostModel
+from engine.cost_model import CostModel, calibrate_runners
 from engine.draft_length import (
     AdaptiveDraftLength,
     DraftLengthPolicy,
@@ -24,9 +24,10 @@ from engine.draft_length import (
     NoSpeculation,
 )
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ModelRunner, SeqInput, resolve_device, resolve_dtype
+from engine.model_runner import ModelRunner, resolve_device, resolve_dtype
 from engine.outputs import RequestOutput
 from engine.proposers import build_proposer
+from engine.proposers.base import DraftBatch
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, make_output
 from engine.speed_of_light import SpeedOfLight
@@ -147,19 +148,7 @@ class LLMEngine:
         except Exception as exc:  # a failed forward fails this step's requests, not the engine
             logger.exception("engine step failed")
             return self._fail(sched, f"internal error in the engine step: {exc}")
-        num_drafts = [len(d) for d in drafts.token_ids] if drafts else []
-        self.totals.draft_seconds += drafted - start
-        self.totals.target_seconds += verified - drafted
-        self.totals.draft_passes += max(num_drafts, default=0)
-        if self.cost_model is not None:
-            if any(num_drafts):
-                self.cost_model.observe_draft(max(num_drafts), sum(num_drafts), drafted - start)
-            self.cost_model.observe_target(
-                sched.num_batched_tokens
-                - sum(s.num_draft_tokens for s in sched.scheduled)
-                + sum(num_drafts),
-                verified - drafted,
-            )
+        self._observe_timing(sched, drafts, drafted - start, verified - drafted)
         outputs = self.scheduler.update(sched, results.tokens)
         for out in outputs:
             out.prompt_logprobs = results.prompt_logprobs.pop(out.request_id, None)
@@ -192,6 +181,25 @@ class LLMEngine:
         self.kv.check_invariants()
         if not self.scheduler.has_work():
             assert self.kv.num_free_blocks == self.kv.num_blocks, "idle engine holds KV blocks"
+
+    def _observe_timing(
+        self,
+        sched: SchedulerOutput,
+        drafts: DraftBatch | None,
+        draft_seconds: float,
+        target_seconds: float,
+    ) -> None:
+        num_drafts = [len(d) for d in drafts.token_ids] if drafts else []
+        self.totals.draft_seconds += draft_seconds
+        self.totals.target_seconds += target_seconds
+        self.totals.draft_passes += max(num_drafts, default=0)
+        if self.cost_model is None:
+            return
+        if any(num_drafts):
+            self.cost_model.observe_draft(max(num_drafts), sum(num_drafts), draft_seconds)
+        scheduled_drafts = sum(s.num_draft_tokens for s in sched.scheduled)
+        target_tokens = sched.num_batched_tokens - scheduled_drafts + sum(num_drafts)
+        self.cost_model.observe_target(target_tokens, target_seconds)
 
     def _count(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         t = self.totals
@@ -238,43 +246,16 @@ class LLMEngine:
         return FixedDraftLength(spec.max_draft_tokens)
 
     def _calibrate(self) -> CostModel:
-        """Time target passes by size and draft passes by batch, before any request runs.
-
-        The KV written here is garbage in blocks nobody holds yet; real requests overwrite it.
-        """
-        bs = self.kv.block_size
-        max_tokens = min(self.config.scheduler.max_num_batched_tokens, self.kv.num_blocks * bs)
-        table = list(range(self.kv.blocks_needed(max_tokens)))
-
-        def run_target(n: int) -> None:
-            self.runner.forward([SeqInput([0] * n, 0, table, [n - 1])])
-            _synchronize(self.device)
-
-        run_draft = None
-        draft_runner = getattr(self.proposer, "runner", None)
-        if draft_runner is not None:
-            ctx = min(32, max_tokens - 1)
-
-            def run_draft(b: int) -> None:
-                draft_runner.forward([SeqInput([0], ctx, table, [0]) for _ in range(b)])
-                _synchronize(self.device)
-
-        started = time.perf_counter()
-        cost = CostModel.calibrate(
-            run_target, run_draft, max_tokens, self.config.scheduler.max_num_seqs
+        max_tokens = min(
+            self.config.scheduler.max_num_batched_tokens, self.kv.num_blocks * self.kv.block_size
         )
-        logger.info(
-            "cost model calibrated in %.1fs: target pass %.2f ms (1 token) .. %.2f ms (%d), "
-            "draft pass %.2f ms + %.3f ms/request, verifier capacity P=%d",
-            time.perf_counter() - started,
-            cost.target_seconds[0] * 1e3,
-            cost.target_seconds[-1] * 1e3,
-            int(cost.sizes[-1]),
-            cost.draft_fixed * 1e3,
-            cost.draft_per_request * 1e3,
-            cost.capacity(),
+        return calibrate_runners(
+            self.runner,
+            getattr(self.proposer, "runner", None),
+            self.kv.block_size,
+            max_tokens,
+            self.config.scheduler.max_num_seqs,
         )
-        return cost
 
     def _blocks_from_budget(self, block_size: int) -> int:
         per_block = self.runner.kv_bytes_per_block(block_size)
@@ -289,11 +270,6 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache; lower the model size or budget")
         return num_blocks
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _eos_token_ids(model_path: str, runner: ModelRunner) -> tuple[int, ...]:
