@@ -151,6 +151,18 @@ def main() -> None:
             *concurrency_section(json.loads(conc.read_text()), DOCS / "concurrency_cpu.png"),
         ]
     DOCS.mkdir(exist_ok=True)
+    peers = RESULTS / "peers.json"
+    if peers.exists():
+        from bench.report_peers import peers_section
+
+        sections += [
+            "",
+            *peers_section(
+                json.loads(peers.read_text()),
+                DOCS / "peers_throughput_cpu.png",
+                DOCS / "peers_latency_cpu.png",
+            ),
+        ]
     (DOCS / "BENCHMARKS.md").write_text("\n".join(sections) + "\n")
     print(f"wrote {DOCS / 'BENCHMARKS.md'}")
 
