@@ -78,29 +78,42 @@ def machine() -> dict[str, str]:
 
 
 def run_sweep(args: argparse.Namespace, levels: list[int], specs: dict[str, SpecConfig]) -> dict:
+    """Every (setting, level) `args.repeats` times, interleaved round-robin so slow drift on
+    a shared machine hits all settings alike; the median run is reported."""
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = make_prompts(tokenizer, 256, args.min_prompt, args.max_prompt, seed=args.seed)
-    results: list[RunResult] = []
-    for name, spec in specs.items():
-        engine = build_engine(args, spec, max(levels))
+    engines = {name: build_engine(args, spec, max(levels)) for name, spec in specs.items()}
+    for name, engine in engines.items():
         run_closed_loop(engine, f"warmup-{name}", prompts, 1, 8, 2)
+    runs: dict[tuple[str, int], list[RunResult]] = {}
+    for rep in range(args.repeats):
         for level in levels:
-            num = max(args.min_requests, args.requests_per_slot * level)
-            result = run_closed_loop(engine, name, prompts, level, args.max_tokens, num)
-            results.append(result)
-            print(
-                f"{name:>12} c={level:<3} {result.tokens_per_s:8.1f} tok/s  "
-                f"ttft {result.ttft_mean_ms:7.1f} ms  itl {result.itl_mean_ms:6.1f} ms  "
-                f"acc {result.acceptance:.3f}  K {result.mean_k:.2f}",
-                flush=True,
-            )
-        del engine
+            for name, engine in engines.items():
+                num = max(args.min_requests, args.requests_per_slot * level)
+                result = run_closed_loop(
+                    engine, f"{name}#{rep}", prompts, level, args.max_tokens, num
+                )
+                result.setting = name
+                runs.setdefault((name, level), []).append(result)
+                print(
+                    f"[{rep}] {name:>12} c={level:<3} {result.tokens_per_s:8.1f} tok/s  "
+                    f"ttft {result.ttft_mean_ms:7.1f} ms  itl {result.itl_mean_ms:6.1f} ms  "
+                    f"acc {result.acceptance:.3f}  K {result.mean_k:.2f}",
+                    flush=True,
+                )
+    results = []
+    for rs in runs.values():
+        median = sorted(rs, key=lambda r: r.tokens_per_s)[len(rs) // 2]
+        row = median.as_dict()
+        row["tokens_per_s_runs"] = [r.tokens_per_s for r in rs]
+        results.append(row)
     return {
         "machine": machine(),
         "command": args.command_line,
         "max_tokens": args.max_tokens,
         "prompt_tokens": [args.min_prompt, args.max_prompt],
-        "results": [r.as_dict() for r in results],
+        "repeats": args.repeats,
+        "results": results,
     }
 
 
@@ -117,9 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-prompt", type=int, default=192)
     p.add_argument("--requests-per-slot", type=int, default=2)
     p.add_argument("--min-requests", type=int, default=4)
-    p.add_argument("--kv-blocks", type=int, default=1200)
+    p.add_argument("--kv-blocks", type=int, default=0, help="0 = enough for the top level")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs; median reported")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
@@ -128,6 +142,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.kv_blocks:  # every request of the top level resident, plus draft slack
+        per_request = -(-(args.max_prompt + args.max_tokens + max(args.ks) + 1) // 16)
+        top = max(args.levels) if args.mode == "concurrency" else 1
+        args.kv_blocks = top * per_request + 16
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(args.seed)
 

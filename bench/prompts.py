@@ -46,7 +46,9 @@ def make_prompts(
         text = rng.choice(texts)
         lines = text.splitlines(keepends=True)
         start = rng.randrange(max(len(lines) - 8, 1))
-        ids = tokenizer.encode("".join(lines[start:]), add_special_tokens=False)
+        # 16 characters per token is far more text than max_tokens needs.
+        text = "".join(lines[start:])[: 16 * max_tokens]
+        ids = tokenizer.encode(text, add_special_tokens=False)
         length = rng.randint(min_tokens, max_tokens)
         if len(ids) >= length:
             prompts.append(ids[:length])

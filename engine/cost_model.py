@@ -39,6 +39,7 @@ class CostModel:
         self.draft_fixed = draft_fixed
         self.draft_per_request = draft_per_request
         self.draft_scale = 1.0
+        self._draft_observations = 0
 
     @classmethod
     def calibrate(
@@ -47,15 +48,15 @@ class CostModel:
         run_draft: Callable[[int], None] | None,
         max_tokens: int,
         max_batch: int,
-        repeats: int = 3,
+        repeats: int = 5,
     ) -> CostModel:
         """Time `run_target(n)` for log-spaced n up to max_tokens, and `run_draft(b)`."""
         sizes = _log_sizes(max_tokens)
-        target = [_median_time(lambda n=n: run_target(n), repeats) for n in sizes]
+        target = [_min_time(lambda n=n: run_target(n), repeats) for n in sizes]
         fixed, per_request = 0.0, 0.0
         if run_draft is not None:
             batches = _log_sizes(max_batch)
-            times = [_median_time(lambda b=b: run_draft(b), repeats) for b in batches]
+            times = [_min_time(lambda b=b: run_draft(b), repeats) for b in batches]
             per_request, fixed = (
                 np.polyfit(batches, times, 1)
                 if len(batches) > 1
@@ -101,7 +102,11 @@ class CostModel:
     def observe_draft(self, num_passes: int, num_drafts: int, seconds: float) -> None:
         predicted = self.draft_fixed * num_passes + self.draft_per_request * num_drafts
         if predicted > 0:
-            self.draft_scale += _EMA * (seconds / predicted - self.draft_scale)
+            # The first observations replace a possibly unlucky calibration outright (a running
+            # mean); after that an EMA follows drift.
+            self._draft_observations += 1
+            rate = max(_EMA, 1.0 / self._draft_observations)
+            self.draft_scale += rate * (seconds / predicted - self.draft_scale)
 
 
 def calibrate_runners(
@@ -155,11 +160,12 @@ def _log_sizes(limit: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def _median_time(fn: Callable[[], None], repeats: int) -> float:
+def _min_time(fn: Callable[[], None], repeats: int) -> float:
+    """Best of `repeats`: interference on a shared machine only ever adds time."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return min(times)

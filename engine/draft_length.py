@@ -64,16 +64,27 @@ class AdaptiveDraftLength:
         (B + sum of gains) / (T_target(n_other + B + drafts) + T_draft(passes, drafts))
     using the measured cost model. An empty prefix is plain decoding.
 
+    When speculation has been off for `probe_interval` steps, one step drafts K = 1 for every
+    request: otherwise a pessimistic cost estimate or acceptance prior could never be corrected,
+    since only steps that draft measure the draft's cost and acceptance.
+
     A seeded sampling request always gets K_max: under speculative sampling the exact sample
     (not its distribution) depends on K, and a seed promises the same output every time, which
     a K chosen from measured timings would break.
     """
 
     def __init__(
-        self, max_draft_tokens: int, cost: CostModel, prior: float = 0.6, prior_weight: float = 8
+        self,
+        max_draft_tokens: int,
+        cost: CostModel,
+        prior: float = 0.6,
+        prior_weight: float = 8,
+        probe_interval: int = 32,
     ) -> None:
         self.max_draft_tokens = max_draft_tokens
         self.cost = cost
+        self.probe_interval = probe_interval
+        self._steps_without_drafts = 0
         self.prior_weight = prior_weight
         self._accepted = prior * prior_weight  # decayed engine-wide counts
         self._trials = prior_weight
@@ -113,6 +124,13 @@ class AdaptiveDraftLength:
                 reasons.append(None)
             else:  # would it get more alone? then the batch is what cut it
                 reasons.append(REASON_BATCH if k < k_solo else REASON_ACCEPTANCE)
+        if ks.any():
+            self._steps_without_drafts = 0
+        else:
+            self._steps_without_drafts += 1
+            if self._steps_without_drafts >= self.probe_interval:
+                self._steps_without_drafts = 0
+                ks[:] = 1
         return DraftLengths([int(k) for k in ks], reasons)
 
     def _best_prefix(
