@@ -33,7 +33,11 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._step_lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._num_pending = 0
+        # Admission counts requests the engine thread has not yet reported in a stats snapshot.
+        # Each counter has one writer (submitted: the caller, published: the engine thread), so
+        # no update is lost, and `published` moves only with the snapshot that counts them.
+        self._num_submitted = 0
+        self._num_published = 0
         self._stats = EngineStats()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -71,13 +75,14 @@ class AsyncEngine:
         self.engine.validate(prompt_token_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        waiting = self._stats.num_waiting + self._num_pending
+        published = self._num_published  # read first: the snapshot is then at least as new
+        waiting = self._stats.num_waiting + self._num_submitted - published
         if waiting >= self.engine.config.scheduler.max_waiting:
             raise QueueFullError(f"{waiting} requests are already waiting")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = (loop, outputs)
-        self._num_pending += 1
+        self._num_submitted += 1
         self._inbox.put(("add", request_id, list(prompt_token_ids), params))
         self._wake.set()
         return self._stream(request_id, outputs)
@@ -111,10 +116,11 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stop.is_set():
             with self._step_lock:
-                outputs = self._drain_inbox()
+                outputs, num_taken = self._drain_inbox()
                 if self.engine.has_work():
                     outputs += self.engine.step()
                 self._stats = copy.deepcopy(self.engine.stats())
+                self._num_published += num_taken
             self._publish(outputs)
             if not self.engine.has_work() and self._inbox.empty():
                 self._wake.wait(timeout=0.5)
@@ -123,21 +129,24 @@ class AsyncEngine:
             outputs = self.engine.fail_all("the server is shutting down")
         self._publish(outputs)
 
-    def _drain_inbox(self) -> list[RequestOutput]:
+    def _drain_inbox(self) -> tuple[list[RequestOutput], int]:
+        """Apply queued adds and aborts: (outputs for the clients, requests taken)."""
         outputs = []
+        num_taken = 0
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return outputs
+                return outputs, num_taken
             if item[0] == "add":
                 _, request_id, prompt, params = item
-                self._num_pending -= 1
+                num_taken += 1
                 if request_id not in self._streams:
                     continue  # the client went away before the engine saw it
                 try:
-                    self.engine.add_request(request_id, prompt, params)
-                except (ValueError, QueueFullError) as exc:
+                    # generate() validated and admitted it; only a reused id can fail here.
+                    self.engine.enqueue(request_id, prompt, params)
+                except ValueError as exc:
                     outputs.append(_error_output(request_id, str(exc)))
             else:
                 out = self.engine.abort(item[1])

@@ -97,10 +97,19 @@ class LLMEngine:
     ) -> Request:
         """Validate and queue a request; raise ValueError (bad input) or QueueFullError."""
         self.validate(prompt_token_ids, params)
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
+        return self.enqueue(request_id, prompt_token_ids, params)
+
+    def enqueue(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        """Queue a request that was validated and admitted already (AsyncEngine admits on the
+        caller's side, where the client can still be told 503; preempted requests may have
+        refilled the queue since, and they must not turn an admitted request into a failure).
+        """
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
         seed = params.seed if params.seed is not None else next(self._seeds)
         req.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -115,6 +124,10 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is out of range [0, {self.vocab_size})")
+        # The sampler indexes logits with stop ids (min_tokens): one bad id would fail the step.
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop token id {bad} is out of range [0, {self.vocab_size})")
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the "

@@ -33,12 +33,18 @@ class RowSpec:
 
 
 def apply_penalties_and_masks(
-    logits: torch.Tensor,  # [num_rows, vocab], modified in place
+    logits: torch.Tensor,  # [num_rows, vocab], modified in place unless an inference tensor
     rows: list[RowSpec],
 ) -> torch.Tensor:
+    # Logits straight from a forward were made under torch.inference_mode and cannot be
+    # changed in place outside it (a draft model's are; the verifier's were concatenated).
+    if logits.is_inference() and any(
+        _masks_stops(r) or r.request.params.has_penalties for r in rows
+    ):
+        logits = logits.clone()
     for i, row in enumerate(rows):
         params = row.request.params
-        if row.num_generated < params.min_tokens and row.request.stop_token_ids:
+        if _masks_stops(row):
             logits[i, list(row.request.stop_token_ids)] = float("-inf")
         if params.has_penalties:
             generated = (
@@ -51,6 +57,10 @@ def apply_penalties_and_masks(
                 logits[i] -= params.frequency_penalty * counts
                 logits[i] -= params.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
+
+
+def _masks_stops(row: RowSpec) -> bool:
+    return row.num_generated < row.request.params.min_tokens and bool(row.request.stop_token_ids)
 
 
 def logits_to_probs(

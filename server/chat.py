@@ -11,7 +11,13 @@ from starlette.responses import Response
 
 from server.errors import APIError
 from server.logprobs import chat_logprobs
-from server.prompts import check_prompt, render_chat, sampling_params
+from server.prompts import (
+    check_prompt,
+    check_request_tokens,
+    render_chat,
+    request_token_limit,
+    sampling_params,
+)
 from server.protocol import ChatCompletionRequest
 from server.responses import (
     AssistantMessage,
@@ -42,6 +48,10 @@ async def create_chat_completion(
         raise APIError("top_logprobs needs logprobs to be true", 400, param="top_logprobs")
     prompt = render_chat(state, req.messages)
     max_tokens = check_prompt(state, prompt, req.output_limit, None, "messages")
+    if req.output_limit is None:  # "as many as fit" also means: within the request budget
+        share = (request_token_limit(state) - len(prompt.token_ids)) // req.n
+        max_tokens = min(max_tokens, max(share, 1))
+    check_request_tokens(state, [(len(prompt.token_ids), max_tokens)], req.n)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     request_id = new_id("chatcmpl")
     choices = [

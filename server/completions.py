@@ -12,7 +12,13 @@ from starlette.responses import Response
 from server.detokenizer import IncrementalDetokenizer, Piece
 from server.errors import APIError
 from server.logprobs import completion_logprobs, piece_offsets
-from server.prompts import Prompt, check_prompt, encode_prompt, sampling_params
+from server.prompts import (
+    Prompt,
+    check_prompt,
+    check_request_tokens,
+    encode_prompt,
+    sampling_params,
+)
 from server.protocol import CompletionRequest
 from server.responses import CompletionChoice, CompletionResponse, dump, new_id, now
 from server.serving import ChoiceDelta, ChoiceRequest, ChoiceUsage, total_usage
@@ -35,9 +41,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if req.echo and req.max_tokens == 0 and prompt_logprobs is None:
         prompt_logprobs = 0
     request_id = new_id("cmpl")
+    limits = [
+        check_prompt(state, prompt, req.max_tokens, DEFAULT_MAX_TOKENS, "prompt")
+        for prompt in prompts
+    ]
+    check_request_tokens(
+        state, [(len(p.token_ids), m) for p, m in zip(prompts, limits, strict=True)], req.n
+    )
     choices = []
-    for p, prompt in enumerate(prompts):
-        max_tokens = check_prompt(state, prompt, req.max_tokens, DEFAULT_MAX_TOKENS, "prompt")
+    for p, (prompt, max_tokens) in enumerate(zip(prompts, limits, strict=True)):
         for i in range(req.n):
             params = sampling_params(
                 state, req, max_tokens=max_tokens, seed_offset=i, logprobs=req.logprobs,

@@ -128,7 +128,8 @@ class Metrics:
         )
         self.requests_finished = Counter(
             "tandem_requests_finished",
-            "Finished choices by reason: stop, length, abort (client left), error, rejected.",
+            "Finished choices by reason: stop, length, abort (client left), error, rejected, "
+            "timeout.",
             ["finish_reason"],
             registry=self.registry,
         )

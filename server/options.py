@@ -179,6 +179,22 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("server.log_level", "--log-level", str, "logging level", choices=LOG_LEVELS),
     Option(
+        "server.max_request_tokens",
+        "--max-request-tokens",
+        _optional(int, ("auto", "none", "null")),
+        "most tokens one request may ask for: its prompts plus max_tokens x n for each; more "
+        "get HTTP 400 (auto = 8 x --max-model-len)",
+        metavar="N",
+    ),
+    Option(
+        "server.request_timeout",
+        "--request-timeout",
+        _optional(float, ("none", "null", "off")),
+        "seconds a request may take from arrival to its last token; past it the request is "
+        "aborted and the client gets HTTP 504 (or an error event in a stream); off = no limit",
+        metavar="SECONDS",
+    ),
+    Option(
         "server.drain_timeout",
         "--drain-timeout",
         float,

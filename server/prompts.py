@@ -76,6 +76,36 @@ def check_prompt(
     return requested
 
 
+REQUEST_TOKENS_PER_CONTEXT = 8
+"""--max-request-tokens auto = this many full contexts per request."""
+
+
+def request_token_limit(state: ServerState) -> int:
+    limit = state.settings.server.max_request_tokens
+    if limit is None:
+        return REQUEST_TOKENS_PER_CONTEXT * state.ready_engine().max_model_len
+    return limit
+
+
+def check_request_tokens(state: ServerState, sizes: Sequence[tuple[int, int]], n: int) -> None:
+    """Refuse a request that may ask for more tokens than --max-request-tokens (400).
+
+    sizes: (prompt tokens, max_tokens) per prompt; each prompt is counted once and its max_tokens
+    n times. Without this cap one request (many prompts, large n) could fill the whole engine.
+    """
+    limit = request_token_limit(state)
+    total = sum(prompt + n * completion for prompt, completion in sizes)
+    if total > limit:
+        raise APIError(
+            f"This request may use {total} tokens (the prompts plus max_tokens for each of n={n} "
+            f"choices per prompt), more than this server allows per request ({limit}). Lower "
+            "max_tokens, n or the number of prompts.",
+            400,
+            param="max_tokens",
+            code="request_too_large",
+        )
+
+
 def _too_long(limit: int, prompt: int, completion: int, param: str) -> APIError:
     return APIError(
         f"This model's maximum context length is {limit} tokens. However, you requested "

@@ -7,6 +7,7 @@ log them instead of failing a client that sends a newer parameter.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -16,6 +17,24 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 SEED_RANGE = (-(2**63), 2**63 - 1 - MAX_N)
 """torch generators take 64-bit seeds; choice i of n uses seed + i."""
+_SURROGATE = re.compile("[\\ud800-\\udfff]")
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    """Whether any string in decoded JSON holds a lone UTF-16 surrogate (iterative: bodies may
+    nest deeper than Python's recursion limit)."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 class _Lenient(BaseModel):
@@ -57,6 +76,18 @@ class SamplingRequest(_Lenient):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        # JSON can escape a lone surrogate ("\ud800"); json.loads keeps it, but no tokenizer
+        # takes it and no UTF-8 response can carry it (not even an error message quoting it).
+        if _has_lone_surrogate(data):
+            raise ValueError(
+                "the body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its "
+                "pair), which is not valid Unicode text"
+            )
+        return data
 
     @field_validator("stop")
     @classmethod

@@ -8,6 +8,7 @@ consume the same `ChoiceDelta`s.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -73,6 +74,15 @@ class ChoiceDelta:
         return "".join(piece.text for piece in self.pieces)
 
 
+def _timed_out(timeout: float | None) -> APIError:
+    return APIError(
+        f"The request did not finish within the server's limit of {timeout:g} seconds "
+        "(--request-timeout) and was stopped. Ask for fewer tokens or retry later.",
+        504,
+        code="timeout",
+    )
+
+
 def _failure(out: RequestOutput) -> APIError:
     if out.finish_reason == "abort":
         return APIError("The request was aborted by the server (shutting down?)", 503)
@@ -84,10 +94,21 @@ async def generate_choice(
 ) -> AsyncIterator[ChoiceDelta]:
     """Yield a first delta as soon as the engine answers, then one per release of text.
 
-    Raises APIError for input the engine refuses (400), a full queue (503) or a request the
-    engine failed (500). Leaving early (client gone, task cancelled) aborts the engine request.
+    Raises APIError for input the engine refuses (400), a full queue (503), a request the
+    engine failed (500) or one that outlived --request-timeout (504). Leaving early (client
+    gone, task cancelled) aborts the engine request.
     """
     engine = state.ready_engine()
+    loop = asyncio.get_running_loop()
+    timeout = state.settings.server.request_timeout
+    # At the deadline the engine aborts the request (freeing its blocks) wherever it is; the
+    # abort comes back as its last output, which then means "timed out". A timer costs nothing
+    # per token, unlike a timeout around every wait.
+    timer = (
+        None
+        if timeout is None
+        else loop.call_later(arrival + timeout - time.monotonic(), engine.abort, choice.request_id)
+    )
     metrics = state.metrics
     detok = IncrementalDetokenizer(state.tokenizer, choice.prompt_ids)
     stops = StopStringFilter(choice.stops)
@@ -108,6 +129,9 @@ async def generate_choice(
                     last_token_time = now
                 if out.finished and out.finish_reason not in ("stop", "length"):
                     reason = out.finish_reason or "error"
+                    if reason == "abort" and timer is not None and loop.time() >= timer.when():
+                        reason = "timeout"
+                        raise _timed_out(timeout)
                     raise _failure(out)
                 logprobs = out.new_logprobs or repeat(None)
                 pieces = [
@@ -137,6 +161,8 @@ async def generate_choice(
             reason = "rejected"
         raise
     finally:
+        if timer is not None:
+            timer.cancel()
         if not engine_done:
             # After a stop string the engine would go on; after the consumer left (client
             # gone, task cancelled) the request's KV blocks must be freed at once.

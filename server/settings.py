@@ -32,6 +32,10 @@ class ServerConfig:
     log_level: str = "info"
     drain_timeout: float = 30.0
     """Seconds a SIGTERM waits for in-flight requests before the process exits."""
+    max_request_tokens: int | None = None
+    """Most tokens one request may ask for (prompts + max_tokens x n); None = 8 x max_model_len."""
+    request_timeout: float | None = 600.0
+    """Seconds from arrival to the last token before the request is aborted; None = no limit."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -39,6 +43,15 @@ class ServerConfig:
         if not 0 <= self.drain_timeout <= 86400:
             raise ValueError(
                 f"--drain-timeout must be between 0 and 86400 seconds (got {self.drain_timeout})"
+            )
+        if self.max_request_tokens is not None and self.max_request_tokens < 2:
+            raise ValueError(
+                f"--max-request-tokens must be at least 2 or auto (got {self.max_request_tokens})"
+            )
+        if self.request_timeout is not None and not 0 < self.request_timeout <= 86400:
+            raise ValueError(
+                "--request-timeout must be between 0 and 86400 seconds, or off "
+                f"(got {self.request_timeout})"
             )
         if self.log_level not in LOG_LEVELS:
             raise ValueError(

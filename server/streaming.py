@@ -157,7 +157,12 @@ async def respond(
             engine.abort(choice.request_id)
 
     if stream:
-        return sse_response(to_chunks(await started(deltas)), on_close=abort_all)
+        # A client that leaves while its request is still queued must not keep its place.
+        connected, first = await until_disconnected(raw, started(deltas))
+        if not connected or first is None:
+            abort_all()
+            return Response(status_code=499)
+        return sse_response(to_chunks(first), on_close=abort_all)
     finished, results = await until_disconnected(raw, collect(deltas))
     if not finished or results is None:
         abort_all()

@@ -52,8 +52,11 @@ class Served:
         self.engine.check_invariants()
 
 
-def serve(tiny_dirs: dict) -> Iterator[Served]:
-    """Start a server on the tiny models, yield it, stop it (a fixture body)."""
+def serve(tiny_dirs: dict, **changes: object) -> Iterator[Served]:
+    """Start a server on the tiny models, yield it, stop it (a fixture body).
+
+    changes: settings to change, by YAML key with `__` for the dot (`cache__num_blocks=64`).
+    """
     overrides = {
         "model.path": str(tiny_dirs["llama"]),
         "model.max_model_len": 256,
@@ -69,6 +72,7 @@ def serve(tiny_dirs: dict) -> Iterator[Served]:
         "scheduler.max_num_batched_tokens": 128,
         "server.served_model_name": MODEL,
         "server.api_key": API_KEY,
+        **{key.replace("__", "."): value for key, value in changes.items()},
     }
     settings = load_settings(None, overrides, environ={})
     engine = AsyncEngine.from_config(settings.engine)
