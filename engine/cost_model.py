@@ -70,15 +70,14 @@ class CostModel:
 
     def target_time(self, num_tokens: np.ndarray | float) -> np.ndarray:
         # Linear inside the table, linear extrapolation past its end (compute-bound regime).
+        # Predictions use a monotone envelope so a bigger pass never looks cheaper; the stored
+        # table is left alone so one slow outlier cannot raise every larger size for good.
+        table = np.maximum.accumulate(self.target_seconds)
         n = np.asarray(num_tokens, dtype=np.float64)
-        inside = np.interp(n, self.sizes, self.target_seconds)
+        inside = np.interp(n, self.sizes, table)
         if len(self.sizes) >= 2:
-            slope = (self.target_seconds[-1] - self.target_seconds[-2]) / (
-                self.sizes[-1] - self.sizes[-2]
-            )
-            inside = np.where(
-                n > self.sizes[-1], self.target_seconds[-1] + slope * (n - self.sizes[-1]), inside
-            )
+            slope = (table[-1] - table[-2]) / (self.sizes[-1] - self.sizes[-2])
+            inside = np.where(n > self.sizes[-1], table[-1] + slope * (n - self.sizes[-1]), inside)
         return inside
 
     def draft_time(self, num_passes: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
@@ -94,10 +93,20 @@ class CostModel:
         return int(ok.max()) if ok.size else 1
 
     def observe_target(self, num_tokens: int, seconds: float) -> None:
-        i = int(np.argmin(np.abs(np.log(self.sizes) - np.log(max(num_tokens, 1)))))
-        self.target_seconds[i] += _EMA * (seconds - self.target_seconds[i])
-        # Keep the table monotone so interpolation never rewards bigger passes.
-        np.maximum.accumulate(self.target_seconds, out=self.target_seconds)
+        """Correct the two table points that interpolate num_tokens, each by its weight.
+
+        The correction is multiplicative and clipped to [0.5x, 2x] per observation, so a
+        pause on a shared machine moves the model a little, not a lot.
+        """
+        n = float(min(max(num_tokens, self.sizes[0]), self.sizes[-1]))
+        hi = int(np.searchsorted(self.sizes, n))
+        lo = max(hi - 1, 0)
+        span = self.sizes[hi] - self.sizes[lo]
+        w_hi = 1.0 if span == 0 else (n - self.sizes[lo]) / span
+        ratio = float(np.clip(seconds / float(self.target_time(n)), 0.5, 2.0))
+        for i, w in ((lo, 1.0 - w_hi), (hi, w_hi)):
+            if w > 0:
+                self.target_seconds[i] *= 1.0 + _EMA * w * (ratio - 1.0)
 
     def observe_draft(self, num_passes: int, num_drafts: int, seconds: float) -> None:
         predicted = self.draft_fixed * num_passes + self.draft_per_request * num_drafts

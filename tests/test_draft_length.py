@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from engine.config import SpecConfig
 from engine.cost_model import CostModel
 from engine.draft_length import (
@@ -80,9 +83,14 @@ def test_acceptance_estimate_learns_from_observations():
 def test_cost_model_capacity_and_online_refinement():
     cost = memory_then_compute_bound()
     assert cost.capacity() == 16  # within 25% of a one-token pass
-    cost.observe_target(1, 0.030)  # a much slower real pass pulls the table up
-    assert cost.target_time(1) > 0.010
-    assert list(cost.target_seconds) == sorted(cost.target_seconds)
+    cost.observe_target(1, 0.030)  # a much slower real pass pulls the table up, a little
+    assert 0.010 < cost.target_time(1) < 0.0125
+    assert cost.target_time(64) == pytest.approx(0.034)  # other sizes are not dragged along
+    predictions = cost.target_time(np.array(SIZES))
+    assert list(predictions) == sorted(predictions)  # a bigger pass never looks cheaper
+    for _ in range(200):  # repeated evidence wins: 24-token passes really take 30 ms
+        cost.observe_target(24, 0.030)
+    assert cost.target_time(24) == pytest.approx(0.030, rel=0.05)
 
 
 def _count_draft_tokens(engine) -> list[int]:
