@@ -56,9 +56,9 @@ def test_greedy_speculative_equals_target_only(tiny_dirs, prompts_and_reference,
     prompts, expected = prompts_and_reference
     target = tiny_dirs["llama"]
     spec = {
-        "different_draft": SpecConfig("draft", str(tiny_dirs["llama_draft"]), max_draft_tokens=8),
-        "draft_is_target": SpecConfig("draft", str(target), max_draft_tokens=8),
-        "ngram": SpecConfig("ngram", max_draft_tokens=8),
+        "different_draft": SpecConfig("draft", str(tiny_dirs["llama_draft"]), 8, "fixed"),
+        "draft_is_target": SpecConfig("draft", str(target), 8, "fixed"),
+        "ngram": SpecConfig("ngram", max_draft_tokens=8, draft_length="fixed"),
     }[drafter]
     engine = make_engine(target, spec=spec, block_size=4, max_num_batched_tokens=96)
     assert _run_with_ks(engine, prompts) == expected
@@ -73,7 +73,8 @@ def test_greedy_speculative_equals_target_only(tiny_dirs, prompts_and_reference,
 
 def test_rejected_drafts_across_blocks_are_released_right_after_the_step(tiny_dirs):
     target = tiny_dirs["llama"]
-    spec = SpecConfig("draft", str(tiny_dirs["llama_draft"]), max_draft_tokens=8)
+    # Fixed K: the adaptive policy would (rightly) stop drafting for this hopeless draft.
+    spec = SpecConfig("draft", str(tiny_dirs["llama_draft"]), 8, "fixed")
     engine = make_engine(target, spec=spec, block_size=2)
     prompt = random_prompts([6], vocab=300, seed=12)[0]
     req = engine.add_request("r", prompt, greedy(30))
@@ -100,7 +101,9 @@ def test_fewer_drafts_than_k_and_mixed_prefill(tiny_dirs):
     while other requests are still prefilling in the same step."""
     target = tiny_dirs["llama"]
     engine = make_engine(
-        target, spec=SpecConfig("ngram", max_draft_tokens=4), max_num_batched_tokens=32
+        target,
+        spec=SpecConfig("ngram", max_draft_tokens=4, draft_length="fixed"),
+        max_num_batched_tokens=32,
     )
     prompts = random_prompts([3, 60, 45], vocab=300, seed=13)
     for i, p in enumerate(prompts):
