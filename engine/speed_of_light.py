@@ -52,4 +52,7 @@ class SpeedOfLight:
             "verifier_capacity": float(capacity),
             "bound_tokens_per_pass": bound,
             "measured_tokens_per_pass": measured,
+            # The bound counts accepted drafts (plus an O(1) term it leaves out); the bonus or
+            # recovered token each pass also emits is not part of it.
+            "measured_accepted_per_pass": max(measured - 1.0, 0.0),
         }
