@@ -34,10 +34,13 @@ def k_sweep_section(data: dict) -> list[str]:
         "`a` is the per-token acceptance (accepted / judged drafts), `K` the mean drafts per",
         "decode step, `c` the measured cost of one draft pass over one plain target pass, and",
         "*ideal* the speedup SPECULATIVE.md predicts for that a, K and c. Efficiency is the",
-        "measured speedup over the ideal.",
+        "measured speedup over the ideal. The last column lists every run: on this shared",
+        "2-core machine runs of the same setting spread by up to a third, so read small",
+        "differences (and efficiencies past 100%, which come from a slow `off` median, or for",
+        "n-gram from steps where the lookup found nothing) with that in mind.",
         "",
-        "| setting | tokens/s | speedup | a | K | tokens/pass | c | ideal | efficiency |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| setting | tokens/s | speedup | a | K | tokens/pass | c | ideal | efficiency | runs |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         speedup = r["tokens_per_s"] / off["tokens_per_s"]
@@ -50,7 +53,10 @@ def k_sweep_section(data: dict) -> list[str]:
             )
         else:
             extra = "- | 0 | 1.00 | - | 1.00x | -"
-        lines.append(f"| {r['setting']} | {r['tokens_per_s']:.1f} | {speedup:.2f}x | {extra} |")
+        runs = ", ".join(f"{v:.0f}" for v in r.get("tokens_per_s_runs", [r["tokens_per_s"]]))
+        lines.append(
+            f"| {r['setting']} | {r['tokens_per_s']:.1f} | {speedup:.2f}x | {extra} | {runs} |"
+        )
     return lines
 
 
@@ -125,12 +131,17 @@ def _plot(table: dict, settings: list[str], levels: list[int], path: Path) -> No
 
 def _provenance(data: dict) -> str:
     m = data["machine"]
+    repeats = data.get("repeats", 1)
     return (
         f"Measured {m['date']} on {m['cpu']} ({m['cores']} torch threads, device {m['device']}, "
         f"torch {m['torch']}); prompts of {data['prompt_tokens'][0]}-{data['prompt_tokens'][1]} "
-        f"held-out tokens, {data['max_tokens']} greedy output tokens each. Command: "
-        f"`{data['command']}`."
+        f"held-out tokens, {data['max_tokens']} greedy output tokens each; each figure is the "
+        f"median of {repeats} interleaved runs. Command: `{data['command']}`."
     )
+
+
+def _load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def main() -> None:
@@ -161,6 +172,8 @@ def main() -> None:
                 json.loads(peers.read_text()),
                 DOCS / "peers_throughput_cpu.png",
                 DOCS / "peers_latency_cpu.png",
+                _load(RESULTS / "peers-profile.json"),
+                [json.loads(f.read_text()) for f in sorted(RESULTS.glob("peers-*threads.json"))],
             ),
         ]
     (DOCS / "BENCHMARKS.md").write_text("\n".join(sections) + "\n")
