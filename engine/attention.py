@@ -6,9 +6,10 @@ sequence `[1, num_tokens]` holding the scheduled tokens of all requests; the run
 to `paged_attention_forward`. That function writes the new keys/values into their cache slots
 and attends each request's queries to that request's cached keys, causally.
 
-The reference path gathers each request's keys from the block table into a padded batch and
-runs `scaled_dot_product_attention` with a boolean mask. Requests are grouped so that one long
-prefill chunk does not pad every decode in the batch to its length. Faster paths (a Triton
+The reference path gathers each request's key blocks from the block table into a padded batch
+and runs `scaled_dot_product_attention` with a boolean mask, one call per group of requests
+with the same number of queries, so no query is ever padded (neither a decode next to a long
+prefill chunk, nor a K = 1 verification next to a K = 8 one). Faster paths (a Triton
 kernel reading the block table directly) can register beside it under another backend name.
 """
 
@@ -23,23 +24,19 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 ATTN_IMPLEMENTATION = "tandem_paged"
-# A group is split off when its queries would be padded past this many per request.
-_DECODE_GROUP_MAX_Q = 32
 
 
 @dataclass
 class AttentionGroup:
-    """Requests attended together in one padded SDPA call."""
+    """Requests with the same number of queries, attended together in one SDPA call."""
 
     token_index: torch.Tensor  # [group_tokens] positions of the group's tokens in the packed batch
-    query_seq: torch.Tensor  # [group_tokens] request index within the group
-    query_pos: torch.Tensor  # [group_tokens] query index within its request
-    gather_slots: torch.Tensor  # [group_seqs, max_kv_len] cache slot of every key (0 = pad)
-    mask: torch.Tensor  # [group_seqs, 1, max_q_len, max_kv_len] True = may attend
-    max_q_len: int
+    gather_blocks: torch.Tensor  # [group_seqs, max_blocks] block table rows (0 = pad)
+    mask: torch.Tensor  # [group_seqs, 1, q_len, max_blocks * block_size] True = may attend
+    q_len: int
     token_slice: slice | None = None
-    """The group's tokens as a slice of the batch when every request has max_q_len of them
-    and they are contiguous (a decode step with one K): queries are then a view, no scatter."""
+    """The group's tokens as a slice of the batch when they are contiguous (a decode step with
+    one K): queries are then a view, no gather."""
 
 
 @dataclass
@@ -70,11 +67,14 @@ def build_metadata(
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)
 
-    small = [i for i, q in enumerate(query_lens) if q <= _DECODE_GROUP_MAX_Q]
-    large = [[i] for i, q in enumerate(query_lens) if q > _DECODE_GROUP_MAX_Q]
+    # Grouping by query count means no query is padded: a verification batch where K differs
+    # per request costs what its tokens cost, not (1 + max K) per request.
+    by_len: dict[int, list[int]] = {}
+    for i, q_len in enumerate(query_lens):
+        by_len.setdefault(q_len, []).append(i)
     groups = [
-        _build_group(members, starts, query_lens, context_lens, block_tables, block_size, device)
-        for members in ([small] if small else []) + large
+        _build_group(members, starts, q_len, context_lens, block_tables, block_size, device)
+        for q_len, members in by_len.items()
     ]
     return AttentionMetadata(
         kv_caches=kv_caches,
@@ -86,43 +86,32 @@ def build_metadata(
 def _build_group(
     members: list[int],
     starts: list[int],
-    query_lens: list[int],
+    q_len: int,
     context_lens: list[int],
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
 ) -> AttentionGroup:
-    q_lens = torch.tensor([query_lens[i] for i in members])
     ctx_lens = torch.tensor([context_lens[i] for i in members])
-    max_q, max_kv = int(q_lens.max()), int(ctx_lens.max())
-    max_blocks = -(-max_kv // block_size)
+    max_blocks = -(-int(ctx_lens.max()) // block_size)
     tables = torch.zeros(len(members), max_blocks, dtype=torch.long)
     for row, i in enumerate(members):
         table = block_tables[i][:max_blocks]
         tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
-    kv_pos = torch.arange(max_kv)
-    gather_slots = tables[:, kv_pos // block_size] * block_size + kv_pos % block_size
-    # Query j of request r sits at position ctx_r - q_r + j and sees keys up to that position.
-    q_pos = ctx_lens[:, None] - q_lens[:, None] + torch.arange(max_q)[None, :]
+    # Keys are gathered whole blocks at a time (a row copy per block, far cheaper than a gather
+    # per slot); the positions past a request's context are masked out.
+    kv_pos = torch.arange(max_blocks * block_size)
+    # Query j of request r sits at position ctx_r - q_len + j and sees keys up to that position.
+    q_pos = ctx_lens[:, None] - q_len + torch.arange(q_len)[None, :]
     mask = kv_pos[None, None, :] <= q_pos[:, :, None]
-    # Padded query rows attend to key 0 only, so softmax never sees an all-masked row.
-    pad_rows = torch.arange(max_q)[None, :] >= q_lens[:, None]
-    mask[pad_rows] = kv_pos == 0
-    token_index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in members])
-    uniform = all(query_lens[i] == max_q for i in members)
     contiguous = members == list(range(members[0], members[-1] + 1))
-    token_slice = (
-        slice(starts[members[0]], starts[members[-1] + 1]) if uniform and contiguous else None
-    )
-    query_seq = torch.repeat_interleave(torch.arange(len(members)), q_lens)
-    query_pos = torch.cat([torch.arange(query_lens[i]) for i in members])
+    token_slice = slice(starts[members[0]], starts[members[-1] + 1]) if contiguous else None
+    token_index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in members])
     return AttentionGroup(
         token_index=token_index.to(device),
-        query_seq=query_seq.to(device),
-        query_pos=query_pos.to(device),
-        gather_slots=gather_slots.to(device),
+        gather_blocks=tables.to(device),
         mask=mask[:, None].to(device),
-        max_q_len=max_q,
+        q_len=q_len,
         token_slice=token_slice,
     )
 
@@ -136,18 +125,18 @@ def reference_attention(
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
     num_heads, head_dim = query.shape[1], query.shape[2]
     kv_heads = key_cache.shape[2]
-    flat_k = key_cache.view(-1, kv_heads, head_dim)
-    flat_v = value_cache.view(-1, kv_heads, head_dim)
     out = None if _covers(metadata, query) else torch.empty_like(query)
     for g in metadata.groups:
-        num_seqs = g.gather_slots.shape[0]
+        num_seqs = g.gather_blocks.shape[0]
         if g.token_slice is not None:
-            q = query[g.token_slice].view(num_seqs, g.max_q_len, num_heads, head_dim)
+            q = query[g.token_slice]
         else:
-            q = query.new_zeros(num_seqs, g.max_q_len, num_heads, head_dim)
-            q[g.query_seq, g.query_pos] = query[g.token_index]
-        k = flat_k[g.gather_slots]  # [seqs, max_kv, kv_heads, head_dim]
-        v = flat_v[g.gather_slots]
+            q = query.index_select(0, g.token_index)
+        q = q.view(num_seqs, g.q_len, num_heads, head_dim)
+        # [seqs, max_blocks * block_size, kv_heads, head_dim]
+        rows = g.gather_blocks.view(-1)
+        k = key_cache.index_select(0, rows).view(num_seqs, -1, kv_heads, head_dim)
+        v = value_cache.index_select(0, rows).view(num_seqs, -1, kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -155,14 +144,14 @@ def reference_attention(
             attn_mask=g.mask,
             scale=scale,
             enable_gqa=kv_heads != num_heads,
-        )  # [seqs, heads, max_q, head_dim]
-        o = o.transpose(1, 2)
+        )  # [seqs, heads, q_len, head_dim]
+        o = o.transpose(1, 2).reshape(-1, num_heads, head_dim)
         if out is None:  # one group holding every token in order
-            return o.reshape(-1, num_heads, head_dim)
+            return o
         if g.token_slice is not None:
-            out[g.token_slice] = o.reshape(-1, num_heads, head_dim)
+            out[g.token_slice] = o
         else:
-            out[g.token_index] = o[g.query_seq, g.query_pos]
+            out.index_copy_(0, g.token_index, o)
     return out
 
 

@@ -1,9 +1,19 @@
 """What a step costs on this machine, measured rather than assumed.
 
-- target pass: seconds as a function of the number of tokens in the pass, a table over
-  log-spaced sizes measured at start-up and refined online from real steps (EMA per point);
-- draft pass: seconds = fixed + per_request * batch, fitted at start-up, then scaled online by
-  the ratio of measured to predicted proposer time.
+A pass's cost has two parts that grow with different things, and a draft-length policy has to
+see both: speculation adds tokens to a pass but no sequences.
+
+- target pass: `table(num_tokens) + kv_coef * kv_tokens + qk_coef * qk_pairs`, where the table
+  is timed at start-up over log-spaced token counts (short sequences, so it holds the weights'
+  cost: flat while they are memory-bound, then rising), `kv_tokens` is the sum of the context
+  lengths of the pass's sequences (keys read) and `qk_pairs` the sum of query x context
+  (scores computed). The two coefficients are fitted at start-up from decode batches.
+- draft pass: `fixed * passes + per_token * drafts + per_pair * pairs`, fitted at start-up
+  over batch sizes and context lengths.
+
+Every real step then rescales its prediction by the measured/predicted ratio (a running mean
+at first, an EMA after that, one step's ratio clipped to [0.5, 2] so a pause on a shared
+machine moves the model a little, not a lot).
 
 The verifier capacity P is the number of tokens a target pass takes for about the cost of a
 single-token pass (within `CAPACITY_SLACK`).
@@ -14,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,7 +34,46 @@ from engine.model_runner import ModelRunner, SeqInput
 logger = logging.getLogger(__name__)
 
 CAPACITY_SLACK = 1.25
-_EMA = 0.1
+_EMA = 0.05
+# Start-up calibration shapes: sequences of the table, decode batches of the attention fit.
+_TABLE_CHUNK = 16
+_CALIBRATION_CONTEXTS = (64, 256)
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """What a forward pass holds, in the units the cost model charges for."""
+
+    num_tokens: int
+    kv_tokens: int = 0
+    """Sum over sequences of the context each one attends to (keys read)."""
+    qk_pairs: int = 0
+    """Sum over sequences of query tokens x context (attention scores)."""
+
+    @classmethod
+    def of(cls, query_lens: list[int], context_lens: list[int]) -> PassShape:
+        return cls(
+            sum(query_lens),
+            sum(context_lens),
+            sum(q * c for q, c in zip(query_lens, context_lens, strict=True)),
+        )
+
+
+class _Scale:
+    """Measured / predicted, averaged: a running mean over the first observations (so an
+    unlucky calibration is replaced outright), an EMA after that (so drift is followed)."""
+
+    def __init__(self) -> None:
+        self.value = 1.0
+        self.count = 0
+
+    def observe(self, measured: float, predicted: float) -> None:
+        if predicted <= 0:
+            return
+        self.count += 1
+        rate = max(_EMA, 1.0 / self.count)
+        ratio = float(np.clip(measured / predicted / self.value, 0.5, 2.0)) * self.value
+        self.value += rate * (ratio - self.value)
 
 
 class CostModel:
@@ -32,59 +82,58 @@ class CostModel:
         sizes: list[int],
         target_seconds: list[float],
         draft_fixed: float,
-        draft_per_request: float,
+        draft_per_token: float,
+        *,
+        kv_coef: float = 0.0,
+        qk_coef: float = 0.0,
+        draft_per_pair: float = 0.0,
     ) -> None:
         self.sizes = np.asarray(sizes, dtype=np.float64)
-        self.target_seconds = np.asarray(target_seconds, dtype=np.float64)
+        # A bigger pass never costs less: timing noise must not make it look that way.
+        self.target_seconds = np.maximum.accumulate(np.asarray(target_seconds, dtype=np.float64))
+        self.kv_coef = kv_coef
+        self.qk_coef = qk_coef
         self.draft_fixed = draft_fixed
-        self.draft_per_request = draft_per_request
-        self.draft_scale = 1.0
-        self._draft_observations = 0
+        self.draft_per_token = draft_per_token
+        self.draft_per_pair = draft_per_pair
+        self.target_scale = _Scale()
+        self.draft_scale = _Scale()
 
-    @classmethod
-    def calibrate(
-        cls,
-        run_target: Callable[[int], None],
-        run_draft: Callable[[int], None] | None,
-        max_tokens: int,
-        max_batch: int,
-        repeats: int = 5,
-    ) -> CostModel:
-        """Time `run_target(n)` for log-spaced n up to max_tokens, and `run_draft(b)`."""
-        sizes = _log_sizes(max_tokens)
-        target = [_min_time(lambda n=n: run_target(n), repeats) for n in sizes]
-        fixed, per_request = 0.0, 0.0
-        if run_draft is not None:
-            batches = _log_sizes(max_batch)
-            times = [_min_time(lambda b=b: run_draft(b), repeats) for b in batches]
-            per_request, fixed = (
-                np.polyfit(batches, times, 1)
-                if len(batches) > 1
-                else (
-                    0.0,
-                    times[0],
-                )
-            )
-            fixed, per_request = max(float(fixed), 0.0), max(float(per_request), 0.0)
-        return cls(sizes, target, fixed, per_request)
+    def target_time(
+        self,
+        num_tokens: np.ndarray | float,
+        kv_tokens: np.ndarray | float = 0.0,
+        qk_pairs: np.ndarray | float = 0.0,
+    ) -> np.ndarray:
+        return self.target_scale.value * (
+            self._table(num_tokens)
+            + self.kv_coef * np.asarray(kv_tokens, dtype=np.float64)
+            + self.qk_coef * np.asarray(qk_pairs, dtype=np.float64)
+        )
 
-    def target_time(self, num_tokens: np.ndarray | float) -> np.ndarray:
+    def draft_time(
+        self,
+        num_passes: np.ndarray | float,
+        num_drafts: np.ndarray | float,
+        qk_pairs: np.ndarray | float = 0.0,
+    ) -> np.ndarray:
+        """Seconds for `num_passes` draft passes proposing `num_drafts` tokens in total whose
+        queries attend `qk_pairs` keys in total."""
+        return self.draft_scale.value * (
+            self.draft_fixed * np.asarray(num_passes, dtype=np.float64)
+            + self.draft_per_token * np.asarray(num_drafts, dtype=np.float64)
+            + self.draft_per_pair * np.asarray(qk_pairs, dtype=np.float64)
+        )
+
+    def _table(self, num_tokens: np.ndarray | float) -> np.ndarray:
         # Linear inside the table, linear extrapolation past its end (compute-bound regime).
-        # Predictions use a monotone envelope so a bigger pass never looks cheaper; the stored
-        # table is left alone so one slow outlier cannot raise every larger size for good.
-        table = np.maximum.accumulate(self.target_seconds)
         n = np.asarray(num_tokens, dtype=np.float64)
+        table = self.target_seconds
         inside = np.interp(n, self.sizes, table)
         if len(self.sizes) >= 2:
             slope = (table[-1] - table[-2]) / (self.sizes[-1] - self.sizes[-2])
             inside = np.where(n > self.sizes[-1], table[-1] + slope * (n - self.sizes[-1]), inside)
         return inside
-
-    def draft_time(self, num_passes: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
-        """Seconds for `num_passes` draft passes proposing `num_drafts` tokens in total."""
-        return self.draft_scale * (
-            self.draft_fixed * np.asarray(num_passes) + self.draft_per_request * num_drafts
-        )
 
     def capacity(self) -> int:
         """Verifier capacity P: most tokens a pass holds within CAPACITY_SLACK x one token."""
@@ -92,72 +141,106 @@ class CostModel:
         ok = self.sizes[self.target_seconds <= limit]
         return int(ok.max()) if ok.size else 1
 
-    def observe_target(self, num_tokens: int, seconds: float) -> None:
-        """Correct the two table points that interpolate num_tokens, each by its weight.
+    def observe_target(self, shape: PassShape, seconds: float) -> None:
+        predicted = float(self.target_time(shape.num_tokens, shape.kv_tokens, shape.qk_pairs))
+        self.target_scale.observe(seconds, predicted / self.target_scale.value)
 
-        The correction is multiplicative and clipped to [0.5x, 2x] per observation, so a
-        pause on a shared machine moves the model a little, not a lot.
-        """
-        n = float(min(max(num_tokens, self.sizes[0]), self.sizes[-1]))
-        hi = int(np.searchsorted(self.sizes, n))
-        lo = max(hi - 1, 0)
-        span = self.sizes[hi] - self.sizes[lo]
-        w_hi = 1.0 if span == 0 else (n - self.sizes[lo]) / span
-        ratio = float(np.clip(seconds / float(self.target_time(n)), 0.5, 2.0))
-        for i, w in ((lo, 1.0 - w_hi), (hi, w_hi)):
-            if w > 0:
-                self.target_seconds[i] *= 1.0 + _EMA * w * (ratio - 1.0)
-
-    def observe_draft(self, num_passes: int, num_drafts: int, seconds: float) -> None:
-        predicted = self.draft_fixed * num_passes + self.draft_per_request * num_drafts
-        if predicted > 0:
-            # The first observations replace a possibly unlucky calibration outright (a running
-            # mean); after that an EMA follows drift.
-            self._draft_observations += 1
-            rate = max(_EMA, 1.0 / self._draft_observations)
-            self.draft_scale += rate * (seconds / predicted - self.draft_scale)
+    def observe_draft(
+        self, num_passes: int, num_drafts: int, qk_pairs: int, seconds: float
+    ) -> None:
+        predicted = float(self.draft_time(num_passes, num_drafts, qk_pairs))
+        self.draft_scale.observe(seconds, predicted / self.draft_scale.value)
 
 
 def calibrate_runners(
     target: ModelRunner,
     draft: ModelRunner | None,
     block_size: int,
+    num_blocks: int,
     max_tokens: int,
     max_batch: int,
+    max_context: int,
+    repeats: int = 5,
 ) -> CostModel:
-    """Time target passes by size and draft passes by batch, before any request runs.
+    """Time target and draft passes of known shapes before any request runs.
 
-    The KV written here is garbage in blocks nobody holds yet; real requests overwrite it.
+    The KV written and read here is garbage in blocks nobody holds yet; real requests
+    overwrite it. Sequences get distinct blocks while the pool lasts (then they wrap), so the
+    keys a decode batch reads are as spread out as in real use.
     """
-    table = list(range(-(-max_tokens // block_size)))
     device = target.device
+    started = time.perf_counter()
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def run_target(n: int) -> None:
-        target.forward([SeqInput([0] * n, 0, table, [n - 1])])
-        sync()
+    def batch(num_seqs: int, query_len: int, context: int) -> list[SeqInput]:
+        per_seq = -(-context // block_size)
+        seqs = []
+        for s in range(num_seqs):
+            table = [(s * per_seq + b) % num_blocks for b in range(per_seq)]
+            seqs.append(SeqInput([0] * query_len, context - query_len, table, [query_len - 1]))
+        return seqs
 
-    def run_draft(b: int) -> None:
-        assert draft is not None
-        ctx = min(32, max_tokens - 1)
-        draft.forward([SeqInput([0], ctx, table, [0]) for _ in range(b)])
-        sync()
+    def timed(runner: ModelRunner, seqs: list[SeqInput], n: int = repeats) -> float:
+        return _min_time(lambda: (runner.forward(seqs), sync()), n)
 
-    started = time.perf_counter()
-    cost = CostModel.calibrate(
-        run_target, run_draft if draft is not None else None, max_tokens, max_batch
-    )
+    # The weights' cost by token count: short sequences, so attention stays small.
+    sizes = _log_sizes(max_tokens)
+    table = []
+    for n in sizes:
+        chunk = min(n, _TABLE_CHUNK)
+        table.append(timed(target, batch(-(-n // chunk), chunk, chunk)))
+    cost = CostModel(sizes, table, 0.0, 0.0)
+
+    # Attention: decode batches over short and long contexts, one and several queries each;
+    # what the table does not explain is fitted to keys read and scores computed.
+    contexts = sorted({min(c, max_context) for c in _CALIBRATION_CONTEXTS})
+    batches = sorted({min(8, max_batch), max_batch})
+    rows, residuals = [], []
+    for b in batches:
+        for ctx in contexts:
+            for q in sorted({1, min(5, ctx)}):
+                seconds = timed(target, batch(b, q, ctx), max(2, repeats // 2))
+                shape = PassShape.of([q] * b, [ctx] * b)
+                rows.append([shape.kv_tokens, shape.qk_pairs])
+                residuals.append(seconds - float(cost._table(shape.num_tokens)))
+    cost.kv_coef, cost.qk_coef = _nonneg_lstsq(np.array(rows), np.array(residuals))
+
+    if draft is not None:
+        rows, times = [], []
+        for b in sorted({1, min(8, max_batch), max_batch}):
+            for ctx in contexts:
+                rows.append([1.0, b, b * ctx])
+                times.append(timed(draft, batch(b, 1, ctx)))
+        fixed, per_token, per_pair = _nonneg_lstsq(np.array(rows), np.array(times))
+        cost.draft_fixed, cost.draft_per_token, cost.draft_per_pair = fixed, per_token, per_pair
+
     logger.info(
-        "cost model calibrated in %.1fs: target pass %.2f ms (1 token) .. %.2f ms (%d), "
-        "draft pass %.2f ms + %.3f ms/request, verifier capacity P=%d",
+        "cost model calibrated in %.1fs: target pass %.2f ms (1 token) .. %.2f ms (%d) "
+        "+ %.2f us/key + %.4f us/score; draft pass %.2f ms + %.3f ms/token + %.4f us/score; "
+        "verifier capacity P=%d",
         time.perf_counter() - started, cost.target_seconds[0] * 1e3,
-        cost.target_seconds[-1] * 1e3, int(cost.sizes[-1]), cost.draft_fixed * 1e3,
-        cost.draft_per_request * 1e3, cost.capacity(),
+        cost.target_seconds[-1] * 1e3, int(cost.sizes[-1]), cost.kv_coef * 1e6,
+        cost.qk_coef * 1e6, cost.draft_fixed * 1e3, cost.draft_per_token * 1e3,
+        cost.draft_per_pair * 1e6, cost.capacity(),
     )  # fmt: skip
     return cost
+
+
+def _nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> list[float]:
+    """Least squares with every coefficient >= 0 (costs cannot be negative): refit without
+    the columns that come out negative until none does."""
+    active = list(range(a.shape[1]))
+    coef = np.zeros(a.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active = [c for c, s in zip(active, sol, strict=True) if s >= 0]
+    return [float(c) for c in coef]
 
 
 def _log_sizes(limit: int) -> list[int]:
@@ -169,7 +252,7 @@ def _log_sizes(limit: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def _min_time(fn: Callable[[], None], repeats: int) -> float:
+def _min_time(fn: Callable[[], object], repeats: int) -> float:
     """Best of `repeats`: interference on a shared machine only ever adds time."""
     fn()  # warm-up
     times = []

@@ -62,7 +62,8 @@ class AdaptiveDraftLength:
     (it counts only if drafts 1..d-1 were accepted). Every increment (i, d) is ranked by that
     gain; the policy takes the prefix of the ranking that maximises
         (B + sum of gains) / (T_target(n_other + B + drafts) + T_draft(passes, drafts))
-    using the measured cost model. An empty prefix is plain decoding.
+    using the measured cost model, which charges a pass for its tokens and for the context its
+    queries attend to (`PassShape`). An empty prefix is plain decoding.
 
     When speculation has been off for `probe_interval` steps, one step drafts K = 1 for every
     request: otherwise a pessimistic cost estimate or acceptance prior could never be corrected,
@@ -110,10 +111,11 @@ class AdaptiveDraftLength:
         if batch == 0 or k_max == 0:
             return DraftLengths([0] * batch, [None] * batch)
         a = np.array([self.acceptance(r) for r in requests])
+        context = np.array([r.num_tokens for r in requests], dtype=np.float64)
         depth = np.arange(1, k_max + 1)
         gains = a[:, None] ** depth[None, :]  # [batch, k_max]: gain of the d-th draft
-        ks = self._best_prefix(gains, batch, num_other_tokens)
-        solo = self._best_prefix(gains, 1, 0, per_request=True)
+        ks = self._best_prefix(gains, context, num_other_tokens)
+        solo = self._best_alone(gains, context)
         reasons: list[str | None] = []
         for i, (k, k_solo) in enumerate(zip(ks, solo, strict=True)):
             params = requests[i].params
@@ -133,30 +135,40 @@ class AdaptiveDraftLength:
                 ks[:] = 1
         return DraftLengths([int(k) for k in ks], reasons)
 
-    def _best_prefix(
-        self, gains: np.ndarray, batch: int, num_other: int, per_request: bool = False
-    ) -> np.ndarray:
+    def _best_prefix(self, gains: np.ndarray, context: np.ndarray, num_other: int) -> np.ndarray:
         """K per request from the best prefix of increments ranked by gain.
 
-        per_request=True solves each request alone (batch of one) instead, vectorised.
+        Each draft adds a token to the target pass, a query over its request's context to
+        both models, and possibly a draft pass (the deepest draft sets how many there are);
+        the plain-decode part of the pass (every request's last token) is paid regardless.
         """
         rows, k_max = gains.shape
-        if per_request:
-            drafts = np.arange(0, k_max + 1)[None, :]  # K = 0..k_max for each request
-            tokens = 1 + np.concatenate([np.zeros((rows, 1)), np.cumsum(gains, 1)], axis=1)
-            seconds = self.cost.target_time(1 + drafts) + self.cost.draft_time(drafts, drafts)
-            return np.argmax(tokens / seconds, axis=1)
         order = np.argsort(-gains, axis=None, kind="stable")
-        sorted_gain = gains.reshape(-1)[order]
+        owner = order // k_max
         depth = order % k_max + 1
         m = np.arange(0, order.size + 1)  # prefix length = total draft tokens
-        tokens = batch + np.concatenate([[0.0], np.cumsum(sorted_gain)])
+        tokens = rows + np.concatenate([[0.0], np.cumsum(gains.reshape(-1)[order])])
         passes = np.concatenate([[0], np.maximum.accumulate(depth)])
-        seconds = self.cost.target_time(num_other + batch + m) + self.cost.draft_time(passes, m)
+        draft_pairs = np.concatenate([[0.0], np.cumsum(context[owner])])
+        decode_pairs = float(context.sum())
+        seconds = self.cost.target_time(
+            num_other + rows + m, decode_pairs, decode_pairs + draft_pairs
+        ) + self.cost.draft_time(passes, m, draft_pairs)
         best = int(np.argmax(tokens / seconds))
         ks = np.zeros(rows, dtype=np.int64)
-        np.add.at(ks, order[:best] // k_max, 1)
+        np.add.at(ks, owner[:best], 1)
         return ks
+
+    def _best_alone(self, gains: np.ndarray, context: np.ndarray) -> np.ndarray:
+        """K per request if it were the only one decoding (vectorised over requests)."""
+        rows, k_max = gains.shape
+        drafts = np.arange(0, k_max + 1)[None, :]  # K = 0..k_max for each request
+        tokens = 1 + np.concatenate([np.zeros((rows, 1)), np.cumsum(gains, 1)], axis=1)
+        ctx = context[:, None]
+        seconds = self.cost.target_time(1 + drafts, ctx, (1 + drafts) * ctx) + self.cost.draft_time(
+            drafts, drafts, drafts * ctx
+        )
+        return np.argmax(tokens / seconds, axis=1)
 
 
 class NoSpeculation(FixedDraftLength):

@@ -16,7 +16,7 @@ import torch
 from transformers import GenerationConfig
 
 from engine.config import EngineConfig
-from engine.cost_model import CostModel, calibrate_runners
+from engine.cost_model import CostModel, PassShape, calibrate_runners
 from engine.draft_length import (
     AdaptiveDraftLength,
     DraftLengthPolicy,
@@ -202,17 +202,23 @@ class LLMEngine:
         draft_seconds: float,
         target_seconds: float,
     ) -> None:
-        num_drafts = [len(d) for d in drafts.token_ids] if drafts else []
+        num_drafts = [len(d) for d in drafts.token_ids] if drafts else [0] * len(sched.scheduled)
         self.totals.draft_seconds += draft_seconds
         self.totals.target_seconds += target_seconds
         self.totals.draft_passes += max(num_drafts, default=0)
         if self.cost_model is None:
             return
+        # Called before the scheduler's update, so num_computed_tokens is still this step's start.
+        query_lens, context_lens = [], []
+        for item, k in zip(sched.scheduled, num_drafts, strict=True):
+            query_lens.append(item.num_new_tokens + k)
+            context_lens.append(item.request.num_computed_tokens + item.num_new_tokens + k)
         if any(num_drafts):
-            self.cost_model.observe_draft(max(num_drafts), sum(num_drafts), draft_seconds)
-        scheduled_drafts = sum(s.num_draft_tokens for s in sched.scheduled)
-        target_tokens = sched.num_batched_tokens - scheduled_drafts + sum(num_drafts)
-        self.cost_model.observe_target(target_tokens, target_seconds)
+            draft_pairs = sum(k * c for k, c in zip(num_drafts, context_lens, strict=True))
+            self.cost_model.observe_draft(
+                max(num_drafts), sum(num_drafts), draft_pairs, draft_seconds
+            )
+        self.cost_model.observe_target(PassShape.of(query_lens, context_lens), target_seconds)
 
     def _count(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         t = self.totals
@@ -266,8 +272,10 @@ class LLMEngine:
             self.runner,
             getattr(self.proposer, "runner", None),
             self.kv.block_size,
+            self.kv.num_blocks,
             max_tokens,
             self.config.scheduler.max_num_seqs,
+            self.max_model_len,
         )
 
     def _blocks_from_budget(self, block_size: int) -> int:

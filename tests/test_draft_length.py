@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from engine.config import SpecConfig
-from engine.cost_model import CostModel
+from engine.cost_model import CostModel, PassShape, _nonneg_lstsq
 from engine.draft_length import (
     REASON_ACCEPTANCE,
     REASON_BATCH,
@@ -21,13 +21,13 @@ SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 def memory_then_compute_bound() -> CostModel:
     """10 ms flat up to 16 tokens (weights dominate), then +0.5 ms per token; 1 ms drafts."""
     seconds = [0.010 + 0.0005 * max(0, n - 16) for n in SIZES]
-    return CostModel(SIZES, seconds, draft_fixed=0.001, draft_per_request=0.00002)
+    return CostModel(SIZES, seconds, draft_fixed=0.001, draft_per_token=0.00002)
 
 
-def _requests(n: int, accepted: int, trials: int, **params) -> list[Request]:
+def _requests(n: int, accepted: int, trials: int, context: int = 3, **params) -> list[Request]:
     reqs = []
     for i in range(n):
-        req = Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64, **params))
+        req = Request(f"r{i}", [1] * context, SamplingParams(max_tokens=64, **params))
         req.spec.accepted, req.spec.trials = accepted, trials
         reqs.append(req)
     return reqs
@@ -83,14 +83,51 @@ def test_acceptance_estimate_learns_from_observations():
 def test_cost_model_capacity_and_online_refinement():
     cost = memory_then_compute_bound()
     assert cost.capacity() == 16  # within 25% of a one-token pass
-    cost.observe_target(1, 0.030)  # a much slower real pass pulls the table up, a little
-    assert 0.010 < cost.target_time(1) < 0.0125
-    assert cost.target_time(64) == pytest.approx(0.034)  # other sizes are not dragged along
     predictions = cost.target_time(np.array(SIZES))
     assert list(predictions) == sorted(predictions)  # a bigger pass never looks cheaper
-    for _ in range(200):  # repeated evidence wins: 24-token passes really take 30 ms
-        cost.observe_target(24, 0.030)
-    assert cost.target_time(24) == pytest.approx(0.030, rel=0.05)
+    # Real passes of every shape take 1.5x the calibration: repeated evidence wins.
+    for i in range(200):
+        n = SIZES[i % len(SIZES)]
+        cost.observe_target(PassShape(n), 1.5 * float(memory_then_compute_bound().target_time(n)))
+    assert cost.target_time(24) == pytest.approx(1.5 * 0.014, rel=0.02)
+    # One pause on a shared machine (10x) then moves the model a little, not a lot.
+    before = float(cost.target_time(24))
+    cost.observe_target(PassShape(24), 10 * before)
+    assert before < cost.target_time(24) < 1.1 * before
+
+
+def test_cost_model_charges_for_context_read():
+    cost = CostModel(SIZES, [0.010] * len(SIZES), 0.001, 0.0, kv_coef=1e-6, qk_coef=1e-8)
+    short = PassShape.of([1] * 16, [10] * 16)
+    long = PassShape.of([1] * 16, [1000] * 16)
+    assert cost.target_time(long.num_tokens, long.kv_tokens, long.qk_pairs) == pytest.approx(
+        0.010 + 16_000 * 1e-6 + 16_000 * 1e-8
+    )
+    assert cost.target_time(long.num_tokens, long.kv_tokens, long.qk_pairs) > cost.target_time(
+        short.num_tokens, short.kv_tokens, short.qk_pairs
+    )
+
+
+def test_nonneg_lstsq_recovers_costs_and_never_goes_negative():
+    rng = np.random.default_rng(0)
+    a = np.column_stack([np.ones(20), rng.uniform(1, 64, 20), rng.uniform(1e3, 1e5, 20)])
+    truth = np.array([0.002, 0.0001, 3e-8])
+    assert _nonneg_lstsq(a, a @ truth) == pytest.approx(list(truth), rel=1e-6)
+    # Data that says a cost is negative: that column is dropped, the rest refitted.
+    b = a @ np.array([0.002, -0.0001, 3e-8])
+    assert min(_nonneg_lstsq(a, b)) >= 0.0
+
+
+def test_context_bound_batch_drafts_more_than_weight_bound_one():
+    """When reading each request's context dominates a pass (long contexts, many requests),
+    extra draft tokens are cheap relative to the pass, so speculation pays for longer."""
+    compute_bound = memory_then_compute_bound()
+    context_bound = memory_then_compute_bound()
+    context_bound.kv_coef = 2e-6  # 64 requests x 1000 keys = 128 ms of attention per pass
+    reqs = _requests(64, accepted=700, trials=1000, context=1000, temperature=0)
+    k_plain = sum(AdaptiveDraftLength(8, compute_bound).choose(reqs).ks)
+    k_context = sum(AdaptiveDraftLength(8, context_bound).choose(reqs).ks)
+    assert k_context > k_plain
 
 
 def _count_draft_tokens(engine) -> list[int]:
