@@ -43,11 +43,15 @@ def settings(draft: str, ks: list[int], methods: list[str]) -> dict[str, SpecCon
     return out
 
 
-def build_engine(args: argparse.Namespace, spec: SpecConfig, max_num_seqs: int) -> LLMEngine:
+def build_engine(
+    args: argparse.Namespace, spec: SpecConfig, max_num_seqs: int, prefix_caching: bool = True
+) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=ModelConfig(model=args.model, device=args.device),
-            cache=CacheConfig(block_size=16, num_blocks=args.kv_blocks),
+            cache=CacheConfig(
+                block_size=16, num_blocks=args.kv_blocks, enable_prefix_caching=prefix_caching
+            ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,

@@ -16,7 +16,8 @@ from transformers import PreTrainedTokenizerBase
 _TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_default_pair.py"
 
 
-def _training_module():
+def training_module():
+    """scripts/train_default_pair.py as a module (it is a script, not a package member)."""
     spec = importlib.util.spec_from_file_location("train_default_pair", _TRAIN_SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -28,7 +29,7 @@ def _training_module():
 def heldout_texts() -> list[str]:
     # No cap: the training run's 64M-character cap is above the whole stdlib, so this is the
     # same held-out set it used.
-    return _training_module().collect_corpus(10**12).heldout_texts
+    return training_module().collect_corpus(10**12).heldout_texts
 
 
 def make_prompts(

@@ -1,5 +1,8 @@
 """Turn bench/results/*.json into docs/BENCHMARKS.md (tables) and docs/*.png (plots).
 
+GPU results (bench/results/gpu_*.json from bench.gpu_bench) get their sections from
+bench/report_gpu.py, and only when they were measured on a CUDA device.
+
 python -m bench.report
 """
 
@@ -8,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+
+from bench.report_gpu import gpu_sections
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -176,6 +181,7 @@ def main() -> None:
                 [json.loads(f.read_text()) for f in sorted(RESULTS.glob("peers-*threads.json"))],
             ),
         ]
+    sections += gpu_sections(RESULTS, DOCS)  # only results measured on a CUDA device
     (DOCS / "BENCHMARKS.md").write_text("\n".join(sections) + "\n")
     print(f"wrote {DOCS / 'BENCHMARKS.md'}")
 

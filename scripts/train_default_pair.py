@@ -292,8 +292,10 @@ def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def batches(stream: torch.Tensor, seed: int) -> Iterator[torch.Tensor]:
-    """Yield [BATCH_SIZE, SEQ_LEN + 1] windows, shuffled non-overlapping chunks, epoch after epoch.
+def batches(
+    stream: torch.Tensor, seed: int, batch_size: int = BATCH_SIZE
+) -> Iterator[torch.Tensor]:
+    """Yield [batch_size, SEQ_LEN + 1] windows, shuffled non-overlapping chunks, epoch after epoch.
 
     Each epoch uses a fresh random offset so chunk boundaries differ between epochs.
     """
@@ -304,8 +306,8 @@ def batches(stream: torch.Tensor, seed: int) -> Iterator[torch.Tensor]:
         n_chunks = (len(stream) - offset) // span
         chunks = stream[offset : offset + n_chunks * span].view(n_chunks, span)
         order = torch.randperm(n_chunks, generator=gen)
-        for i in range(0, n_chunks - BATCH_SIZE + 1, BATCH_SIZE):
-            yield chunks[order[i : i + BATCH_SIZE]].long()
+        for i in range(0, n_chunks - batch_size + 1, batch_size):
+            yield chunks[order[i : i + batch_size]].long()
 
 
 def lr_at(step: int, progress: float, peak: float, warmup_steps: int) -> float:

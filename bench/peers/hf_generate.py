@@ -14,6 +14,7 @@ inter-token latency mean the same as over HTTP, minus the HTTP and detokenizatio
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from pathlib import Path
@@ -55,6 +56,22 @@ def greedy_kwargs(tokenizer, max_tokens: int) -> dict:
     }
 
 
+def encode(tokenizer, prompts: list[str] | list[list[int]], device: torch.device) -> dict:
+    """A padded batch on `device`, from prompt strings or from prompt token ids."""
+    pad = len(prompts) > 1
+    if isinstance(prompts[0], str):
+        batch = tokenizer(prompts, return_tensors="pt", padding=pad)
+    else:
+        batch = tokenizer.pad({"input_ids": prompts}, padding=pad, return_tensors="pt")
+    return batch.to(device)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the GPU, so that a timer read next covers the work queued so far."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def generated_length(row: torch.Tensor, eos: int | None) -> int:
     """Tokens up to and including the first EOS (a finished row is padded after it)."""
     hits = (row == eos).nonzero() if eos is not None else []
@@ -62,16 +79,19 @@ def generated_length(row: torch.Tensor, eos: int | None) -> int:
 
 
 @torch.inference_mode()
-def run_batch1(model, tokenizer, prompts: list[str], max_tokens: int, **extra) -> dict:
+def run_batch1(model, tokenizer, prompts: list, max_tokens: int, **extra) -> dict:
+    """Prompts one after another, each alone; prompts are strings or token id lists."""
     traces = []
+    sync(model.device)
     start = time.perf_counter()
     for prompt in prompts:
-        inputs = tokenizer(prompt, return_tensors="pt")
+        inputs = encode(tokenizer, [prompt], model.device)
         streamer = TimingStreamer(1)
         trace = Trace(start=time.perf_counter())
         out = model.generate(
             **inputs, streamer=streamer, **greedy_kwargs(tokenizer, max_tokens), **extra
         )
+        sync(model.device)
         trace.chunks = streamer.chunks
         trace.output_tokens = out.shape[1] - inputs["input_ids"].shape[1]
         traces.append(trace)
@@ -79,18 +99,21 @@ def run_batch1(model, tokenizer, prompts: list[str], max_tokens: int, **extra) -
 
 
 @torch.inference_mode()
-def run_padded(model, tokenizer, prompts: list[str], max_tokens: int, batch: int) -> dict:
+def run_padded(model, tokenizer, prompts: list, max_tokens: int, batch: int) -> dict:
+    """Static batches of `batch` prompts (strings or token id lists), left-padded."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     traces = []
+    sync(model.device)
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
         group = prompts[i : i + batch]
-        inputs = tokenizer(group, return_tensors="pt", padding=True)
+        inputs = encode(tokenizer, group, model.device)
         streamer = TimingStreamer(len(group))
         began = time.perf_counter()
         out = model.generate(**inputs, streamer=streamer, **greedy_kwargs(tokenizer, max_tokens))
+        sync(model.device)
         new = out[:, inputs["input_ids"].shape[1] :]
         for row in new:
             n = generated_length(row, tokenizer.eos_token_id)
@@ -98,10 +121,21 @@ def run_padded(model, tokenizer, prompts: list[str], max_tokens: int, batch: int
     return summarize(traces, time.perf_counter() - start)
 
 
+# The schedule SPECULATIVE.md describes (and the library default before the confidence
+# threshold): K starts at 5, +2 after a fully accepted draft, else -1.
+HEURISTIC_K = {
+    "num_assistant_tokens": 5,
+    "num_assistant_tokens_schedule": "heuristic",
+    "assistant_confidence_threshold": 0.0,
+}
+
+
 def assistant_settings(draft) -> str:
     """The draft-length settings assisted generation will use (defaults filled in)."""
     config = draft.generation_config
-    defaults = config._get_default_generation_params()
+    # A private helper of recent transformers releases; older ones leave unset values None.
+    defaults_of = getattr(config, "_get_default_generation_params", dict)
+    defaults = defaults_of()
     keys = (
         "num_assistant_tokens",
         "num_assistant_tokens_schedule",
@@ -111,6 +145,46 @@ def assistant_settings(draft) -> str:
         f"{k}={getattr(config, k) if getattr(config, k) is not None else defaults.get(k)}"
         for k in keys
     )
+
+
+def run_level(
+    model, tokenizer, prompts: list, warm: list, level: int, max_tokens: int, warmup_tokens: int
+) -> dict:
+    """Plain generate() at one concurrency level, after a warm-up on `warm`: batch 1 at
+    level 1, else static left-padded batches of `level` prompts."""
+    if level == 1:
+        run_batch1(model, tokenizer, warm[:1], warmup_tokens)
+        return run_batch1(model, tokenizer, prompts, max_tokens)
+    run_padded(model, tokenizer, warm[:level], warmup_tokens, level)
+    row = run_padded(model, tokenizer, prompts, max_tokens, level)
+    return row | {"notes": f"static batches of {level}, left padding; TTFT from each batch's start"}
+
+
+def run_assisted(
+    model,
+    draft,
+    tokenizer,
+    prompts: list,
+    warm: list,
+    max_tokens: int,
+    warmup_tokens: int,
+    heuristic: bool,
+) -> dict:
+    """Assisted generation at batch 1 (all it takes), after a warm-up on `warm`, with the
+    library's draft-length defaults or with HEURISTIC_K; the draft's settings are restored."""
+    defaults = copy.deepcopy(draft.generation_config)
+    assisted = {"assistant_model": draft}
+    try:
+        if heuristic:
+            draft.generation_config.update(**HEURISTIC_K)
+        run_batch1(model, tokenizer, warm[:1], warmup_tokens, **assisted)
+        if heuristic:  # the schedule carries K across calls: start the measured run afresh
+            draft.generation_config.update(**HEURISTIC_K)
+        which = "" if heuristic else "library defaults: "
+        notes = f"assistant_model=draft, {which}{assistant_settings(draft)}"  # K as it starts
+        return run_batch1(model, tokenizer, prompts, max_tokens, **assisted) | {"notes": notes}
+    finally:
+        draft.generation_config = defaults
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,55 +210,46 @@ def main(argv: list[str] | None = None) -> None:
     warm = prompts[-args.batch :]
     rows = []
 
-    def record(config: str, concurrency: int, fn, notes: str = "") -> None:
+    def record(config: str, concurrency: int, fn) -> None:
         began = time.perf_counter()
         try:
             row = fn()
             row["errors"] = []
         except Exception as exc:  # a peer's failure is a result, not a crash
             row = {"errors": [f"{type(exc).__name__}: {exc}"[:400]]}
-        row.update(config=config, concurrency=concurrency, notes=notes)
+        row.update(config=config, concurrency=concurrency)
+        row.setdefault("notes", "")
         row["wall_s"] = time.perf_counter() - began
         rows.append(row)
         print(json.dumps(row), flush=True)
 
     n1 = prompts[: args.requests_batch1]
     if "plain" in args.only:
-        run_batch1(target, tokenizer, warm[:1], args.warmup_tokens)
-        record("generate() plain", 1, lambda: run_batch1(target, tokenizer, n1, args.max_tokens))
+        record(
+            "generate() plain",
+            1,
+            lambda: run_level(target, tokenizer, n1, warm, 1, args.max_tokens, args.warmup_tokens),
+        )
     if "assisted" in args.only:
-        assisted = {"assistant_model": draft}
-        run_batch1(target, tokenizer, warm[:1], args.warmup_tokens, **assisted)
-        record(
-            "generate() assisted",
-            1,
-            lambda: run_batch1(target, tokenizer, n1, args.max_tokens, **assisted),
-            "assistant_model=draft, library defaults: " + assistant_settings(draft),
-        )
-        # The schedule SPECULATIVE.md describes (and the library default before the
-        # confidence threshold): K starts at 5, +2 after a fully accepted draft, else -1.
-        heuristic = {
-            "num_assistant_tokens": 5,
-            "num_assistant_tokens_schedule": "heuristic",
-            "assistant_confidence_threshold": 0.0,
-        }
-        draft.generation_config.update(**heuristic)
-        run_batch1(target, tokenizer, warm[:1], args.warmup_tokens, **assisted)
-        draft.generation_config.update(**heuristic)  # K persists across calls: start again
-        record(
-            "generate() assisted, heuristic K",
-            1,
-            lambda: run_batch1(target, tokenizer, n1, args.max_tokens, **assisted),
-            "assistant_model=draft, " + assistant_settings(draft),
-        )
+        for config, heuristic in [
+            ("generate() assisted", False),
+            ("generate() assisted, heuristic K", True),
+        ]:
+            record(
+                config,
+                1,
+                lambda h=heuristic: run_assisted(
+                    target, draft, tokenizer, n1, warm, args.max_tokens, args.warmup_tokens, h
+                ),
+            )
     if "padded" in args.only:
         nb = prompts[: args.requests_batched]
-        run_padded(target, tokenizer, warm, args.warmup_tokens, args.batch)
         record(
             f"generate() padded batch {args.batch}",
             args.batch,
-            lambda: run_padded(target, tokenizer, nb, args.max_tokens, args.batch),
-            f"static batches of {args.batch}, left padding; TTFT from each batch's start",
+            lambda: run_level(
+                target, tokenizer, nb, warm, args.batch, args.max_tokens, args.warmup_tokens
+            ),
         )
     args.out.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1))
 

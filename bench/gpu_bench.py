@@ -1,0 +1,330 @@
+"""Tandem against HF generate() on one GPU, on the pair bench.gpu_pair made.
+
+  python -m bench.gpu_bench --pair bench/gpu_models/trained     # -> bench/results/gpu_trained.json
+
+First the bandwidth floor (bench/gpu_floor.py: target weight bytes over a measured
+device-to-device copy bandwidth) beside a measured Tandem target pass at batch 1, and a
+greedy check: for --check-prompts prompts, every Tandem setting's output against HF plain
+generate() one prompt at a time (`greedy_match`: token-identical). Then per concurrency
+level (--levels): Tandem in-process through bench.driver's closed loop (speculation off,
+draft model at fixed K for each --ks, adaptive K up to the largest), HF generate() plain
+(batch 1 at concurrency 1; above it, static left-padded batches of `concurrency` prompts,
+TTFT from the batch's start) and HF assisted generation (assistant_model=draft, library
+defaults and the heuristic K schedule; batch 1 only, so above concurrency 1 a row says it
+was not run). Every run is greedy with exactly --max-tokens output tokens per request
+(EOS ignored by Tandem, masked by `min_new_tokens` in HF), the same prompts for every
+system, after a short warm-up at the same concurrency, with the device synchronised
+around it. Tandem's prefix cache is off: HF has none, and the levels reuse prompts.
+
+The JSON is rewritten after every row, so a run stopped by a time limit keeps what it
+measured. --time-limit-s stops starting rows that would not finish in time (they are listed
+under `not_run`); --resume FILE keeps FILE's rows when it measured the same pair
+(`pair_id`) with the same settings, and runs only the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from bench.driver import run_closed_loop
+from bench.engine_bench import build_engine, machine, settings
+from bench.gpu_floor import measure_floor, sync
+from bench.greedy_check import compare, hf_greedy, tandem_greedy
+from bench.peers.hf_generate import run_assisted, run_level
+from bench.prompts import make_prompts
+from engine.model_runner import resolve_device, resolve_dtype
+
+ROOT = Path(__file__).resolve().parent.parent
+TANDEM, HF_PLAIN, HF_ASSISTED = "Tandem", "HF generate()", "HF assisted"
+# Settings that must agree with the earlier run for --resume to keep its rows.
+SAME_FOR_RESUME = ("max_tokens", "prompt_tokens", "ks", "requests_per_slot", "min_requests")
+
+
+class GpuBench:
+    def __init__(self, args: argparse.Namespace, data: dict, earlier: dict | None) -> None:
+        self.args, self.data = args, data
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype("auto", self.device)
+        self.deadline = time.monotonic() + args.time_limit_s if args.time_limit_s else None
+        self.last_wall: dict[tuple[str, str], float] = {}
+        self.done = {_key(r) for r in (earlier or {}).get("results", []) if not r.get("errors")}
+        if earlier:
+            data["results"] = [r for r in earlier["results"] if _key(r) in self.done]
+            data["floor"], data["greedy"] = earlier.get("floor"), earlier.get("greedy", {})
+        self.tokenizer = AutoTokenizer.from_pretrained(args.model)
+        count = max(256, 2 * args.requests(max(args.levels)))
+        self.prompts = make_prompts(
+            self.tokenizer, count, args.min_prompt, args.max_prompt, seed=args.seed
+        )
+        self.specs = settings(args.draft_model, args.ks, ["draft"])
+        if args.only:
+            self.specs = {k: v for k, v in self.specs.items() if k in args.only}
+        self.engines: dict = {}
+        self.hf: dict = {}
+
+    # -- plumbing -------------------------------------------------------------------------
+    def engine(self, name: str):
+        if name not in self.engines:
+            spec = self.specs[name]
+            self.engines[name] = build_engine(
+                self.args, spec, max(self.args.levels), prefix_caching=False
+            )
+        return self.engines[name]
+
+    def hf_model(self, which: str):
+        if which not in self.hf:
+            path = self.args.model if which == "target" else self.args.draft_model
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+            self.hf[which] = model.to(self.device).eval()
+        return self.hf[which]
+
+    def save(self) -> None:
+        self.data["wall_s"] = time.monotonic() - self.args.started
+        tmp = self.args.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        tmp.replace(self.args.out)
+
+    def out_of_time(self, seconds: float = 0.0) -> bool:
+        return self.deadline is not None and time.monotonic() + seconds > self.deadline
+
+    def record(self, system: str, setting: str, level: int, fn, instant: bool = False) -> None:
+        """Run one row unless it is done already or would overrun the time limit."""
+        if (system, setting, level) in self.done:
+            return
+        expected = 2 * self.last_wall.get((system, setting), 0.0)  # levels double the work
+        if self.out_of_time(expected) and not instant:
+            self.data["not_run"].append({"system": system, "setting": setting, "level": level})
+            print(f"not run (time limit): {system} {setting} c={level}", flush=True)
+            return
+        began = time.monotonic()
+        try:
+            row = fn()
+            row["errors"] = []
+        except Exception as exc:  # one failing configuration is a result, not a crash
+            logging.exception("%s %s c=%d failed", system, setting, level)
+            if system == TANDEM:  # requests may be left in it: start the next row afresh
+                self.engines.pop(setting, None)
+            row = {"errors": [f"{type(exc).__name__}: {exc}"[:400]]}
+        row |= {"system": system, "setting": setting, "concurrency": level}
+        row["wall_s"] = self.last_wall[(system, setting)] = time.monotonic() - began
+        self.data["results"].append(row)
+        self.save()
+        print(_brief(row), flush=True)
+
+    # -- measurements ---------------------------------------------------------------------
+    def floor(self) -> None:
+        if self.data.get("floor"):
+            return
+        runner = self.engine("off").runner
+        copy_bytes = self.args.copy_mb * 2**20
+        self.data["floor"] = measure_floor(
+            runner, self.args.floor_context, self.args.floor_iters, copy_bytes
+        )
+        self.save()
+        f = self.data["floor"]
+        print(
+            f"floor {f['floor_us']:.1f} us ({f['target_weight_bytes'] / 1e6:.0f} MB at "
+            f"{f['copy_bandwidth_gb_s']:.0f} GB/s); Tandem pass {f['pass_median_us']:.1f} us "
+            f"= {f['pass_over_floor']:.2f}x the floor",
+            flush=True,
+        )
+
+    def greedy_checks(self) -> None:
+        prompts = self.prompts[: self.args.check_prompts]
+        tokens = self.args.max_tokens
+        reference = None
+        for name in self.specs:
+            if name in self.data["greedy"]:
+                continue
+            if reference is None:
+                target = self.hf_model("target")
+                reference = [hf_greedy(target, p, tokens) for p in prompts]
+            got = tandem_greedy(self.engine(name), f"check-{name}", prompts, tokens)
+            self.data["greedy"][name] = compare(got, reference)
+            self.save()
+            print(f"greedy check {name}: {self.data['greedy'][name]}", flush=True)
+
+    def tandem_row(self, name: str, level: int) -> dict:
+        engine, args = self.engine(name), self.args
+        warm = self.prompts[-level:]
+        run_closed_loop(engine, f"warm-{name}@{level}", warm, level, args.warmup_tokens, level)
+        sync(self.device)
+        result = run_closed_loop(
+            engine, f"{name}@{level}", self.prompts, level, args.max_tokens, args.requests(level)
+        )
+        sync(self.device)
+        row = result.as_dict()
+        row["greedy_match"] = self.data["greedy"].get(name, {}).get("greedy_match")
+        return row
+
+    def hf_row(self, level: int, heuristic: bool | None = None) -> dict:
+        """Plain generate() at `level`, or assisted (batch 1) when `heuristic` is given."""
+        model, tok, args = self.hf_model("target"), self.tokenizer, self.args
+        prompts, warm = self.prompts[: args.requests(level)], self.prompts[-level:]
+        if heuristic is None:
+            return run_level(model, tok, prompts, warm, level, args.max_tokens, args.warmup_tokens)
+        draft = self.hf_model("draft")
+        return run_assisted(
+            model, draft, tok, prompts, warm, args.max_tokens, args.warmup_tokens, heuristic
+        )
+
+    def run(self) -> None:
+        systems = self.args.systems
+        if "tandem" in systems and "off" in self.specs and not self.out_of_time():
+            self.floor()
+        if "tandem" in systems and self.args.check_prompts and not self.out_of_time():
+            self.greedy_checks()
+        for level in self.args.levels:
+            if "tandem" in systems:
+                for name in self.specs:
+                    self.record(TANDEM, name, level, lambda n=name, c=level: self.tandem_row(n, c))
+            if "hf-plain" in systems:
+                self.record(HF_PLAIN, "plain", level, lambda c=level: self.hf_row(c))
+            if "hf-assisted" not in systems:
+                continue
+            if level > 1:
+                note = {"notes": "not run: assisted generation takes batch size 1 only"}
+                self.record(HF_ASSISTED, "library defaults", level, note.copy, instant=True)
+                continue
+            self.record(HF_ASSISTED, "library defaults", 1, lambda: self.hf_row(1, False))
+            self.record(HF_ASSISTED, "heuristic K", 1, lambda: self.hf_row(1, True))
+
+
+def _key(row: dict) -> tuple[str, str, int]:
+    return row["system"], row["setting"], row["concurrency"]
+
+
+def _brief(row: dict) -> str:
+    if row["errors"]:
+        return f"{row['system']} {row['setting']} c={row['concurrency']}: {row['errors'][0]}"
+    if "tokens_per_s" not in row:
+        return f"{row['system']} {row['setting']} c={row['concurrency']}: {row.get('notes')}"
+    extra = f"  acc {row['acceptance']:.3f}  K {row['mean_k']:.2f}" if "mean_k" in row else ""
+    return (
+        f"{row['system']:>13} {row['setting']:>16} c={row['concurrency']:<3} "
+        f"{row['tokens_per_s']:9.1f} tok/s  ttft {row['ttft_mean_ms']:8.1f} ms  "
+        f"itl {row['itl_mean_ms']:7.2f} ms{extra}"
+    )
+
+
+def provenance(args: argparse.Namespace, device: torch.device) -> dict:
+    info = machine() | {"device": str(device), "device_type": device.type}
+    if device.type == "cuda":
+        info["device"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+    info |= {"transformers": transformers.__version__, "python": sys.version.split()[0]}
+    return info
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--pair", type=Path, required=True, help="bench.gpu_pair's --out directory")
+    p.add_argument("--label", help="names the results file (default: the pair directory's name)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--ks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--only", nargs="+", help="Tandem settings to run, e.g. off 'draft K=2'")
+    p.add_argument(
+        "--systems",
+        nargs="+",
+        choices=["tandem", "hf-plain", "hf-assisted"],
+        default=["tandem", "hf-plain", "hf-assisted"],
+    )
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--min-prompt", type=int, default=64)
+    p.add_argument("--max-prompt", type=int, default=192)
+    p.add_argument("--requests-per-slot", type=int, default=2)
+    p.add_argument("--min-requests", type=int, default=4)
+    p.add_argument("--warmup-tokens", type=int, default=4)
+    p.add_argument("--check-prompts", type=int, default=4, help="greedy check (0 = skip)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--floor-context", type=int, default=128)
+    p.add_argument("--floor-iters", type=int, default=50)
+    p.add_argument("--copy-mb", type=int, help="copy size for the bandwidth (default 2048 / 64)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    p.add_argument("--time-limit-s", type=float, default=0.0, help="0 = none")
+    p.add_argument("--resume", type=Path, help="an earlier results file to keep rows from")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    args.started = time.monotonic()
+    args.model, args.draft_model = str(args.pair / "target"), str(args.pair / "draft")
+    args.label = args.label or args.pair.resolve().name
+    args.out = args.out or ROOT / "bench" / "results" / f"gpu_{args.label}.json"
+    if args.copy_mb is None:
+        args.copy_mb = 2048 if resolve_device(args.device).type == "cuda" else 64
+    per_request = -(-(args.max_prompt + args.max_tokens + max(args.ks) + 1) // 16)
+    args.kv_blocks = max(args.levels) * per_request + 16  # every request resident, + slack
+
+    def requests(level: int) -> int:
+        return max(args.min_requests, args.requests_per_slot * level)
+
+    args.requests = requests
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING)
+    transformers.utils.logging.disable_progress_bar()
+    device = resolve_device(args.device)
+    pair = json.loads((args.pair / "pair.json").read_text())
+    config = {
+        "max_tokens": args.max_tokens,
+        "prompt_tokens": [args.min_prompt, args.max_prompt],
+        "levels": args.levels,
+        "ks": args.ks,
+        "requests_per_slot": args.requests_per_slot,
+        "min_requests": args.min_requests,
+        "requests": {str(c): args.requests(c) for c in args.levels},
+        "dtype": str(resolve_dtype("auto", device)).removeprefix("torch."),
+        "prefix_caching": False,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "check_prompts": args.check_prompts,
+    }
+    argv_used = sys.argv[1:] if argv is None else argv
+    data = {
+        "kind": "gpu-bench",
+        "label": args.label,
+        "command": "python -m bench.gpu_bench " + " ".join(argv_used),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": provenance(args, device),
+        "pair": pair,
+        "config": config,
+        "floor": None,
+        "greedy": {},
+        "results": [],
+        "not_run": [],
+    }
+    earlier = None
+    if args.resume and args.resume.exists():
+        earlier = json.loads(args.resume.read_text())
+        same = all(earlier["config"].get(k) == config[k] for k in SAME_FOR_RESUME)
+        if earlier["pair"].get("pair_id") != pair.get("pair_id") or not same:
+            print(f"--resume: {args.resume} measured another pair or settings; not kept")
+            earlier = None
+        else:
+            data["command"] = f"{earlier['command']} && {data['command']}"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    bench = GpuBench(args, data, earlier)
+    bench.save()
+    bench.run()
+    bench.save()
+    print(f"wrote {args.out} ({data['wall_s']:.0f} s)", flush=True)
+    return data
+
+
+if __name__ == "__main__":
+    main()
