@@ -15,6 +15,7 @@ import time
 import torch
 from transformers import GenerationConfig
 
+from engine.attention_backends import select_backend
 from engine.config import EngineConfig
 from engine.cost_model import CostModel, calibrate_runners
 from engine.draft_length import (
@@ -46,11 +47,14 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, self.device)
-        self.runner = ModelRunner(config.model.model, self.device, dtype)
+        self.attention_backend = select_backend(config.model.attention_backend, self.device)
+        self.runner = ModelRunner(config.model.model, self.device, dtype, self.attention_backend)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_token_ids(config.model.model, self.runner)
         self.max_model_len = self._max_model_len()
-        self.proposer = build_proposer(config.spec, self.device, dtype, self.vocab_size)
+        self.proposer = build_proposer(
+            config.spec, self.device, dtype, self.vocab_size, self.attention_backend
+        )
 
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or self._blocks_from_budget(block_size)
@@ -82,10 +86,12 @@ class LLMEngine:
         self.totals = EngineStats()
         self._seeds = itertools.count(config.model.seed)
         logger.info(
-            "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, spec %s",
+            "engine ready: %s on %s/%s (%s attention), %d KV blocks of %d tokens, "
+            "max_model_len %d, spec %s",
             config.model.model,
             self.device,
             dtype,
+            self.attention_backend,
             num_blocks,
             block_size,
             self.max_model_len,

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import attention
+from engine.attention_backends import BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +52,17 @@ class SeqInput:
 
 
 class ModelRunner:
-    def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        attention_backend: str = "reference",
+    ) -> None:
         attention.register()
         self.device = device
         self.dtype = dtype
+        self.attention_backend = BACKENDS[attention_backend]
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
@@ -111,6 +119,7 @@ class ModelRunner:
             [s.context_len for s in seqs],
             [s.block_table for s in seqs],
             self.device,
+            self.attention_backend,
         )
         out = self.model(
             input_ids=torch.tensor([token_ids], device=self.device),

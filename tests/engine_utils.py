@@ -23,10 +23,14 @@ def make_engine(
     prefix_caching: bool = True,
     max_waiting: int = 1024,
     device: str = "cpu",
+    dtype: str = "auto",
+    attention_backend: str = "auto",
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            model=ModelConfig(model=str(model), device=device),
+            model=ModelConfig(
+                model=str(model), device=device, dtype=dtype, attention_backend=attention_backend
+            ),
             cache=CacheConfig(
                 block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching
             ),

@@ -12,6 +12,9 @@ import torch
 
 from engine.attention import build_metadata
 from engine.attention_backends import BACKENDS, select_backend, triton_available
+from engine.config import ATTENTION_BACKENDS, SpecConfig
+from server.settings import load_settings
+from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 
 needs_triton = pytest.mark.skipif(
     not triton_available(),
@@ -145,6 +148,43 @@ def test_padded_grid_and_empty_requests_change_nothing(interpreted):
     torch.testing.assert_close(out[:num_tokens], expected, rtol=1e-5, atol=1e-5)
 
 
+@needs_triton
+def test_triton_backend_gives_the_reference_greedy_tokens(interpreted, tiny_dirs):
+    """End to end on tiny Llamas, through the interpreter: plain decoding with chunked
+    prefill, then draft-model speculation (verification passes of 1 + K tokens)."""
+    prompts = random_prompts([5, 17, 40], vocab=300, seed=11)
+    spec = SpecConfig(
+        method="draft", draft_model=str(tiny_dirs["llama_draft"]), draft_length="fixed"
+    )
+    for spec_config in (None, spec):
+        outputs = {}
+        for backend in ("reference", "triton"):
+            engine = make_engine(
+                tiny_dirs["llama"],
+                spec=spec_config,
+                max_num_batched_tokens=32,
+                attention_backend=backend,
+            )
+            assert engine.runner.attention_backend is BACKENDS[backend]
+            if spec_config is not None:
+                assert engine.proposer.runner.attention_backend is BACKENDS[backend]
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"r{i}", prompt, greedy(6))
+            outputs[backend] = drain(engine)
+            assert (engine.stats().spec_drafted_tokens > 0) == (spec_config is not None)
+        assert outputs["triton"] == outputs["reference"]
+
+
+def test_backend_names_match_the_setting(tiny_dirs):
+    assert set(ATTENTION_BACKENDS) == {"auto", *BACKENDS}
+    model = {"TANDEM_MODEL": str(tiny_dirs["llama"])}
+    assert load_settings(environ=model).engine.model.attention_backend == "auto"
+    env = {**model, "TANDEM_ATTENTION_BACKEND": "reference"}
+    assert load_settings(environ=env).engine.model.attention_backend == "reference"
+    with pytest.raises(ValueError, match=r"\$TANDEM_ATTENTION_BACKEND must be one of auto, ref"):
+        load_settings(environ={**model, "TANDEM_ATTENTION_BACKEND": "flash"})
+
+
 def test_backend_selection(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert select_backend("auto", cpu) == "reference"
@@ -184,3 +224,18 @@ def test_kernel_matches_reference_on_cuda(kernel, dtype, block_size, group, head
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
     poisoned = _attend(case, "triton", *_poison_unread_slots(case))
     torch.testing.assert_close(poisoned, got, rtol=0, atol=0)
+
+
+@needs_triton
+@pytest.mark.gpu
+def test_triton_is_the_cuda_default_and_matches_transformers_in_float32(tiny_dirs):
+    model = tiny_dirs["qwen2"]
+    assert make_engine(model, device="cuda").attention_backend == "triton"
+    prompts = random_prompts([1, 9, 33, 64], vocab=300, seed=12)
+    engine = make_engine(
+        model, device="cuda", dtype="float32", attention_backend="triton", max_num_batched_tokens=48
+    )
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"g{i}", prompt, greedy(12))
+    outputs = drain(engine)
+    assert [outputs[f"g{i}"] for i in range(len(prompts))] == hf_greedy(model, prompts, 12)
