@@ -101,6 +101,9 @@ class ModelRunner:
             for _ in range(self.num_layers)
         ]
 
+    def free_kv(self) -> None:
+        self.kv_caches = []
+
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
         """Run the packed batch; return float32 logits [num_logits, vocab], in the order of
