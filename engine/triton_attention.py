@@ -5,8 +5,9 @@ One program handles one request, one block of its query tokens and one KV head. 
 every K/V tile the program loads. It walks the request's keys in tiles of BLOCK_N positions,
 up to the last position any of its queries may see, looks each position's block up in the
 block table, and keeps an online softmax in fp32 (running max m, running sum denom,
-unnormalised output acc), flash-attention style. Query j of a request with q_len new tokens and context
-length ctx sits at position ctx - q_len + j and sees the keys at positions <= its own.
+unnormalised output acc), flash-attention style. Query j of a request with q_len new tokens
+and context length ctx sits at position ctx - q_len + j and sees the keys at positions <= its
+own.
 
 Any number of query tokens per request (decode 1, verification 1 + K, prefill chunks) and any
 block size work. The grid depends only on the number of requests and a bound on the query
