@@ -24,7 +24,7 @@ from engine.draft_length import (
     FixedDraftLength,
     NoSpeculation,
 )
-from engine.kv_budget import blocks_for_budget, gpu_kv_budget, profile_gpu_memory
+from engine.kv_budget import num_kv_blocks
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, resolve_device, resolve_dtype
 from engine.outputs import RequestOutput
@@ -58,7 +58,11 @@ class LLMEngine:
         )
 
         block_size = config.cache.block_size
-        num_blocks = config.cache.num_blocks or self._blocks_from_budget(block_size)
+        draft = getattr(self.proposer, "runner", None)  # a proposer with a model of its own
+        self.runners = [self.runner] + ([draft] if draft is not None else [])
+        num_blocks = config.cache.num_blocks or num_kv_blocks(
+            config, self.device, self.runners, self.max_model_len
+        )
         self.runner.allocate_kv(num_blocks, block_size)
         if self.proposer is not None:
             self.proposer.allocate_kv(num_blocks, block_size)
@@ -276,33 +280,6 @@ class LLMEngine:
             max_tokens,
             self.config.scheduler.max_num_seqs,
         )
-
-    def _blocks_from_budget(self, block_size: int) -> int:
-        """Called once both models are loaded and before either has its KV pool."""
-        per_block = self.runner.kv_bytes_per_block(block_size)
-        if self.proposer is not None:
-            per_block += self.proposer.kv_bytes_per_block(block_size)
-        if self.device.type == "cuda":
-            draft = getattr(self.proposer, "runner", None)
-            memory = profile_gpu_memory(
-                self.device,
-                [self.runner] + ([draft] if draft is not None else []),
-                block_size,
-                self.config.scheduler.max_num_batched_tokens,
-                self.max_model_len,
-            )
-            budget = gpu_kv_budget(memory, self.config.cache.gpu_memory_utilization)
-            logger.info(
-                "GPU memory: %.2f GiB total, %.2f GiB in use after loading, %.2f GiB peak "
-                "activations; %.2f GiB for the KV cache",
-                memory.total / 2**30,
-                (memory.total - memory.free) / 2**30,
-                memory.activation_peak / 2**30,
-                max(budget, 0) / 2**30,
-            )
-        else:
-            budget = self.config.cache.memory_gb * 2**30
-        return blocks_for_budget(budget, per_block)
 
 
 def _eos_token_ids(model_path: str, runner: ModelRunner) -> tuple[int, ...]:

@@ -9,11 +9,38 @@ forward of that step per model on a throwaway pool, before the real pool exists.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from engine.config import EngineConfig
 from engine.model_runner import ModelRunner, SeqInput
+
+logger = logging.getLogger(__name__)
+
+
+def num_kv_blocks(
+    config: EngineConfig, device: torch.device, runners: list[ModelRunner], max_model_len: int
+) -> int:
+    """Blocks for the pool shared by `runners` (target, then draft), all loaded already and
+    none holding a pool yet."""
+    block_size = config.cache.block_size
+    per_block = sum(runner.kv_bytes_per_block(block_size) for runner in runners)
+    if device.type != "cuda":
+        return blocks_for_budget(config.cache.memory_gb * 2**30, per_block)
+    tokens = config.scheduler.max_num_batched_tokens
+    memory = profile_gpu_memory(device, runners, block_size, tokens, max_model_len)
+    budget = gpu_kv_budget(memory, config.cache.gpu_memory_utilization)
+    logger.info(
+        "GPU memory: %.2f GiB total, %.2f GiB in use after loading, %.2f GiB peak activations; "
+        "%.2f GiB for the KV cache",
+        memory.total / 2**30,
+        (memory.total - memory.free) / 2**30,
+        memory.activation_peak / 2**30,
+        max(budget, 0) / 2**30,
+    )
+    return blocks_for_budget(budget, per_block)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from engine.kv_budget import (
     blocks_for_budget,
     gpu_kv_budget,
     largest_step,
+    num_kv_blocks,
     profile_gpu_memory,
 )
 from engine.model_runner import ModelRunner
@@ -95,15 +96,20 @@ def test_profile_runs_every_model_on_a_scratch_pool_and_measures_around_it(
 def test_engine_sizes_the_pool_for_both_models(tiny_dirs, monkeypatch):
     spec = SpecConfig(method="draft", draft_model=str(tiny_dirs["llama_draft"]))
     engine = make_engine(tiny_dirs["llama"], spec=spec, max_num_batched_tokens=64)
+    assert engine.runners == [engine.runner, engine.proposer.runner]
     profiled = []
 
     def fake_profile(device, runners, block_size, num_tokens, max_len):
-        profiled.append((runners, num_tokens, max_len))
+        profiled.append((runners, block_size, num_tokens, max_len))
         return GpuMemory(total=80 * GiB, free=62 * GiB, activation_peak=3 * GiB)
 
-    monkeypatch.setattr("engine.engine.profile_gpu_memory", fake_profile)
-    engine.device = torch.device("cuda")
-    per_block = engine.runner.kv_bytes_per_block(16)
-    per_block += engine.proposer.runner.kv_bytes_per_block(16)
-    assert engine._blocks_from_budget(16) == int(51 * GiB // per_block)
-    assert profiled == [([engine.runner, engine.proposer.runner], 64, engine.max_model_len)]
+    monkeypatch.setattr("engine.kv_budget.profile_gpu_memory", fake_profile)
+    runners, config = engine.runners, engine.config
+    per_block = sum(r.kv_bytes_per_block(config.cache.block_size) for r in runners)
+    assert per_block > engine.runner.kv_bytes_per_block(config.cache.block_size)
+    blocks = num_kv_blocks(config, torch.device("cuda"), runners, 200)
+    assert blocks == int(51 * GiB // per_block)
+    assert profiled == [(runners, config.cache.block_size, 64, 200)]
+    # On the CPU the budget is cache.memory_gb, and nothing is profiled.
+    assert num_kv_blocks(config, torch.device("cpu"), runners, 200) == GiB // per_block
+    assert len(profiled) == 1
