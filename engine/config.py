@@ -39,6 +39,9 @@ class ModelConfig:
     """Seed for requests that do not bring their own."""
     attention_backend: str = "auto"
     """auto = triton on CUDA when Triton is installed, else reference."""
+    cuda_graphs: bool = True
+    """Run steps where every request feeds the same number of tokens on padded fixed shapes,
+    captured as CUDA graphs on CUDA. Needs the triton attention backend; ignored without it."""
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "--model must name a local model directory")

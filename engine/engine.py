@@ -18,6 +18,7 @@ from transformers import GenerationConfig
 from engine.attention_backends import select_backend
 from engine.config import EngineConfig
 from engine.cost_model import CostModel, calibrate_runners
+from engine.decode_graphs import BATCH_BUCKETS
 from engine.draft_length import (
     AdaptiveDraftLength,
     DraftLengthPolicy,
@@ -75,6 +76,7 @@ class LLMEngine:
                 self.max_model_len,
             )
             self.max_model_len = pool_tokens
+        self.decode_graphs = config.model.cuda_graphs and self._enable_decode_graphs()
         self.cost_model: CostModel | None = None
         if config.spec.enabled and config.spec.draft_length == "adaptive":
             self.cost_model = self._calibrate()
@@ -91,12 +93,13 @@ class LLMEngine:
         self.totals = EngineStats()
         self._seeds = itertools.count(config.model.seed)
         logger.info(
-            "engine ready: %s on %s/%s (%s attention), %d KV blocks of %d tokens, "
-            "max_model_len %d, spec %s",
+            "engine ready: %s on %s/%s (%s attention, decode graphs %s), %d KV blocks of %d "
+            "tokens, max_model_len %d, spec %s",
             config.model.model,
             self.device,
             dtype,
             self.attention_backend,
+            "on" if self.decode_graphs else "off",
             num_blocks,
             block_size,
             self.max_model_len,
@@ -260,6 +263,16 @@ class LLMEngine:
         if wanted is not None and wanted > limit:
             raise ValueError(f"--max-model-len {wanted} exceeds the model's limit of {limit}")
         return wanted or limit
+
+    def _enable_decode_graphs(self) -> bool:
+        spec = self.config.spec
+        max_query_len = 1 + (spec.max_draft_tokens if spec.enabled else 0)
+        max_batch = min(self.config.scheduler.max_num_seqs, BATCH_BUCKETS[-1])
+        enabled = [
+            runner.enable_decode_graphs(max_batch, max_query_len, self.max_model_len)
+            for runner in self.runners
+        ]
+        return all(enabled)
 
     def _make_policy(self) -> DraftLengthPolicy:
         spec = self.config.spec

@@ -97,6 +97,15 @@ OPTIONS: tuple[Option, ...] = (
         choices=ATTENTION_BACKENDS,
     ),
     Option(
+        "model.cuda_graphs",
+        "--cuda-graphs",
+        parse_bool,
+        "on: decode and verification steps with one query length per request run on padded "
+        "fixed shapes, replayed as CUDA graphs on CUDA (needs the triton attention backend; "
+        "ignored without it); off: every step eagerly",
+        metavar="on|off",
+    ),
+    Option(
         "speculative.method",
         "--speculative-method",
         str,
