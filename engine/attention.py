@@ -4,19 +4,21 @@ Tandem loads every model with `attn_implementation="tandem_paged"`. The model ru
 sequence `[1, num_tokens]` holding the scheduled tokens of all requests; the runner passes an
 `AttentionMetadata` as the keyword `tandem_metadata`, which transformers forwards untouched
 to `paged_attention_forward`. That function writes the new keys/values into their cache slots
-and attends each request's queries to that request's cached keys, causally.
+and hands the queries to the metadata's `AttentionBackend`, which attends each request's
+queries to that request's cached keys, causally. Backends are registered by name in
+engine/attention_backends.py; this module holds the contract and the reference backend.
 
 The reference path gathers each request's key blocks from the block table into a padded batch
 and runs `scaled_dot_product_attention` with a boolean mask, one call per group of requests
 with the same number of queries, so no query is ever padded (neither a decode next to a long
-prefill chunk, nor a K = 1 verification next to a K = 8 one). Faster paths (a Triton
-kernel reading the block table directly) can register beside it under another backend name.
+prefill chunk, nor a K = 1 verification next to a K = 8 one). It runs anywhere; the Triton
+kernel (engine/triton_attention.py) reads the block tables directly and is the default on CUDA.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -39,12 +41,62 @@ class AttentionGroup:
     one K): queries are then a view, no gather."""
 
 
+@dataclass(frozen=True)
+class BatchLayout:
+    """The packed batch, per request, as host lists."""
+
+    block_size: int
+    query_lens: list[int]
+    context_lens: list[int]
+    """Request i's new tokens sit at [context_lens[i] - query_lens[i], context_lens[i])."""
+    block_tables: list[list[int]]
+    query_starts: list[int]
+    """[num_seqs + 1]: request i's tokens are [query_starts[i], query_starts[i + 1])."""
+
+
+class AttentionBackend(Protocol):
+    """One way to attend the packed batch to the paged cache.
+
+    Rules: `prepare` fills the AttentionMetadata fields this backend reads and no others, so
+    one backend never pays for another's metadata; it runs once per forward (all layers share
+    it) and builds device tensors from host lists without reading device memory. `attend` runs
+    per layer after the batch's new keys/values are in the cache. Query j of request i sits at
+    position context_lens[i] - query_lens[i] + j and sees request i's keys at positions <= its
+    own; the result is [num_tokens, heads, head_dim] in the query's dtype. `attend` never
+    writes the cache.
+    """
+
+    def prepare(
+        self, metadata: AttentionMetadata, layout: BatchLayout, device: torch.device
+    ) -> None: ...
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
 @dataclass
 class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     """Per layer (key_cache, value_cache), each [num_blocks, block_size, kv_heads, head_dim]."""
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot each new token's K/V goes to
-    groups: list[AttentionGroup]
+    backend: AttentionBackend
+    """Attends this batch; only the fields below that it reads are filled."""
+    groups: list[AttentionGroup] = field(default_factory=list)
+    """reference: requests attended together in one padded SDPA call."""
+    block_tables: torch.Tensor | None = None
+    """triton: [num_seqs, max_blocks] int32 block ids, rows padded with 0."""
+    query_start_loc: torch.Tensor | None = None
+    """triton: [num_seqs + 1] int32; request i's tokens are [loc[i], loc[i + 1]) of the batch."""
+    context_lens: torch.Tensor | None = None
+    """triton: [num_seqs] int32, the keys request i attends to (its new tokens included)."""
+    max_query_len: int = 0
+    """triton: a bound on every request's query length (it sizes the kernel grid)."""
 
 
 def build_metadata(
@@ -54,10 +106,12 @@ def build_metadata(
     context_lens: list[int],
     block_tables: list[list[int]],
     device: torch.device,
+    backend: AttentionBackend | None = None,
 ) -> AttentionMetadata:
     """Metadata for requests with query_lens[i] new tokens ending at context_lens[i].
 
     The new tokens of request i sit at positions [context_lens[i] - query_lens[i], context_lens[i]).
+    backend: None = the reference backend.
     """
     slots = []
     for q_len, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
@@ -66,21 +120,56 @@ def build_metadata(
     starts = [0]
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)
+    metadata = AttentionMetadata(
+        kv_caches=kv_caches,
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        backend=backend or REFERENCE,
+    )
+    layout = BatchLayout(block_size, query_lens, context_lens, block_tables, starts)
+    metadata.backend.prepare(metadata, layout, device)
+    return metadata
 
+
+class ReferenceBackend:
+    """One SDPA call per group of requests with the same query count (module docstring)."""
+
+    def prepare(
+        self, metadata: AttentionMetadata, layout: BatchLayout, device: torch.device
+    ) -> None:
+        metadata.groups = _build_groups(layout, device)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return reference_attention(query, key_cache, value_cache, metadata, scale)
+
+
+REFERENCE = ReferenceBackend()
+
+
+def _build_groups(layout: BatchLayout, device: torch.device) -> list[AttentionGroup]:
     # Grouping by query count means no query is padded: a verification batch where K differs
     # per request costs what its tokens cost, not (1 + max K) per request.
     by_len: dict[int, list[int]] = {}
-    for i, q_len in enumerate(query_lens):
+    for i, q_len in enumerate(layout.query_lens):
         by_len.setdefault(q_len, []).append(i)
-    groups = [
-        _build_group(members, starts, q_len, context_lens, block_tables, block_size, device)
+    return [
+        _build_group(
+            members,
+            layout.query_starts,
+            q_len,
+            layout.context_lens,
+            layout.block_tables,
+            layout.block_size,
+            device,
+        )
         for q_len, members in by_len.items()
     ]
-    return AttentionMetadata(
-        kv_caches=kv_caches,
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        groups=groups,
-    )
 
 
 def _build_group(
@@ -164,11 +253,6 @@ def _covers(metadata: AttentionMetadata, query: torch.Tensor) -> bool:
     )
 
 
-AttentionBackend = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
-]
-
-
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, heads, num_tokens, head_dim]
@@ -188,7 +272,7 @@ def paged_attention_forward(
     key_cache.view(-1, kv_heads, head_dim)[slots] = key[0].transpose(0, 1).to(key_cache.dtype)
     value_cache.view(-1, kv_heads, head_dim)[slots] = value[0].transpose(0, 1).to(key_cache.dtype)
     scale = scaling if scaling is not None else head_dim**-0.5
-    out = reference_attention(
+    out = tandem_metadata.backend.attend(
         query[0].transpose(0, 1), key_cache, value_cache, tandem_metadata, scale
     )
     return out.unsqueeze(0), None  # [1, num_tokens, heads, head_dim]

@@ -12,6 +12,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 SPEC_METHODS = ("draft", "ngram", "off")
 DRAFT_LENGTH_POLICIES = ("adaptive", "fixed")
+# The names registered in engine/attention_backends.py, plus auto.
+ATTENTION_BACKENDS = ("auto", "reference", "triton")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -35,11 +37,17 @@ class ModelConfig:
     """Longest prompt + output; None = the target's max_position_embeddings."""
     seed: int = 0
     """Seed for requests that do not bring their own."""
+    attention_backend: str = "auto"
+    """auto = triton on CUDA when Triton is installed, else reference."""
+    cuda_graphs: bool = True
+    """Run steps where every request feeds the same number of tokens on padded fixed shapes,
+    captured as CUDA graphs on CUDA. Needs the triton attention backend; ignored without it."""
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "--model must name a local model directory")
         _check_choice("--dtype", self.dtype, DTYPES)
         _check_choice("--device", self.device, DEVICES)
+        _check_choice("--attention-backend", self.attention_backend, ATTENTION_BACKENDS)
         _check(
             self.max_model_len is None or self.max_model_len >= 2,
             f"--max-model-len must be at least 2 (got {self.max_model_len})",

@@ -15,14 +15,17 @@ import time
 import torch
 from transformers import GenerationConfig
 
+from engine.attention_backends import select_backend
 from engine.config import EngineConfig
 from engine.cost_model import CostModel, PassShape, calibrate_runners
+from engine.decode_graphs import BATCH_BUCKETS
 from engine.draft_length import (
     AdaptiveDraftLength,
     DraftLengthPolicy,
     FixedDraftLength,
     NoSpeculation,
 )
+from engine.kv_budget import num_kv_blocks
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, resolve_device, resolve_dtype
 from engine.outputs import RequestOutput
@@ -46,14 +49,21 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, self.device)
-        self.runner = ModelRunner(config.model.model, self.device, dtype)
+        self.attention_backend = select_backend(config.model.attention_backend, self.device)
+        self.runner = ModelRunner(config.model.model, self.device, dtype, self.attention_backend)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_token_ids(config.model.model, self.runner)
         self.max_model_len = self._max_model_len()
-        self.proposer = build_proposer(config.spec, self.device, dtype, self.vocab_size)
+        self.proposer = build_proposer(
+            config.spec, self.device, dtype, self.vocab_size, self.attention_backend
+        )
 
         block_size = config.cache.block_size
-        num_blocks = config.cache.num_blocks or self._blocks_from_budget(block_size)
+        draft = getattr(self.proposer, "runner", None)  # a proposer with a model of its own
+        self.runners = [self.runner] + ([draft] if draft is not None else [])
+        num_blocks = config.cache.num_blocks or num_kv_blocks(
+            config, self.device, self.runners, self.max_model_len
+        )
         self.runner.allocate_kv(num_blocks, block_size)
         if self.proposer is not None:
             self.proposer.allocate_kv(num_blocks, block_size)
@@ -66,6 +76,7 @@ class LLMEngine:
                 self.max_model_len,
             )
             self.max_model_len = pool_tokens
+        self.decode_graphs = config.model.cuda_graphs and self._enable_decode_graphs()
         self.cost_model: CostModel | None = None
         if config.spec.enabled and config.spec.draft_length == "adaptive":
             self.cost_model = self._calibrate()
@@ -82,10 +93,13 @@ class LLMEngine:
         self.totals = EngineStats()
         self._seeds = itertools.count(config.model.seed)
         logger.info(
-            "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, spec %s",
+            "engine ready: %s on %s/%s (%s attention, decode graphs %s), %d KV blocks of %d "
+            "tokens, max_model_len %d, spec %s",
             config.model.model,
             self.device,
             dtype,
+            self.attention_backend,
+            "on" if self.decode_graphs else "off",
             num_blocks,
             block_size,
             self.max_model_len,
@@ -256,6 +270,16 @@ class LLMEngine:
             raise ValueError(f"--max-model-len {wanted} exceeds the model's limit of {limit}")
         return wanted or limit
 
+    def _enable_decode_graphs(self) -> bool:
+        spec = self.config.spec
+        max_query_len = 1 + (spec.max_draft_tokens if spec.enabled else 0)
+        max_batch = min(self.config.scheduler.max_num_seqs, BATCH_BUCKETS[-1])
+        enabled = [
+            runner.enable_decode_graphs(max_batch, max_query_len, self.max_model_len)
+            for runner in self.runners
+        ]
+        return all(enabled)
+
     def _make_policy(self) -> DraftLengthPolicy:
         spec = self.config.spec
         if not spec.enabled:
@@ -277,20 +301,6 @@ class LLMEngine:
             self.config.scheduler.max_num_seqs,
             self.max_model_len,
         )
-
-    def _blocks_from_budget(self, block_size: int) -> int:
-        per_block = self.runner.kv_bytes_per_block(block_size)
-        if self.proposer is not None:
-            per_block += self.proposer.kv_bytes_per_block(block_size)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1 - self.config.cache.gpu_memory_utilization)
-        else:
-            budget = self.config.cache.memory_gb * 2**30
-        num_blocks = int(budget // per_block)
-        if num_blocks < 1:
-            raise ValueError("no memory left for the KV cache; lower the model size or budget")
-        return num_blocks
 
 
 def _eos_token_ids(model_path: str, runner: ModelRunner) -> tuple[int, ...]:

@@ -2,7 +2,9 @@
 
 The runner loads any `AutoModelForCausalLM` whose attention goes through transformers'
 AttentionInterface, owns that model's KV tensors, and turns a list of `SeqInput`s (what each
-request feeds this step) into one packed forward that returns the logits asked for.
+request feeds this step) into one packed forward that returns the logits asked for. Batches
+in which every request feeds the same number of tokens can run on fixed shapes (CUDA graphs
+on CUDA; engine/decode_graphs.py) once `enable_decode_graphs` has been called.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import attention
+from engine.attention_backends import BACKENDS
+from engine.decode_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +55,18 @@ class SeqInput:
 
 
 class ModelRunner:
-    def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        attention_backend: str = "reference",
+    ) -> None:
         attention.register()
         self.device = device
         self.dtype = dtype
+        self.attention_backend = BACKENDS[attention_backend]
+        self.name = model_path
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
@@ -77,14 +89,19 @@ class ModelRunner:
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
+        self.scratch_block = 0
+        self.decode_graphs: DecodeGraphs | None = None
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
-        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        """Blocks 0 .. num_blocks - 1 for requests, plus a scratch block (index num_blocks)
+        that no request owns: padding tokens of fixed-shape steps write their K/V there."""
+        shape = (num_blocks + 1, block_size, self.num_kv_heads, self.head_dim)
         self.block_size = block_size
+        self.scratch_block = num_blocks
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -92,6 +109,56 @@ class ModelRunner:
             )
             for _ in range(self.num_layers)
         ]
+
+    def free_kv(self) -> None:
+        self.kv_caches = []
+        self.decode_graphs = None
+
+    @torch.inference_mode()
+    def enable_decode_graphs(self, max_batch: int, max_query_len: int, max_model_len: int) -> bool:
+        """Run batches of up to max_batch requests that all feed the same q <= max_query_len
+        tokens on padded fixed shapes, captured as CUDA graphs on CUDA. Call after
+        allocate_kv. Needs the triton backend (its metadata is all tensors) and a model whose
+        logits are its LM head applied to its body's output; returns whether it is on."""
+        if self.attention_backend is not BACKENDS["triton"]:
+            return False
+        if not self._head_is_plain():
+            logger.warning("%s changes its logits after the LM head: no decode graphs", self.name)
+            return False
+        self.decode_graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.block_size,
+            self.scratch_block,
+            -(-max_model_len // self.block_size),
+            max_query_len,
+            max_batch,
+            self.device,
+        )
+        return True
+
+    def _head_is_plain(self) -> bool:
+        """One token on the scratch block, through the whole model and through body + head.
+        Not token 0: it is often the padding token, whose embedding may be zero."""
+        metadata = attention.build_metadata(
+            self.kv_caches,
+            self.block_size,
+            [1],
+            [1],
+            [[self.scratch_block]],
+            self.device,
+            self.attention_backend,
+        )
+        inputs = dict(
+            input_ids=torch.full((1, 1), self.vocab_size // 2, device=self.device),
+            position_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+            use_cache=False,
+            tandem_metadata=metadata,
+        )
+        logits = self.model(**inputs).logits
+        hidden = self.model.base_model(**inputs).last_hidden_state
+        head = self.model.get_output_embeddings()(hidden)
+        return bool(logits.abs().max() > 0) and torch.equal(head, logits)
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
@@ -104,13 +171,21 @@ class ModelRunner:
             logit_index.extend(len(token_ids) + off for off in seq.logit_offsets)
             token_ids.extend(seq.token_ids)
             positions.extend(range(seq.start_pos, seq.context_len))
+        query_lens = [len(s.token_ids) for s in seqs]
+        context_lens = [s.context_len for s in seqs]
+        tables = [s.block_table for s in seqs]
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(query_lens, context_lens):
+            hidden = graphs.run(token_ids, positions, context_lens, tables, logit_index)
+            return self.model.get_output_embeddings()(hidden).float()  # [num_logits, vocab]
         metadata = attention.build_metadata(
             self.kv_caches,
             self.block_size,
-            [len(s.token_ids) for s in seqs],
-            [s.context_len for s in seqs],
-            [s.block_table for s in seqs],
+            query_lens,
+            context_lens,
+            tables,
             self.device,
+            self.attention_backend,
         )
         out = self.model(
             input_ids=torch.tensor([token_ids], device=self.device),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from engine.config import DEVICES, DRAFT_LENGTH_POLICIES, DTYPES, SPEC_METHODS
+from engine.config import ATTENTION_BACKENDS, DEVICES, DRAFT_LENGTH_POLICIES, DTYPES, SPEC_METHODS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ENV_PREFIX = "TANDEM_"
@@ -87,6 +87,23 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "model.seed", "--seed", int, "seed for requests that do not bring their own", metavar="N"
+    ),
+    Option(
+        "model.attention_backend",
+        "--attention-backend",
+        str,
+        "paged attention: triton (one kernel reading the block tables) or reference (padded "
+        "SDPA); auto = triton on CUDA when Triton is installed, else reference",
+        choices=ATTENTION_BACKENDS,
+    ),
+    Option(
+        "model.cuda_graphs",
+        "--cuda-graphs",
+        parse_bool,
+        "on: decode and verification steps with one query length per request run on padded "
+        "fixed shapes, replayed as CUDA graphs on CUDA (needs the triton attention backend; "
+        "ignored without it); off: every step eagerly",
+        metavar="on|off",
     ),
     Option(
         "speculative.method",

@@ -1,11 +1,19 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.tiny_models import build_model
+# Triton reads TRITON_INTERPRET when it is first imported, and torch imports it as a side effect
+# once transformers loads a model, so the choice is made here, before any test module imports
+# the engine: without CUDA the Triton attention kernel runs in the interpreter. (Importing
+# torch itself does not import triton.)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.tiny_models import build_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -23,10 +23,19 @@ def make_engine(
     prefix_caching: bool = True,
     max_waiting: int = 1024,
     device: str = "cpu",
+    dtype: str = "auto",
+    attention_backend: str = "auto",
+    cuda_graphs: bool = True,
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            model=ModelConfig(model=str(model), device=device),
+            model=ModelConfig(
+                model=str(model),
+                device=device,
+                dtype=dtype,
+                attention_backend=attention_backend,
+                cuda_graphs=cuda_graphs,
+            ),
             cache=CacheConfig(
                 block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching
             ),

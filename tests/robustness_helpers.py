@@ -32,8 +32,9 @@ def openai_error(status: int, body: Any) -> dict[str, Any]:
 
 
 def sse_data(lines: Iterable[str]) -> list[str]:
-    """The `data:` payloads of an SSE body, in order (pings and blank lines dropped)."""
-    return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+    """The `data:` payloads of an SSE body, in order (pings and blank lines dropped). Lines may
+    end in CRLF (sse-starlette's separator) when split on LF only."""
+    return [line.rstrip("\r")[len("data: ") :] for line in lines if line.startswith("data: ")]
 
 
 def stream_text(events: list[str]) -> tuple[str, str | None, dict | None]:

@@ -39,13 +39,18 @@ class Proposer(Protocol):
     def propose(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch: ...
 
 
-ProposerFactory = Callable[[SpecConfig, torch.device, torch.dtype, int], Proposer]
+# (config, device, dtype, target vocabulary size, attention backend name) -> proposer
+ProposerFactory = Callable[[SpecConfig, torch.device, torch.dtype, int, str], Proposer]
 PROPOSERS: dict[str, ProposerFactory] = {}
 
 
 def build_proposer(
-    config: SpecConfig, device: torch.device, dtype: torch.dtype, target_vocab: int
+    config: SpecConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    target_vocab: int,
+    attention_backend: str = "reference",
 ) -> Proposer | None:
     if not config.enabled:
         return None
-    return PROPOSERS[config.method](config, device, dtype, target_vocab)
+    return PROPOSERS[config.method](config, device, dtype, target_vocab, attention_backend)

@@ -47,10 +47,16 @@ class DraftModelProposer:
 
     @classmethod
     def from_config(
-        cls, config: SpecConfig, device: torch.device, dtype: torch.dtype, target_vocab: int
+        cls,
+        config: SpecConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        target_vocab: int,
+        attention_backend: str,
     ) -> DraftModelProposer:
         assert config.draft_model is not None  # SpecConfig validation guarantees it
-        return cls(ModelRunner(config.draft_model, device, dtype), target_vocab)
+        runner = ModelRunner(config.draft_model, device, dtype, attention_backend)
+        return cls(runner, target_vocab)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.runner.kv_bytes_per_block(block_size)

@@ -32,7 +32,12 @@ class NgramProposer:
 
     @classmethod
     def from_config(
-        cls, config: SpecConfig, device: torch.device, dtype: torch.dtype, target_vocab: int
+        cls,
+        config: SpecConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        target_vocab: int,
+        attention_backend: str,
     ) -> NgramProposer:
         return cls(config.ngram_max, config.ngram_min)
 

@@ -1,0 +1,198 @@
+"""Paged attention as one Triton kernel that reads K/V straight from the block tables.
+
+One program handles one request, one block of its query tokens and one KV head. Its rows are
+(query token, query head) pairs of that KV head's group, so the heads of a GQA group share
+every K/V tile the program loads. It walks the request's keys in tiles of BLOCK_N positions,
+up to the last position any of its queries may see, looks each position's block up in the
+block table, and keeps an online softmax in fp32 (running max m, running sum denom,
+unnormalised output acc), flash-attention style. Query j of a request with q_len new tokens
+and context length ctx sits at position ctx - q_len + j and sees the keys at positions <= its
+own.
+
+Any number of query tokens per request (decode 1, verification 1 + K, prefill chunks) and any
+block size work. The grid depends only on the number of requests and a bound on the query
+length, and the loop bound is read from `context_lens` on the device, so a fixed-shape batch
+(CUDA graphs) launches the same grid every step; a request with no query tokens (padding)
+returns at once.
+
+On CPU tensors the kernel runs only under Triton's interpreter: TRITON_INTERPRET=1 must be in
+the environment before triton is first imported (torch imports it when transformers loads a
+model), because triton decorates its own `tl.*` helpers then and ours at this module's import.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# tl.dot needs at least 16 rows, columns and reduction length on the GPU.
+_MIN_DOT = 16
+# Query rows per program for batches with a prefill chunk; decode and verification use 16.
+_PREFILL_ROWS = 64
+_KV_TILE = 32
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [num_tokens, heads, head_dim]
+    q_ptr,  # [num_tokens, heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    context_lens_ptr,  # [num_seqs] int32
+    scale,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_head,
+    stride_table,
+    block_size,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two, at least 16
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # rows per program: a power of two >= BLOCK_Q * GROUP
+    BLOCK_N: tl.constexpr,  # key positions per tile
+    DOT_PRECISION: tl.constexpr,  # "ieee" keeps fp32 inputs out of TF32
+):
+    seq = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    ctx_len = tl.load(context_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + rows // GROUP  # query token within the request
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    q_pos = ctx_len - q_len + q_idx  # the position each row's query token sits at
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    tok = (q_start + q_idx).to(tl.int64)
+
+    q_ptrs = q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    # One past the last key position the block's last query token sees.
+    kv_end = tl.minimum(ctx_len, ctx_len - q_len + (q_block + 1) * BLOCK_Q)
+    for start in range(0, kv_end, BLOCK_N):
+        kv_pos = start + tl.arange(0, BLOCK_N)
+        kv_ok = kv_pos < kv_end
+        block = tl.load(
+            block_tables_ptr + seq * stride_table + kv_pos // block_size, mask=kv_ok, other=0
+        ).to(tl.int64)
+        slot = kv_pos % block_size
+        k_off = block * stride_k_block + slot * stride_k_slot + kv_head * stride_k_head
+        v_off = block * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
+        kv_mask = kv_ok[None, :] & dim_ok[:, None]
+        k = tl.load(k_cache_ptr + k_off[None, :] + dims[:, None], mask=kv_mask, other=0.0)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N] fp32
+        visible = row_ok[:, None] & kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; subtract 0 so exp gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        denom = denom * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + v_off[:, None] + dims[None, :],
+            mask=kv_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    o_ptrs = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+# `@triton.jit` returns an interpreter-backed function instead when TRITON_INTERPRET=1.
+INTERPRETED = not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
+if INTERPRETED and isinstance(tl.zeros, triton.runtime.JITFunction):
+    # Triton's own tl.* helpers were decorated when triton was imported, without the variable.
+    raise ImportError(
+        "TRITON_INTERPRET=1 was set after triton had been imported (torch imports it when "
+        "transformers loads a model); set it in the environment before Python starts"
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    max_query_len: int,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, heads, head_dim]
+    """Attend each request's queries to its cached keys; the new keys must be cached already.
+
+    max_query_len bounds every request's query length; it sizes the grid and may be larger
+    than the longest request (a padded, fixed-shape batch).
+    """
+    if query.device.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(
+            "the Triton attention kernel got CPU tensors but is compiled for the GPU; set "
+            "TRITON_INTERPRET=1 before engine.triton_attention is imported to interpret it"
+        )
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if num_heads % kv_heads:
+        raise ValueError(f"{num_heads} query heads do not split into {kv_heads} KV heads")
+    if query.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
+        raise ValueError("paged_attention needs the head dimension contiguous")
+    group = num_heads // kv_heads
+    rows = _PREFILL_ROWS if max_query_len * group > _MIN_DOT else _MIN_DOT
+    block_m = max(rows, triton.next_power_of_2(group))
+    block_q = block_m // group
+    out = torch.empty_like(query)
+    num_seqs = context_lens.shape[0]
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), kv_heads)
+    _paged_attention_kernel[grid](
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        block_size,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=_KV_TILE,
+        DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
+    )
+    return out
