@@ -65,6 +65,12 @@ class AdaptiveDraftLength:
     using the measured cost model, which charges a pass for its tokens and for the context its
     queries attend to (`PassShape`). An empty prefix is plain decoding.
 
+    Giving requests different K has costs the model leaves out: every distinct query count is
+    one more attention call per layer, and the deepest draft sets the number of draft passes
+    for all. So the best single K for the whole batch is used unless the per-request choice is
+    predicted to beat it by more than `uniform_margin` (a request whose drafts keep failing
+    still drops to K = 0 then: that difference is large).
+
     When speculation has been off for `probe_interval` steps, one step drafts K = 1 for every
     request: otherwise a pessimistic cost estimate or acceptance prior could never be corrected,
     since only steps that draft measure the draft's cost and acceptance.
@@ -81,8 +87,10 @@ class AdaptiveDraftLength:
         prior: float = 0.6,
         prior_weight: float = 8,
         probe_interval: int = 32,
+        uniform_margin: float = 0.03,
     ) -> None:
         self.max_draft_tokens = max_draft_tokens
+        self.uniform_margin = uniform_margin
         self.cost = cost
         self.probe_interval = probe_interval
         self._steps_without_drafts = 0
@@ -114,7 +122,10 @@ class AdaptiveDraftLength:
         context = np.array([r.num_tokens for r in requests], dtype=np.float64)
         depth = np.arange(1, k_max + 1)
         gains = a[:, None] ** depth[None, :]  # [batch, k_max]: gain of the d-th draft
-        ks = self._best_prefix(gains, context, num_other_tokens)
+        ks, rate = self._best_prefix(gains, context, num_other_tokens)
+        uniform_ks, uniform_rate = self._best_uniform(gains, context, num_other_tokens)
+        if rate < (1 + self.uniform_margin) * uniform_rate:
+            ks = uniform_ks
         solo = self._best_alone(gains, context)
         reasons: list[str | None] = []
         for i, (k, k_solo) in enumerate(zip(ks, solo, strict=True)):
@@ -135,8 +146,39 @@ class AdaptiveDraftLength:
                 ks[:] = 1
         return DraftLengths([int(k) for k in ks], reasons)
 
-    def _best_prefix(self, gains: np.ndarray, context: np.ndarray, num_other: int) -> np.ndarray:
-        """K per request from the best prefix of increments ranked by gain.
+    def _seconds(
+        self,
+        base_tokens: float,
+        drafts: np.ndarray,
+        passes: np.ndarray,
+        decode_pairs: float,
+        draft_pairs: np.ndarray,
+    ) -> np.ndarray:
+        """Predicted step time: the target pass holds base_tokens (prefill tokens and every
+        request's last token, each of the latter a query over its context: decode_pairs) plus
+        the drafts, each of which is one more query over its request's context."""
+        return self.cost.target_time(
+            base_tokens + drafts, decode_pairs, decode_pairs + draft_pairs
+        ) + self.cost.draft_time(passes, drafts, draft_pairs)
+
+    def _best_uniform(
+        self, gains: np.ndarray, context: np.ndarray, num_other: int
+    ) -> tuple[np.ndarray, float]:
+        """The best single K for every request, and its expected tokens per second."""
+        rows, k_max = gains.shape
+        k = np.arange(0, k_max + 1)
+        tokens = rows + np.concatenate([[0.0], np.cumsum(gains.sum(axis=0))])
+        total_context = float(context.sum())
+        seconds = self._seconds(num_other + rows, rows * k, k, total_context, k * total_context)
+        rates = tokens / seconds
+        best = int(np.argmax(rates))
+        return np.full(rows, best, dtype=np.int64), float(rates[best])
+
+    def _best_prefix(
+        self, gains: np.ndarray, context: np.ndarray, num_other: int
+    ) -> tuple[np.ndarray, float]:
+        """K per request from the best prefix of increments ranked by gain, and its expected
+        tokens per second.
 
         Each draft adds a token to the target pass, a query over its request's context to
         both models, and possibly a draft pass (the deepest draft sets how many there are);
@@ -150,14 +192,12 @@ class AdaptiveDraftLength:
         tokens = rows + np.concatenate([[0.0], np.cumsum(gains.reshape(-1)[order])])
         passes = np.concatenate([[0], np.maximum.accumulate(depth)])
         draft_pairs = np.concatenate([[0.0], np.cumsum(context[owner])])
-        decode_pairs = float(context.sum())
-        seconds = self.cost.target_time(
-            num_other + rows + m, decode_pairs, decode_pairs + draft_pairs
-        ) + self.cost.draft_time(passes, m, draft_pairs)
-        best = int(np.argmax(tokens / seconds))
+        seconds = self._seconds(num_other + rows, m, passes, float(context.sum()), draft_pairs)
+        rates = tokens / seconds
+        best = int(np.argmax(rates))
         ks = np.zeros(rows, dtype=np.int64)
         np.add.at(ks, owner[:best], 1)
-        return ks
+        return ks, float(rates[best])
 
     def _best_alone(self, gains: np.ndarray, context: np.ndarray) -> np.ndarray:
         """K per request if it were the only one decoding (vectorised over requests)."""

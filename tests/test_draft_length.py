@@ -182,3 +182,26 @@ def test_adaptive_engine_with_a_perfect_cheap_draft_keeps_drafting(tiny_dirs):
     stats = engine.stats()
     assert stats.spec_accepted_tokens == stats.spec_drafted_tokens > 0
     assert stats.spec_drafted_tokens >= 2 * 30 / 2  # most steps drafted several tokens
+
+
+def test_similar_requests_share_one_k():
+    """Per-request K that differs by noise in the acceptance estimates would cost an attention
+    call per distinct K and draft passes set by the deepest: one K for all wins then."""
+    reqs = []
+    for i, accepted in enumerate((60, 65, 70, 75, 80, 85, 62, 83)):
+        reqs += _requests(1, accepted=accepted, trials=100, temperature=0)
+        reqs[-1].request_id = f"r{i}"
+    ks = AdaptiveDraftLength(8, memory_then_compute_bound()).choose(reqs).ks
+    assert len(set(ks)) == 1 and ks[0] > 0
+    # Without the preference the same batch would be split by its estimates.
+    split = AdaptiveDraftLength(8, memory_then_compute_bound(), uniform_margin=-1.0)
+    assert len(set(split.choose(reqs).ks)) > 1
+
+
+def test_a_request_whose_drafts_keep_failing_drops_out_of_a_good_batch():
+    reqs = _requests(7, accepted=950, trials=1000, temperature=0)
+    reqs += _requests(1, accepted=1, trials=200, temperature=0)
+    reqs[-1].request_id = "hopeless"
+    choice = AdaptiveDraftLength(8, memory_then_compute_bound()).choose(reqs)
+    assert choice.ks[-1] == 0 and choice.reasons[-1] == REASON_ACCEPTANCE
+    assert min(choice.ks[:-1]) > 0
