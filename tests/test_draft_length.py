@@ -205,3 +205,13 @@ def test_a_request_whose_drafts_keep_failing_drops_out_of_a_good_batch():
     choice = AdaptiveDraftLength(8, memory_then_compute_bound()).choose(reqs)
     assert choice.ks[-1] == 0 and choice.reasons[-1] == REASON_ACCEPTANCE
     assert min(choice.ks[:-1]) > 0
+
+
+def test_k_falls_as_the_batch_grows_and_reaches_zero_when_compute_bound():
+    policy = AdaptiveDraftLength(8, memory_then_compute_bound())
+    per_request = []
+    for batch in (1, 2, 4, 8, 16, 32, 64, 128):
+        ks = policy.choose(_requests(batch, accepted=700, trials=1000, temperature=0)).ks
+        per_request.append(sum(ks) / batch)
+    assert per_request == sorted(per_request, reverse=True)
+    assert per_request[0] >= 4 and per_request[-1] == 0
