@@ -42,6 +42,9 @@ class ModelConfig:
     cuda_graphs: bool = True
     """Run steps where every request feeds the same number of tokens on padded fixed shapes,
     captured as CUDA graphs on CUDA. Needs the triton attention backend; ignored without it."""
+    cpu_packed_linear: bool = False
+    """On the CPU in float32, run the target's linear layers of 4+ rows (verification passes,
+    batches) on prepacked oneDNN weights (engine/cpu_linear.py). Ignored on CUDA."""
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "--model must name a local model directory")

@@ -15,6 +15,7 @@ import time
 import torch
 from transformers import GenerationConfig
 
+from engine import cpu_linear
 from engine.attention_backends import select_backend
 from engine.config import EngineConfig
 from engine.cost_model import CostModel, PassShape, calibrate_runners
@@ -51,6 +52,11 @@ class LLMEngine:
         dtype = resolve_dtype(config.model.dtype, self.device)
         self.attention_backend = select_backend(config.model.attention_backend, self.device)
         self.runner = ModelRunner(config.model.model, self.device, dtype, self.attention_backend)
+        if config.model.cpu_packed_linear and self.device.type == "cpu":
+            if not cpu_linear.available():
+                raise ValueError("--cpu-packed-linear needs a torch build with oneDNN (mkldnn)")
+            packed = cpu_linear.pack_linears(self.runner.model)
+            logger.info("target: %d linear layers on prepacked oneDNN weights", packed)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_token_ids(config.model.model, self.runner)
         self.max_model_len = self._max_model_len()

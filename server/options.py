@@ -106,6 +106,15 @@ OPTIONS: tuple[Option, ...] = (
         metavar="on|off",
     ),
     Option(
+        "model.cpu_packed_linear",
+        "--cpu-packed-linear",
+        parse_bool,
+        "on: on the CPU in float32, the target's linear layers run calls of 4+ rows "
+        "(verification passes, batches) on prepacked oneDNN weights; doubles the memory of "
+        "those weights; ignored on CUDA",
+        metavar="on|off",
+    ),
+    Option(
         "speculative.method",
         "--speculative-method",
         str,

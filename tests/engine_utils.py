@@ -26,6 +26,7 @@ def make_engine(
     dtype: str = "auto",
     attention_backend: str = "auto",
     cuda_graphs: bool = True,
+    cpu_packed_linear: bool = False,
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
@@ -35,6 +36,7 @@ def make_engine(
                 dtype=dtype,
                 attention_backend=attention_backend,
                 cuda_graphs=cuda_graphs,
+                cpu_packed_linear=cpu_packed_linear,
             ),
             cache=CacheConfig(
                 block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching
