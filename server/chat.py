@@ -14,7 +14,7 @@ from server.logprobs import chat_logprobs
 from server.prompts import (
     check_prompt,
     check_request_tokens,
-    render_chat,
+    render_chat_off_loop,
     request_token_limit,
     sampling_params,
 )
@@ -46,7 +46,7 @@ async def create_chat_completion(
         raise APIError("max_tokens must be at least 1", 400, param="max_tokens")
     if req.top_logprobs and not req.logprobs:
         raise APIError("top_logprobs needs logprobs to be true", 400, param="top_logprobs")
-    prompt = render_chat(state, req.messages)
+    prompt = await render_chat_off_loop(state, req.messages)
     max_tokens = check_prompt(state, prompt, req.output_limit, None, "messages")
     if req.output_limit is None:  # "as many as fit" also means: within the request budget
         share = (request_token_limit(state) - len(prompt.token_ids)) // req.n

@@ -16,7 +16,7 @@ from server.prompts import (
     Prompt,
     check_prompt,
     check_request_tokens,
-    encode_prompt,
+    encode_prompts,
     sampling_params,
 )
 from server.protocol import CompletionRequest
@@ -35,7 +35,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     state.ready_engine()
     if req.max_tokens == 0 and not req.echo:
         raise APIError("max_tokens must be at least 1 (0 only with echo)", 400, param="max_tokens")
-    prompts = [encode_prompt(state, prompt) for prompt in req.prompts()]
+    prompts = await encode_prompts(state, req.prompts())
     # echo + logprobs scores the prompt; echo with max_tokens 0 needs that pass to finish at all.
     prompt_logprobs = req.logprobs if req.echo else None
     if req.echo and req.max_tokens == 0 and prompt_logprobs is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,25 @@ class Prompt:
     token_ids: list[int]
     text: str | None = None
     """The prompt as the client sent it, when it was text (echoed verbatim)."""
+
+
+# Text past this many characters is tokenized on a worker thread. The tokenizer releases the
+# GIL, so a 1 MB prompt (about a second of tokenizing) no longer stalls every other client's
+# stream; short prompts stay inline, where a thread hop would cost more than it saves.
+OFF_LOOP_CHARS = 16_384
+
+
+async def encode_prompts(state: ServerState, prompts: Sequence[str | list[int]]) -> list[Prompt]:
+    if sum(len(p) for p in prompts if isinstance(p, str)) < OFF_LOOP_CHARS:
+        return [encode_prompt(state, prompt) for prompt in prompts]
+    return await asyncio.to_thread(lambda: [encode_prompt(state, prompt) for prompt in prompts])
+
+
+async def render_chat_off_loop(state: ServerState, messages: Sequence[ChatMessage]) -> Prompt:
+    """`render_chat`, on a worker thread when the messages are long (see OFF_LOOP_CHARS)."""
+    if sum(len(m.text()) for m in messages) < OFF_LOOP_CHARS:
+        return render_chat(state, messages)
+    return await asyncio.to_thread(render_chat, state, messages)
 
 
 def encode_prompt(state: ServerState, prompt: str | list[int]) -> Prompt:
