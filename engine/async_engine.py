@@ -12,6 +12,7 @@ import copy
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
@@ -21,6 +22,9 @@ from engine.request import SamplingParams
 from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
+
+STALL_SECONDS = 120.0
+"""A step that has not returned after this long counts as hung (see `problem()`)."""
 
 
 class AsyncEngine:
@@ -41,6 +45,9 @@ class AsyncEngine:
         self._stats = EngineStats()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self.stall_seconds = STALL_SECONDS
+        self._step_started: float | None = None
+        self._died: str | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -63,6 +70,19 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def problem(self) -> str | None:
+        """Why this engine cannot serve, or None: its thread died, or a step has been running
+        for longer than `stall_seconds` (a forward that never returns). A watchdog for
+        /health: the engine cannot report these itself."""
+        if self._died is not None:
+            return f"the engine thread stopped: {self._died}"
+        if self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
+            return "the engine thread stopped"
+        started = self._step_started
+        if started is not None and time.monotonic() - started > self.stall_seconds:
+            return f"an engine step has not returned for {time.monotonic() - started:.0f} s"
+        return None
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -114,20 +134,36 @@ class AsyncEngine:
             self.engine.check_invariants()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # outside a step's own handling: scheduler or bookkeeping code
+            logger.exception("the engine thread stopped")
+            self._died = f"{type(exc).__name__}: {exc}"
+            message = "internal error: the engine stopped"
+        else:
+            message = "the server is shutting down"
+        with self._step_lock:  # fail whatever is left so no client waits forever
+            try:
+                outputs = self.engine.fail_all(message)
+            except Exception:
+                logger.exception("failing the remaining requests")
+                outputs = [_error_output(rid, message) for rid in list(self._streams)]
+        self._publish(outputs)
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             with self._step_lock:
                 outputs, num_taken = self._drain_inbox()
                 if self.engine.has_work():
+                    self._step_started = time.monotonic()
                     outputs += self.engine.step()
+                    self._step_started = None
                 self._stats = copy.deepcopy(self.engine.stats())
                 self._num_published += num_taken
             self._publish(outputs)
             if not self.engine.has_work() and self._inbox.empty():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
-        with self._step_lock:  # fail whatever is left so no client waits forever
-            outputs = self.engine.fail_all("the server is shutting down")
-        self._publish(outputs)
 
     def _drain_inbox(self) -> tuple[list[RequestOutput], int]:
         """Apply queued adds and aborts: (outputs for the clients, requests taken)."""

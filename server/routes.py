@@ -54,6 +54,8 @@ def build_router() -> APIRouter:
         state = get_state(request)
         if state.status is not Status.READY:  # loading, draining or failed: 503
             raise state.unavailable()
+        if state.engine is not None and (problem := state.engine.problem()) is not None:
+            raise state.unavailable(problem)  # the watchdog: a dead or hung engine thread
         return JSONResponse({"status": Status.READY.value})
 
     @router.get("/version")

@@ -51,14 +51,18 @@ class ServerState:
         """
         if self.status not in (Status.READY, Status.DRAINING) or self.engine is None:
             raise self.unavailable()
+        problem = self.engine.problem()
+        if problem is not None:
+            raise self.unavailable(problem)
         return self.engine
 
-    def unavailable(self) -> APIError:
-        """The 503 for a server that is not READY; Retry-After lets a balancer or client retry.
+    def unavailable(self, problem: str | None = None) -> APIError:
+        """The 503 for a server that is not READY (or whose engine has a `problem`);
+        Retry-After lets a balancer or client retry.
 
         A draining replica answers it before starting any work, so retrying elsewhere is safe.
         """
-        reason = {
+        reason = problem or {
             Status.LOADING: "the model is still loading",
             Status.DRAINING: "the server is shutting down",
             Status.FAILED: f"the model failed to load: {self.failure}",
