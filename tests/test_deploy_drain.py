@@ -52,6 +52,9 @@ class GatedEngine:
     def shutdown(self) -> None:
         pass
 
+    def problem(self) -> str | None:
+        return None
+
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 

@@ -41,6 +41,9 @@ class ScriptedEngine:
     def shutdown(self) -> None:
         self.running = False
 
+    def problem(self) -> str | None:
+        return None
+
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
