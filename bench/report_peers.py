@@ -85,7 +85,9 @@ def _claims(rows: list[dict]) -> list[str]:
     ]
     for level in sorted({r["concurrency"] for r in rows}):
         ours = [r for r in ok if r["system"] == TANDEM and r["concurrency"] == level]
-        headline = [r for r in ours if r["config"].startswith(HEADLINE)]
+        headline = [
+            r for r in ours if r["config"].startswith(HEADLINE) and "packed" not in r["config"]
+        ]
         if not headline:
             continue
         mine = headline[0]["tokens_per_s"]

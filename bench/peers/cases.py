@@ -32,6 +32,11 @@ def tandem_cases(model: str, draft: str, ks: list[int]) -> list[ServerCase]:
         "--speculative-method", "draft", "--max-draft-tokens", str(max(ks)),
         "--draft-length", "adaptive",
     ]  # fmt: skip
+    # The opt-in CPU kernels (engine/cpu_linear.py) on the default configuration.
+    spec[f"draft adaptive K<={max(ks)}, packed linears"] = spec[f"draft adaptive K<={max(ks)}"] + [
+        "--cpu-packed-linear",
+        "on",
+    ]
     return [
         ServerCase(
             "Tandem", name, "tandem", tandem + flags + common, "target", ready_path="/health"
