@@ -39,6 +39,7 @@ DRAIN_TIMEOUT = 10.0
 LOAD_CLIENTS = 4
 LOAD_TOKENS = 24
 LONG_TOKENS = 240  # with the prompt, just under the replicas' --max-model-len 256
+LONG_CHOICES = 4
 
 
 @dataclass
@@ -159,7 +160,8 @@ def test_sigterm_drains_a_replica_without_a_client_noticing(deployment):
 
     def long_stream() -> None:
         # Straight to the replica, so it is surely in flight there when the signal lands.
-        body = {**_body(LONG_TOKENS), "stream_options": {"include_usage": True}}
+        # n choices keep the replica busy (draining) well past the checks below.
+        body = {**_body(LONG_TOKENS), "n": LONG_CHOICES, "stream_options": {"include_usage": True}}
         url = f"{draining.url}/v1/completions"
         try:
             with httpx.Client(timeout=30) as client:
@@ -169,7 +171,7 @@ def test_sigterm_drains_a_replica_without_a_client_noticing(deployment):
                     long_started.set()
             chunks = [json.loads(data) for data in events[:-1]]
             tokens = chunks[-1]["usage"]["completion_tokens"]
-            whole = events[-1] == "[DONE]" and tokens == LONG_TOKENS
+            whole = events[-1] == "[DONE]" and tokens == LONG_TOKENS * LONG_CHOICES
             long_result.append("" if whole else f"{tokens} tokens, last event {events[-1]}")
         except Exception as exc:  # reported by the assertion below
             long_result.append(f"{type(exc).__name__}: {exc}")
@@ -177,11 +179,13 @@ def test_sigterm_drains_a_replica_without_a_client_noticing(deployment):
             long_started.set()
 
     threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(LOAD_CLIENTS)]
-    threads.append(threading.Thread(target=long_stream))
     for thread in threads:
         thread.start()
     try:
         time.sleep(1.0)  # steady load on both replicas
+        # The long stream starts only now, so that it is surely in flight when the signal lands.
+        threads.append(threading.Thread(target=long_stream))
+        threads[-1].start()
         assert long_started.wait(15)
         signalled = time.time()
         draining.terminate()
@@ -192,11 +196,11 @@ def test_sigterm_drains_a_replica_without_a_client_noticing(deployment):
             assert time.monotonic() < deadline, "/health still 200 after SIGTERM"
             time.sleep(0.01)
         drain_seen = time.time()
+        assert httpx.get(f"{draining.url}/metrics", timeout=5).status_code == 200
         refused = httpx.post(f"{draining.url}/v1/completions", json=_body(4), timeout=5)
         assert refused.status_code == 503
         assert int(refused.headers["retry-after"]) > 0
         assert refused.json()["error"]["type"] == "server_error"
-        assert httpx.get(f"{draining.url}/metrics", timeout=5).status_code == 200
 
         time.sleep(2.0)  # the load goes on while the replica drains and leaves
     finally:
