@@ -32,7 +32,9 @@ ATTN_IMPLEMENTATION = "tandem_paged"
 class AttentionGroup:
     """Requests with the same number of queries, attended together in one SDPA call."""
 
-    token_index: torch.Tensor  # [group_tokens] positions of the group's tokens in the packed batch
+    token_index: torch.Tensor | None
+    """[group_tokens] positions of the group's tokens in the packed batch; None when they are
+    the contiguous `token_slice`."""
     gather_blocks: torch.Tensor  # [group_seqs, max_blocks] block table rows (0 = pad)
     mask: torch.Tensor  # [group_seqs, 1, q_len, max_blocks * block_size] True = may attend
     q_len: int
@@ -195,9 +197,13 @@ def _build_group(
     mask = kv_pos[None, None, :] <= q_pos[:, :, None]
     contiguous = members == list(range(members[0], members[-1] + 1))
     token_slice = slice(starts[members[0]], starts[members[-1] + 1]) if contiguous else None
-    token_index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in members])
+    token_index = (
+        None
+        if contiguous
+        else torch.cat([torch.arange(starts[i], starts[i + 1]) for i in members]).to(device)
+    )
     return AttentionGroup(
-        token_index=token_index.to(device),
+        token_index=token_index,
         gather_blocks=tables.to(device),
         mask=mask[:, None].to(device),
         q_len=q_len,

@@ -67,12 +67,13 @@ class _Scale:
         self.value = 1.0
         self.count = 0
 
-    def observe(self, measured: float, predicted: float) -> None:
-        if predicted <= 0:
+    def observe(self, measured: float, calibrated: float) -> None:
+        """`calibrated`: the start-up fit's prediction for what took `measured` seconds."""
+        if calibrated <= 0:
             return
         self.count += 1
         rate = max(_EMA, 1.0 / self.count)
-        ratio = float(np.clip(measured / predicted / self.value, 0.5, 2.0)) * self.value
+        ratio = float(np.clip(measured / calibrated, 0.5 * self.value, 2.0 * self.value))
         self.value += rate * (ratio - self.value)
 
 
@@ -105,11 +106,7 @@ class CostModel:
         kv_tokens: np.ndarray | float = 0.0,
         qk_pairs: np.ndarray | float = 0.0,
     ) -> np.ndarray:
-        return self.target_scale.value * (
-            self._table(num_tokens)
-            + self.kv_coef * np.asarray(kv_tokens, dtype=np.float64)
-            + self.qk_coef * np.asarray(qk_pairs, dtype=np.float64)
-        )
+        return self.target_scale.value * self._target_calibrated(num_tokens, kv_tokens, qk_pairs)
 
     def draft_time(
         self,
@@ -119,7 +116,28 @@ class CostModel:
     ) -> np.ndarray:
         """Seconds for `num_passes` draft passes proposing `num_drafts` tokens in total whose
         queries attend `qk_pairs` keys in total."""
-        return self.draft_scale.value * (
+        return self.draft_scale.value * self._draft_calibrated(num_passes, num_drafts, qk_pairs)
+
+    def _target_calibrated(
+        self,
+        num_tokens: np.ndarray | float,
+        kv_tokens: np.ndarray | float,
+        qk_pairs: np.ndarray | float,
+    ) -> np.ndarray:
+        """The start-up fit alone, before the online scale."""
+        return (
+            self._table(num_tokens)
+            + self.kv_coef * np.asarray(kv_tokens, dtype=np.float64)
+            + self.qk_coef * np.asarray(qk_pairs, dtype=np.float64)
+        )
+
+    def _draft_calibrated(
+        self,
+        num_passes: np.ndarray | float,
+        num_drafts: np.ndarray | float,
+        qk_pairs: np.ndarray | float,
+    ) -> np.ndarray:
+        return (
             self.draft_fixed * np.asarray(num_passes, dtype=np.float64)
             + self.draft_per_token * np.asarray(num_drafts, dtype=np.float64)
             + self.draft_per_pair * np.asarray(qk_pairs, dtype=np.float64)
@@ -142,14 +160,14 @@ class CostModel:
         return int(ok.max()) if ok.size else 1
 
     def observe_target(self, shape: PassShape, seconds: float) -> None:
-        predicted = float(self.target_time(shape.num_tokens, shape.kv_tokens, shape.qk_pairs))
-        self.target_scale.observe(seconds, predicted / self.target_scale.value)
+        calibrated = self._target_calibrated(shape.num_tokens, shape.kv_tokens, shape.qk_pairs)
+        self.target_scale.observe(seconds, float(calibrated))
 
     def observe_draft(
         self, num_passes: int, num_drafts: int, qk_pairs: int, seconds: float
     ) -> None:
-        predicted = float(self.draft_time(num_passes, num_drafts, qk_pairs))
-        self.draft_scale.observe(seconds, predicted / self.draft_scale.value)
+        calibrated = self._draft_calibrated(num_passes, num_drafts, qk_pairs)
+        self.draft_scale.observe(seconds, float(calibrated))
 
 
 def calibrate_runners(
