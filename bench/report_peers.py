@@ -86,7 +86,7 @@ def _claims(rows: list[dict]) -> list[str]:
     for level in sorted({r["concurrency"] for r in rows}):
         ours = [r for r in ok if r["system"] == TANDEM and r["concurrency"] == level]
         headline = [
-            r for r in ours if r["config"].startswith(HEADLINE) and "packed" not in r["config"]
+            r for r in ours if r["config"].startswith(HEADLINE) and "HF forward" not in r["config"]
         ]
         if not headline:
             continue

@@ -14,6 +14,8 @@ SPEC_METHODS = ("draft", "ngram", "off")
 DRAFT_LENGTH_POLICIES = ("adaptive", "fixed")
 # The names registered in engine/attention_backends.py, plus auto.
 ATTENTION_BACKENDS = ("auto", "reference", "triton")
+# engine/models/__init__.py MODEL_IMPLS.
+MODEL_IMPLS = ("auto", "native", "transformers")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -42,15 +44,21 @@ class ModelConfig:
     cuda_graphs: bool = True
     """Run steps where every request feeds the same number of tokens on padded fixed shapes,
     captured as CUDA graphs on CUDA. Needs the triton attention backend; ignored without it."""
-    cpu_packed_linear: bool = False
+    model_impl: str = "auto"
+    """Forward pass of both models: native = Tandem's own (engine/models/, Llama family),
+    transformers = the Hugging Face module with Tandem's attention, auto = native where
+    registered and matching transformers' logits on a probe batch."""
+    cpu_packed_linear: bool = True
     """On the CPU in float32, run the target's linear layers of 4+ rows (verification passes,
-    batches) on prepacked oneDNN weights (engine/cpu_linear.py). Ignored on CUDA."""
+    batches) on prepacked oneDNN weights (engine/cpu_linear.py). Ignored on CUDA, and (with a
+    warning) where torch has no oneDNN."""
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "--model must name a local model directory")
         _check_choice("--dtype", self.dtype, DTYPES)
         _check_choice("--device", self.device, DEVICES)
         _check_choice("--attention-backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("--model-impl", self.model_impl, MODEL_IMPLS)
         _check(
             self.max_model_len is None or self.max_model_len >= 2,
             f"--max-model-len must be at least 2 (got {self.max_model_len})",

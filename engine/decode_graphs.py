@@ -21,6 +21,7 @@ Only the Triton backend reads its metadata from tensors alone, so only it can ru
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,7 @@ class StaticBatch:
 class DecodeGraphs:
     def __init__(
         self,
-        model: torch.nn.Module,
+        body: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         scratch_block: int,
@@ -60,7 +61,8 @@ class DecodeGraphs:
         max_batch: int,
         device: torch.device,
     ) -> None:
-        self.body = model.base_model
+        self.body = body
+        """(input_ids [1, tokens], positions [1, tokens], metadata) -> [1, tokens, hidden]."""
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.scratch_block = scratch_block
@@ -111,13 +113,7 @@ class DecodeGraphs:
         return static.hidden[0, rows]
 
     def _body(self, static: StaticBatch) -> torch.Tensor:
-        out = self.body(
-            input_ids=static.input_ids,
-            position_ids=static.positions,
-            use_cache=False,
-            tandem_metadata=static.metadata,
-        )
-        return out.last_hidden_state
+        return self.body(static.input_ids, static.positions, static.metadata)
 
     def _batch(self, bucket: int, q: int) -> StaticBatch:
         static = self.batches.get((bucket, q))

@@ -51,17 +51,25 @@ class LLMEngine:
         self.device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, self.device)
         self.attention_backend = select_backend(config.model.attention_backend, self.device)
-        self.runner = ModelRunner(config.model.model, self.device, dtype, self.attention_backend)
-        if config.model.cpu_packed_linear and self.device.type == "cpu":
-            if not cpu_linear.available():
-                raise ValueError("--cpu-packed-linear needs a torch build with oneDNN (mkldnn)")
-            packed = cpu_linear.pack_linears(self.runner.model)
-            logger.info("target: %d linear layers on prepacked oneDNN weights", packed)
+        self.runner = ModelRunner(
+            config.model.model, self.device, dtype, self.attention_backend, config.model.model_impl
+        )
+        if config.model.cpu_packed_linear and self.device.type == "cpu" and dtype == torch.float32:
+            if cpu_linear.available():
+                packed = cpu_linear.pack_linears(self.runner.forward_module)
+                logger.info("target: %d linear layers on prepacked oneDNN weights", packed)
+            else:
+                logger.warning("this torch build has no oneDNN: --cpu-packed-linear ignored")
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_token_ids(config.model.model, self.runner)
         self.max_model_len = self._max_model_len()
         self.proposer = build_proposer(
-            config.spec, self.device, dtype, self.vocab_size, self.attention_backend
+            config.spec,
+            self.device,
+            dtype,
+            self.vocab_size,
+            self.attention_backend,
+            config.model.model_impl,
         )
 
         block_size = config.cache.block_size
@@ -99,11 +107,12 @@ class LLMEngine:
         self.totals = EngineStats()
         self._seeds = itertools.count(config.model.seed)
         logger.info(
-            "engine ready: %s on %s/%s (%s attention, decode graphs %s), %d KV blocks of %d "
-            "tokens, max_model_len %d, spec %s",
+            "engine ready: %s on %s/%s (%s forward, %s attention, decode graphs %s), %d KV "
+            "blocks of %d tokens, max_model_len %d, spec %s",
             config.model.model,
             self.device,
             dtype,
+            self.runner.model_impl,
             self.attention_backend,
             "on" if self.decode_graphs else "off",
             num_blocks,

@@ -4,7 +4,9 @@ The runner loads any `AutoModelForCausalLM` whose attention goes through transfo
 AttentionInterface, owns that model's KV tensors, and turns a list of `SeqInput`s (what each
 request feeds this step) into one packed forward that returns the logits asked for. Batches
 in which every request feeds the same number of tokens can run on fixed shapes (CUDA graphs
-on CUDA; engine/decode_graphs.py) once `enable_decode_graphs` has been called.
+on CUDA; engine/decode_graphs.py) once `enable_decode_graphs` has been called. For
+architectures registered in engine/models/, the pass can run Tandem's own forward on the same
+weights (`model_impl`), checked against transformers' on a probe batch first.
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engine import attention
 from engine.attention_backends import BACKENDS
 from engine.decode_graphs import DecodeGraphs
+from engine.models import MODEL_IMPLS, NativeForward, build_native
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# How far (relative to the largest logit) the native forward may be from transformers' on the
+# probe batch: summation order differs (fused projections), so not bit-equal in general.
+_NATIVE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,7 +67,10 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         attention_backend: str = "reference",
+        model_impl: str = "auto",
     ) -> None:
+        if model_impl not in MODEL_IMPLS:
+            raise ValueError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}")
         attention.register()
         self.device = device
         self.dtype = dtype
@@ -91,6 +100,82 @@ class ModelRunner:
         self.block_size = 0
         self.scratch_block = 0
         self.decode_graphs: DecodeGraphs | None = None
+        self.native: NativeForward | None = None
+        if model_impl != "transformers":
+            self.native = self._load_native(strict=model_impl == "native")
+        self.model_impl = "native" if self.native is not None else "transformers"
+
+    @property
+    def forward_module(self) -> torch.nn.Module:
+        """The module whose layers `forward` runs (to swap kernels into, e.g. packed linears)."""
+        return self.native if isinstance(self.native, torch.nn.Module) else self.model
+
+    def _load_native(self, strict: bool) -> NativeForward | None:
+        native, why = build_native(self.model)
+        if native is not None:
+            error = self._native_error(native)
+            if error > _NATIVE_TOLERANCE[self.dtype]:
+                native, why = None, f"its logits differ from transformers' by {error:.2e}"
+        if native is None:
+            if strict:
+                raise ValueError(f"--model-impl native: {self.name}: {why}")
+            logger.info("%s runs through transformers: %s", self.name, why)
+        return native
+
+    @torch.inference_mode()
+    def _native_error(self, native: NativeForward) -> float:
+        """Largest logit difference, relative to the largest logit, between the native and
+        the transformers forward on a probe: a prefill of two requests (one spanning two
+        blocks), then a step of one and two tokens on top of it. Each path has its own cache."""
+        block_size, vocab = 4, self.vocab_size
+        shape = (4, block_size, self.num_kv_heads, self.head_dim)
+        tables = [[0, 1], [2, 3]]
+        steps = [([6, 3], [6, 3]), ([1, 2], [7, 5])]  # (query lens, context lens)
+        gen = torch.Generator().manual_seed(0)
+        logits = []
+        for use_native in (False, True):
+            caches = [
+                tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in "kv")
+                for _ in range(self.num_layers)
+            ]
+            out = []
+            for q_lens, ctx_lens in steps:
+                gen.manual_seed(sum(ctx_lens))
+                ids = torch.randint(vocab, (sum(q_lens),), generator=gen).to(self.device)
+                pos = [p for q, c in zip(q_lens, ctx_lens, strict=True) for p in range(c - q, c)]
+                positions = torch.tensor(pos, device=self.device)
+                md = attention.build_metadata(
+                    caches,
+                    block_size,
+                    q_lens,
+                    ctx_lens,
+                    tables,
+                    self.device,
+                    self.attention_backend,
+                )
+                if use_native:
+                    out.append(native.logits(native(ids, positions, md)))
+                else:
+                    out.append(self._hf_logits(ids, positions, md, None))
+            logits.append(torch.cat(out).float())
+        ref, got = logits
+        return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+
+    def _hf_logits(
+        self,
+        input_ids: torch.Tensor,  # [tokens]
+        positions: torch.Tensor,  # [tokens]
+        metadata: attention.AttentionMetadata,
+        logit_index: torch.Tensor | None,  # [rows]; None = every token
+    ) -> torch.Tensor:  # [rows, vocab]
+        out = self.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            logits_to_keep=0 if logit_index is None else logit_index,
+            use_cache=False,
+            tandem_metadata=metadata,
+        )
+        return out.logits[0]
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -122,11 +207,11 @@ class ModelRunner:
         logits are its LM head applied to its body's output; returns whether it is on."""
         if self.attention_backend is not BACKENDS["triton"]:
             return False
-        if not self._head_is_plain():
+        if self.native is None and not self._head_is_plain():
             logger.warning("%s changes its logits after the LM head: no decode graphs", self.name)
             return False
         self.decode_graphs = DecodeGraphs(
-            self.model,
+            self._graph_body,
             self.kv_caches,
             self.block_size,
             self.scratch_block,
@@ -160,6 +245,24 @@ class ModelRunner:
         head = self.model.get_output_embeddings()(hidden)
         return bool(logits.abs().max() > 0) and torch.equal(head, logits)
 
+    def _graph_body(
+        self,
+        input_ids: torch.Tensor,  # [1, tokens]
+        positions: torch.Tensor,  # [1, tokens]
+        metadata: attention.AttentionMetadata,
+    ) -> torch.Tensor:  # [1, tokens, hidden], what _graph_head turns into logits
+        if self.native is not None:
+            return self.native(input_ids[0], positions[0], metadata)[None]
+        out = self.model.base_model(
+            input_ids=input_ids, position_ids=positions, use_cache=False, tandem_metadata=metadata
+        )
+        return out.last_hidden_state
+
+    def _graph_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.logits(hidden)
+        return self.model.get_output_embeddings()(hidden)
+
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
         """Run the packed batch; return float32 logits [num_logits, vocab], in the order of
@@ -177,7 +280,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(query_lens, context_lens):
             hidden = graphs.run(token_ids, positions, context_lens, tables, logit_index)
-            return self.model.get_output_embeddings()(hidden).float()  # [num_logits, vocab]
+            return self._graph_head(hidden).float()  # [num_logits, vocab]
         metadata = attention.build_metadata(
             self.kv_caches,
             self.block_size,
@@ -187,11 +290,10 @@ class ModelRunner:
             self.device,
             self.attention_backend,
         )
-        out = self.model(
-            input_ids=torch.tensor([token_ids], device=self.device),
-            position_ids=torch.tensor([positions], device=self.device),
-            logits_to_keep=torch.tensor(logit_index, dtype=torch.long, device=self.device),
-            use_cache=False,
-            tandem_metadata=metadata,
-        )
-        return out.logits[0].float()  # [num_logits, vocab]
+        input_ids = torch.tensor(token_ids, device=self.device)
+        position_ids = torch.tensor(positions, device=self.device)
+        rows = torch.tensor(logit_index, dtype=torch.long, device=self.device)
+        if self.native is not None:
+            hidden = self.native(input_ids, position_ids, metadata)
+            return self.native.logits(hidden.index_select(0, rows)).float()
+        return self._hf_logits(input_ids, position_ids, metadata, rows).float()

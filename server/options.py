@@ -11,7 +11,14 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from engine.config import ATTENTION_BACKENDS, DEVICES, DRAFT_LENGTH_POLICIES, DTYPES, SPEC_METHODS
+from engine.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DRAFT_LENGTH_POLICIES,
+    DTYPES,
+    MODEL_IMPLS,
+    SPEC_METHODS,
+)
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ENV_PREFIX = "TANDEM_"
@@ -106,10 +113,19 @@ OPTIONS: tuple[Option, ...] = (
         metavar="on|off",
     ),
     Option(
+        "model.model_impl",
+        "--model-impl",
+        str,
+        "forward pass of both models: native = Tandem's own for the Llama family (Llama, "
+        "Mistral, Qwen2, Qwen3), transformers = the Hugging Face module; auto = native where "
+        "supported and checked against transformers at start-up",
+        choices=MODEL_IMPLS,
+    ),
+    Option(
         "model.cpu_packed_linear",
         "--cpu-packed-linear",
         parse_bool,
-        "on: on the CPU in float32, the target's linear layers run calls of 4+ rows "
+        "on (default): on the CPU in float32, the target's linear layers run calls of 4+ rows "
         "(verification passes, batches) on prepacked oneDNN weights; doubles the memory of "
         "those weights; ignored on CUDA",
         metavar="on|off",

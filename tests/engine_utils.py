@@ -26,7 +26,8 @@ def make_engine(
     dtype: str = "auto",
     attention_backend: str = "auto",
     cuda_graphs: bool = True,
-    cpu_packed_linear: bool = False,
+    cpu_packed_linear: bool = True,
+    model_impl: str = "auto",
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
@@ -37,6 +38,7 @@ def make_engine(
                 attention_backend=attention_backend,
                 cuda_graphs=cuda_graphs,
                 cpu_packed_linear=cpu_packed_linear,
+                model_impl=model_impl,
             ),
             cache=CacheConfig(
                 block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching

@@ -39,7 +39,7 @@ def test_packed_target_stays_lossless(tiny_dirs):
     expected = hf_greedy(target, prompts, 24)
     spec = SpecConfig("draft", str(target), max_draft_tokens=4, draft_length="fixed")
     engine = make_engine(target, spec=spec, cpu_packed_linear=True)
-    assert any(type(m) is cpu_linear.PackedLinear for m in engine.runner.model.modules())
+    assert any(type(m) is cpu_linear.PackedLinear for m in engine.runner.forward_module.modules())
     for i, p in enumerate(prompts):
         engine.add_request(f"p{i}", p, greedy(24))
     outputs = drain(engine)

@@ -32,8 +32,8 @@ def interpreted():
         pytest.skip("the kernel is compiled for the GPU here; the gpu tests cover this path")
 
 
-def _runner(model_dir, device="cpu", dtype=torch.float32) -> ModelRunner:
-    runner = ModelRunner(str(model_dir), torch.device(device), dtype, "triton")
+def _runner(model_dir, device="cpu", dtype=torch.float32, impl="auto") -> ModelRunner:
+    runner = ModelRunner(str(model_dir), torch.device(device), dtype, "triton", impl)
     runner.allocate_kv(64, BLOCK)
     return runner
 
@@ -142,7 +142,7 @@ def test_only_a_plain_lm_head_gets_decode_graphs(interpreted, tiny_dirs, monkeyp
     assert not ModelRunner(
         str(tiny_dirs["llama"]), torch.device("cpu"), torch.float32, "reference"
     ).enable_decode_graphs(4, 1, 64)
-    runner = _runner(tiny_dirs["llama"])
+    runner = _runner(tiny_dirs["llama"], impl="transformers")  # the native head is plain
     forward = runner.model.forward
 
     def soft_capped(*args, **kwargs):  # what Gemma 2 does after its LM head

@@ -17,6 +17,7 @@ from transformers import (
     MistralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -32,7 +33,12 @@ _CORPUS = [
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
     "import os\nimport sys\n\nif __name__ == '__main__':\n    main()\n",
 ]
-FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+FAMILIES = {
+    "llama": LlamaConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+    "mistral": MistralConfig,
+}
 
 
 def build_tokenizer(out_dir: Path, vocab_size: int = 320) -> PreTrainedTokenizerFast:
@@ -81,6 +87,7 @@ def build_model(
         vocab_size=vocab_size or len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
+        head_dim=hidden_size // num_heads,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,

@@ -32,11 +32,11 @@ def tandem_cases(model: str, draft: str, ks: list[int]) -> list[ServerCase]:
         "--speculative-method", "draft", "--max-draft-tokens", str(max(ks)),
         "--draft-length", "adaptive",
     ]  # fmt: skip
-    # The opt-in CPU kernels (engine/cpu_linear.py) on the default configuration.
-    spec[f"draft adaptive K<={max(ks)}, packed linears"] = spec[f"draft adaptive K<={max(ks)}"] + [
-        "--cpu-packed-linear",
-        "on",
-    ]
+    # The default configuration as it was before Tandem's own forward and the packed linears:
+    # transformers' modules and torch's GEMM (what those two changes are worth over HTTP).
+    spec[f"draft adaptive K<={max(ks)}, HF forward"] = spec[f"draft adaptive K<={max(ks)}"] + [
+        "--model-impl", "transformers", "--cpu-packed-linear", "off",
+    ]  # fmt: skip
     return [
         ServerCase(
             "Tandem", name, "tandem", tandem + flags + common, "target", ready_path="/health"

@@ -39,8 +39,8 @@ class Proposer(Protocol):
     def propose(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch: ...
 
 
-# (config, device, dtype, target vocabulary size, attention backend name) -> proposer
-ProposerFactory = Callable[[SpecConfig, torch.device, torch.dtype, int, str], Proposer]
+# (config, device, dtype, target vocabulary size, attention backend name, model impl) -> proposer
+ProposerFactory = Callable[[SpecConfig, torch.device, torch.dtype, int, str, str], Proposer]
 PROPOSERS: dict[str, ProposerFactory] = {}
 
 
@@ -50,7 +50,10 @@ def build_proposer(
     dtype: torch.dtype,
     target_vocab: int,
     attention_backend: str = "reference",
+    model_impl: str = "auto",
 ) -> Proposer | None:
     if not config.enabled:
         return None
-    return PROPOSERS[config.method](config, device, dtype, target_vocab, attention_backend)
+    return PROPOSERS[config.method](
+        config, device, dtype, target_vocab, attention_backend, model_impl
+    )

@@ -53,9 +53,10 @@ class DraftModelProposer:
         dtype: torch.dtype,
         target_vocab: int,
         attention_backend: str,
+        model_impl: str,
     ) -> DraftModelProposer:
         assert config.draft_model is not None  # SpecConfig validation guarantees it
-        runner = ModelRunner(config.draft_model, device, dtype, attention_backend)
+        runner = ModelRunner(config.draft_model, device, dtype, attention_backend, model_impl)
         return cls(runner, target_vocab)
 
     def kv_bytes_per_block(self, block_size: int) -> int:

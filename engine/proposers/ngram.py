@@ -38,6 +38,7 @@ class NgramProposer:
         dtype: torch.dtype,
         target_vocab: int,
         attention_backend: str,
+        model_impl: str,
     ) -> NgramProposer:
         return cls(config.ngram_max, config.ngram_min)
 
