@@ -69,6 +69,8 @@ def logits_to_probs(
 ) -> torch.Tensor:  # [num_rows, vocab]
     """The distribution each row samples from (one-hot for greedy rows)."""
     params = [row.request.params for row in rows]
+    if all(p.greedy for p in params):  # the common case; skips the softmax and the blend
+        return torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     temperature = torch.tensor(
         [p.temperature if not p.greedy else 1.0 for p in params],
@@ -112,6 +114,8 @@ def exponential_noise(
     device: torch.device,
 ) -> torch.Tensor:  # [sum(num_rows), vocab]
     """Exp(1) noise per row from each request's generator; ones for greedy requests."""
+    if all(req.params.greedy for req in requests):
+        return torch.ones(sum(num_rows), vocab, device=device)
     parts = []
     for req, n in zip(requests, num_rows, strict=True):
         if req.params.greedy:
