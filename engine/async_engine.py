@@ -10,11 +10,15 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
 
+import torch
+
+from engine import cpu_affinity
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, QueueFullError
 from engine.outputs import RequestOutput
@@ -48,6 +52,8 @@ class AsyncEngine:
         self.stall_seconds = STALL_SECONDS
         self._step_started: float | None = None
         self._died: str | None = None
+        self.cores: set[int] | None = None
+        """The cores the engine thread is bound to (--cpu-bind), or None when it is not."""
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -57,6 +63,7 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._stop.clear()
+        self.cores = self._engine_cores()
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -133,7 +140,18 @@ class AsyncEngine:
         with self._step_lock:
             self.engine.check_invariants()
 
+    def _engine_cores(self) -> set[int] | None:
+        engine = self.engine
+        if engine.device.type != "cpu" or not engine.config.model.cpu_bind:
+            return None
+        if not hasattr(os, "sched_setaffinity"):  # not Linux
+            return None
+        return cpu_affinity.engine_cores(torch.get_num_threads(), os.sched_getaffinity(0))
+
     def _run(self) -> None:
+        if self.cores is not None:
+            os.sched_setaffinity(0, self.cores)  # this thread only; its OpenMP workers inherit
+            logger.info("engine thread bound to cores %s", sorted(self.cores))
         try:
             self._loop()
         except Exception as exc:  # outside a step's own handling: scheduler or bookkeeping code

@@ -53,6 +53,10 @@ class ModelConfig:
     batches) on prepacked oneDNN weights (engine/cpu_linear.py). Ignored on CUDA, and (with a
     warning) where torch has no oneDNN."""
 
+    cpu_bind: bool = True
+    """On the CPU, bind the server's engine thread to cores of its own when the process may
+    use more cores than torch has threads (engine/cpu_affinity.py)."""
+
     def __post_init__(self) -> None:
         _check(bool(self.model), "--model must name a local model directory")
         _check_choice("--dtype", self.dtype, DTYPES)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -86,6 +87,12 @@ async def _load(
     state.token_texts = TokenTexts(tokenizer)
     state.stop_token_ids = stop_ids
     engine.start()
+    if getattr(engine, "cores", None):  # the engine thread has cores of its own: keep off them
+        from engine.cpu_affinity import others
+
+        rest = others(engine.cores)
+        os.sched_setaffinity(0, rest)
+        log.info("event loop bound to cores %s", sorted(rest))
     state.engine = engine
     if state.status is Status.LOADING:
         state.status = Status.READY

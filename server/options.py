@@ -131,6 +131,15 @@ OPTIONS: tuple[Option, ...] = (
         metavar="on|off",
     ),
     Option(
+        "model.cpu_bind",
+        "--cpu-bind",
+        parse_bool,
+        "on (default): on the CPU, the engine thread binds to the first N cores the process may "
+        "use (N = torch's thread count, e.g. OMP_NUM_THREADS), leaving the rest to the HTTP "
+        "side; nothing is bound when there are no more cores than threads",
+        metavar="on|off",
+    ),
+    Option(
         "speculative.method",
         "--speculative-method",
         str,

@@ -28,6 +28,7 @@ def make_engine(
     cuda_graphs: bool = True,
     cpu_packed_linear: bool = True,
     model_impl: str = "auto",
+    cpu_bind: bool = True,
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
@@ -39,6 +40,7 @@ def make_engine(
                 cuda_graphs=cuda_graphs,
                 cpu_packed_linear=cpu_packed_linear,
                 model_impl=model_impl,
+                cpu_bind=cpu_bind,
             ),
             cache=CacheConfig(
                 block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching
