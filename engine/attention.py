@@ -99,6 +99,18 @@ class AttentionMetadata:
     """triton: [num_seqs] int32, the keys request i attends to (its new tokens included)."""
     max_query_len: int = 0
     """triton: a bound on every request's query length (it sizes the kernel grid)."""
+    kernel_seqs: KernelSeqs | None = None
+    """cpu: the requests the C kernel attends (the others, long queries, are in `groups`)."""
+
+
+@dataclass
+class KernelSeqs:
+    """Requests for the CPU attention kernel (engine/cpu_attention.py), as int64 tensors."""
+
+    tables: torch.Tensor  # [seqs, width] block ids, rows padded with 0
+    q_starts: torch.Tensor  # [seqs] first row of each request's queries in the packed batch
+    q_lens: torch.Tensor  # [seqs]
+    ctx_lens: torch.Tensor  # [seqs] keys each request attends, its new ones included
 
 
 def build_metadata(
@@ -138,7 +150,7 @@ class ReferenceBackend:
     def prepare(
         self, metadata: AttentionMetadata, layout: BatchLayout, device: torch.device
     ) -> None:
-        metadata.groups = _build_groups(layout, device)
+        metadata.groups = build_groups(layout, device)
 
     def attend(
         self,
@@ -154,12 +166,15 @@ class ReferenceBackend:
 REFERENCE = ReferenceBackend()
 
 
-def _build_groups(layout: BatchLayout, device: torch.device) -> list[AttentionGroup]:
+def build_groups(
+    layout: BatchLayout, device: torch.device, members: list[int] | None = None
+) -> list[AttentionGroup]:
+    """Groups of `members` (default: every request) by query count."""
     # Grouping by query count means no query is padded: a verification batch where K differs
     # per request costs what its tokens cost, not (1 + max K) per request.
     by_len: dict[int, list[int]] = {}
-    for i, q_len in enumerate(layout.query_lens):
-        by_len.setdefault(q_len, []).append(i)
+    for i in range(len(layout.query_lens)) if members is None else members:
+        by_len.setdefault(layout.query_lens[i], []).append(i)
     return [
         _build_group(
             members,
@@ -217,10 +232,14 @@ def reference_attention(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
+    """Attend the requests in `metadata.groups`; their rows are written into `out` when given
+    (the other rows are left as they are)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     kv_heads = key_cache.shape[2]
-    out = None if _covers(metadata, query) else torch.empty_like(query)
+    if out is None and not _covers(metadata, query):
+        out = torch.empty_like(query)
     for g in metadata.groups:
         num_seqs = g.gather_blocks.shape[0]
         if g.token_slice is not None:
@@ -229,9 +248,11 @@ def reference_attention(
             q = query.index_select(0, g.token_index)
         q = q.view(num_seqs, g.q_len, num_heads, head_dim)
         # [seqs, max_blocks * block_size, kv_heads, head_dim]
+        # On a 2-D view each block is one row: index_select copies it with one memcpy (on the
+        # 4-D cache it walks every element, 5-8x slower on the CPU).
         rows = g.gather_blocks.view(-1)
-        k = key_cache.index_select(0, rows).view(num_seqs, -1, kv_heads, head_dim)
-        v = value_cache.index_select(0, rows).view(num_seqs, -1, kv_heads, head_dim)
+        k = _rows(key_cache).index_select(0, rows).view(num_seqs, -1, kv_heads, head_dim)
+        v = _rows(value_cache).index_select(0, rows).view(num_seqs, -1, kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -248,6 +269,12 @@ def reference_attention(
         else:
             out.index_copy_(0, g.token_index, o)
     return out
+
+
+def _rows(cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, kv_heads, head_dim] -> [num_blocks, block_size * kv_heads *
+    head_dim] (a view)."""
+    return cache.view(cache.shape[0], -1)
 
 
 def _covers(metadata: AttentionMetadata, query: torch.Tensor) -> bool:

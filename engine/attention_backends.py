@@ -1,8 +1,10 @@
 """Attention backends by name, and the choice of one for a device.
 
-`reference` (engine/attention.py) runs anywhere. `triton` (engine/triton_attention.py) reads
-K/V straight from the block tables in one kernel launch per layer: the default on CUDA when
-Triton is installed, and runnable on the CPU under TRITON_INTERPRET=1 for checking.
+`reference` (engine/attention.py) runs anywhere. `cpu` (engine/cpu_attention.py) runs
+decoding and verification queries through Tandem's C kernel, reading K/V in place: the
+default on the CPU in float32 when the kernels build. `triton` (engine/triton_attention.py)
+reads K/V straight from the block tables in one kernel launch per layer: the default on CUDA
+when Triton is installed, and runnable on the CPU under TRITON_INTERPRET=1 for checking.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from types import MappingProxyType
 
 import torch
 
+from engine import cpu_kernels
 from engine.attention import REFERENCE, AttentionBackend, AttentionMetadata, BatchLayout
+from engine.cpu_attention import CPU
 
 
 class TritonBackend:
@@ -65,7 +69,7 @@ class TritonBackend:
 
 
 BACKENDS: Mapping[str, AttentionBackend] = MappingProxyType(
-    {"reference": REFERENCE, "triton": TritonBackend()}
+    {"reference": REFERENCE, "cpu": CPU, "triton": TritonBackend()}
 )
 BACKEND_CHOICES = ("auto", *BACKENDS)
 
@@ -74,18 +78,32 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def select_backend(name: str, device: torch.device) -> str:
-    """The backend a runner on `device` uses for the --attention-backend setting `name`.
+def select_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """The backend a runner on `device` in `dtype` uses for the --attention-backend setting.
 
-    auto = triton on CUDA when Triton is installed, else reference. Raises ValueError, saying
-    what to change, when the named backend cannot run here.
+    auto = triton on CUDA when Triton is installed; cpu on the CPU in float32 when Tandem's
+    kernels build; else reference. Raises ValueError, saying what to change, when the named
+    backend cannot run here.
     """
     if name == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "reference"
+        if device.type == "cuda":
+            return "triton" if triton_available() else "reference"
+        return "cpu" if dtype == torch.float32 and cpu_kernels.available() else "reference"
     if name not in BACKENDS:
         raise ValueError(
             f"--attention-backend must be one of {', '.join(BACKEND_CHOICES)} (got {name!r})"
         )
+    if name == "cpu":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(
+                f"--attention-backend cpu runs float32 on the CPU (here: {dtype} on {device}); "
+                "use auto or reference"
+            )
+        if not cpu_kernels.available():
+            raise ValueError(
+                f"--attention-backend cpu: {cpu_kernels.unavailable_reason()}; install a C "
+                "compiler (gcc) or use --attention-backend reference"
+            )
     if name == "triton" and not triton_available():
         raise ValueError("--attention-backend triton needs the triton package (pip install triton)")
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -13,7 +13,7 @@ DEVICES = ("auto", "cpu", "cuda")
 SPEC_METHODS = ("draft", "ngram", "off")
 DRAFT_LENGTH_POLICIES = ("adaptive", "fixed")
 # The names registered in engine/attention_backends.py, plus auto.
-ATTENTION_BACKENDS = ("auto", "reference", "triton")
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 # engine/models/__init__.py MODEL_IMPLS.
 MODEL_IMPLS = ("auto", "native", "transformers")
 
@@ -40,7 +40,8 @@ class ModelConfig:
     seed: int = 0
     """Seed for requests that do not bring their own."""
     attention_backend: str = "auto"
-    """auto = triton on CUDA when Triton is installed, else reference."""
+    """auto = triton on CUDA when Triton is installed, cpu (Tandem's C kernel) on the CPU in
+    float32 when it builds, else reference."""
     cuda_graphs: bool = True
     """Run steps where every request feeds the same number of tokens on padded fixed shapes,
     captured as CUDA graphs on CUDA. Needs the triton attention backend; ignored without it."""
@@ -49,9 +50,9 @@ class ModelConfig:
     transformers = the Hugging Face module with Tandem's attention, auto = native where
     registered and matching transformers' logits on a probe batch."""
     cpu_packed_linear: bool = True
-    """On the CPU in float32, run the target's linear layers of 4+ rows (verification passes,
-    batches) on prepacked oneDNN weights (engine/cpu_linear.py). Ignored on CUDA, and (with a
-    warning) where torch has no oneDNN."""
+    """On the CPU in float32, run both models' linear layers through Tandem's C GEMM on
+    packed weights (engine/cpu_linear.py). Ignored on CUDA, and (with a warning) where the
+    kernels do not build."""
 
     cpu_bind: bool = True
     """On the CPU, bind the server's engine thread to cores of its own when the process may

@@ -1,60 +1,58 @@
-"""Prepacked oneDNN matmuls for the target's linear layers on the CPU (`--cpu-packed-linear`).
+"""Linear layers on packed weights for the CPU (`--cpu-packed-linear`).
 
-A verification pass multiplies every weight by a handful of rows (1 + K per request).
-torch's default CPU GEMM is far from memory speed there on some CPUs: on the default pair,
-one thread of this project's CI-class Xeon, the target's linears take 12.5 ms for 5 rows
-against 6.3 ms for 1. oneDNN with the weights reordered once into its blocked layout (as
-vLLM's CPU backend does) takes 9.6 ms for 5 rows and 11.3 ms for 9 (17.3 with torch), but
-8.5 ms for 1 row. So each call picks by its row count: fewer than `min_rows` rows (a plain
-decode at batch 1) go through `F.linear` exactly as before.
+Each float32 `nn.Linear` of both models is swapped for a `PackedLinear` whose weight is also
+kept packed into the panels of Tandem's C GEMM (engine/csrc/cpu_kernels.c), which streams
+the weight from memory once per call whatever the row count. On the default pair, one
+AVX2 core, all of the target's linears with weights coming from memory (as in a real pass):
 
-The packed copy doubles the memory the target's linear weights take.
+| rows | torch F.linear (MKL) | oneDNN, prepacked | packed C kernel |
+|---:|---:|---:|---:|
+| 1 | 9.1 ms | 8.8 ms | 5.8 ms |
+| 5 | 20.9 ms | 13.6 ms | 8.7 ms |
+| 16 | 25.2 ms | 19.3 ms | 15.3 ms |
+| 64 | 55.0 ms | 48.7 ms | 43.4 ms |
+| 512 | 323 ms | 335 ms | 305 ms |
+
+(`python -m bench.cpu_kernels linear`.) A row's result does not depend on the other rows of
+the call, so a verification pass and a plain decode compute the same numbers for a token.
+The packed copy doubles the memory of the linear weights.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-# Rows the reorder is tuned for; the packed weight serves any row count.
-_PACK_ROWS = 8
-DEFAULT_MIN_ROWS = 4
+from engine import cpu_kernels
 
 
 def available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return cpu_kernels.available()
 
 
 class PackedLinear(nn.Module):
-    """An `nn.Linear` (same parameters) that runs calls of `min_rows`+ rows on a prepacked
-    oneDNN copy of its weight."""
+    """An `nn.Linear` (same parameters) computed by the packed C kernel."""
 
-    def __init__(self, linear: nn.Linear, min_rows: int = DEFAULT_MIN_ROWS) -> None:
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.min_rows = min_rows
         with torch.no_grad():
-            self.register_buffer(
-                "packed",
-                torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _PACK_ROWS),
-                persistent=False,
-            )
+            panels = cpu_kernels.pack_linear_weight(linear.weight.detach())
+            self.register_buffer("panels", panels, persistent=False)
+            bias = linear.bias.detach().contiguous() if linear.bias is not None else None
+            self.register_buffer("packed_bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows < self.min_rows:
-            return F.linear(x, self.weight, self.bias)
-        out = torch.ops.mkldnn._linear_pointwise(
-            x.reshape(rows, self.in_features).contiguous(), self.packed, self.bias, "none", [], ""
-        )
+        x2 = x.reshape(rows, self.in_features).contiguous()
+        out = cpu_kernels.linear(x2, self.panels, self.packed_bias, self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def pack_linears(model: nn.Module, min_rows: int = DEFAULT_MIN_ROWS) -> int:
-    """Replace every float `nn.Linear` in `model` by a `PackedLinear`; return how many."""
+def pack_linears(model: nn.Module) -> int:
+    """Replace every float32 `nn.Linear` in `model` by a `PackedLinear`; return how many."""
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -62,5 +60,5 @@ def pack_linears(model: nn.Module, min_rows: int = DEFAULT_MIN_ROWS) -> int:
         if type(child) is nn.Linear and child.weight.dtype == torch.float32
     ]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, min_rows))
+        setattr(parent, name, PackedLinear(child))
     return len(targets)

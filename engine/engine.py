@@ -15,7 +15,7 @@ import time
 import torch
 from transformers import GenerationConfig
 
-from engine import cpu_linear
+from engine import cpu_kernels, cpu_memory
 from engine.attention_backends import select_backend
 from engine.config import EngineConfig
 from engine.cost_model import CostModel, PassShape, calibrate_runners
@@ -50,16 +50,12 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, self.device)
-        self.attention_backend = select_backend(config.model.attention_backend, self.device)
+        if self.device.type == "cpu":
+            cpu_memory.keep_freed_memory()
+        self.attention_backend = select_backend(config.model.attention_backend, self.device, dtype)
         self.runner = ModelRunner(
             config.model.model, self.device, dtype, self.attention_backend, config.model.model_impl
         )
-        if config.model.cpu_packed_linear and self.device.type == "cpu" and dtype == torch.float32:
-            if cpu_linear.available():
-                packed = cpu_linear.pack_linears(self.runner.forward_module)
-                logger.info("target: %d linear layers on prepacked oneDNN weights", packed)
-            else:
-                logger.warning("this torch build has no oneDNN: --cpu-packed-linear ignored")
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_token_ids(config.model.model, self.runner)
         self.max_model_len = self._max_model_len()
@@ -75,6 +71,8 @@ class LLMEngine:
         block_size = config.cache.block_size
         draft = getattr(self.proposer, "runner", None)  # a proposer with a model of its own
         self.runners = [self.runner] + ([draft] if draft is not None else [])
+        if config.model.cpu_packed_linear and self.device.type == "cpu" and dtype == torch.float32:
+            self._pack_linears()
         num_blocks = config.cache.num_blocks or num_kv_blocks(
             config, self.device, self.runners, self.max_model_len
         )
@@ -275,6 +273,16 @@ class LLMEngine:
                 self.scheduler.fail(req, message)
                 outputs.append(make_output(req, [], None))
         return outputs
+
+    def _pack_linears(self) -> None:
+        if not cpu_kernels.available():
+            logger.warning(
+                "--cpu-packed-linear ignored: Tandem's CPU kernels did not build (%s)",
+                cpu_kernels.unavailable_reason(),
+            )
+            return
+        for runner in self.runners:
+            logger.info("%s: %s", runner.name, runner.use_cpu_kernels())
 
     def _max_model_len(self) -> int:
         limit = self.runner.max_positions

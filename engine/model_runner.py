@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine import attention
+from engine import attention, cpu_attention, cpu_linear
 from engine.attention_backends import BACKENDS
 from engine.decode_graphs import DecodeGraphs
 from engine.models import MODEL_IMPLS, NativeForward, build_native
@@ -89,6 +89,13 @@ class ModelRunner:
         self.head_dim = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // text_config.num_attention_heads
         )
+        if attention_backend == "cpu":
+            why = cpu_attention.supports(
+                text_config.num_attention_heads, self.num_kv_heads, self.head_dim, dtype
+            )
+            if why is not None:
+                logger.info("%s: reference attention, not the cpu kernel: %s", model_path, why)
+                self.attention_backend = BACKENDS["reference"]
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.max_positions = text_config.max_position_embeddings
         self.sliding_window = (
@@ -101,6 +108,7 @@ class ModelRunner:
         self.scratch_block = 0
         self.decode_graphs: DecodeGraphs | None = None
         self.native: NativeForward | None = None
+        self.model_impl_setting = model_impl
         if model_impl != "transformers":
             self.native = self._load_native(strict=model_impl == "native")
         self.model_impl = "native" if self.native is not None else "transformers"
@@ -121,6 +129,30 @@ class ModelRunner:
                 raise ValueError(f"--model-impl native: {self.name}: {why}")
             logger.info("%s runs through transformers: %s", self.name, why)
         return native
+
+    def use_cpu_kernels(self) -> str:
+        """Run this model through Tandem's C kernels (float32 on the CPU): with the native
+        forward every step of a layer, probed against transformers again; otherwise the
+        linear layers of the Hugging Face module. Returns what now runs on them."""
+        native = self.native
+        if native is not None and native.use_cpu_kernels():
+            error = self._native_error(native)
+            if error <= _NATIVE_TOLERANCE[self.dtype]:
+                return "native forward on the C kernels"
+            if self.model_impl_setting == "native":
+                raise ValueError(
+                    f"--model-impl native: {self.name}: on the CPU kernels its "
+                    f"logits differ from transformers' by {error:.2e}"
+                )
+            logger.warning(
+                "%s: on the CPU kernels the native forward's logits differ from "
+                "transformers' by %.2e: running transformers'",
+                self.name,
+                error,
+            )
+            self.native, self.model_impl = None, "transformers"
+        packed = cpu_linear.pack_linears(self.model)
+        return f"{packed} linear layers on packed weights"
 
     @torch.inference_mode()
     def _native_error(self, native: NativeForward) -> float:

@@ -188,7 +188,7 @@ def test_backend_names_match_the_setting(tiny_dirs):
 
 def test_backend_selection(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert select_backend("auto", cpu) == "reference"
+    assert select_backend("auto", cpu, torch.bfloat16) == "reference"  # cpu: test_cpu_kernels
     assert select_backend("reference", cuda) == "reference"
     monkeypatch.setattr("engine.attention_backends.triton_available", lambda: True)
     assert select_backend("auto", cuda) == "triton"

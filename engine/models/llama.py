@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_kernels
 from engine.attention import AttentionMetadata
+from engine.cpu_linear import PackedLinear, pack_linears
 
 # Rotary types whose inverse frequencies do not depend on the sequence length; "dynamic" and
 # "longrope" recompute them as the context grows, which this forward does not follow.
@@ -123,6 +125,35 @@ class _Layer(nn.Module):
         act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
         return hidden + self.down_proj(act)
 
+    def forward_cpu(
+        self,
+        hidden: torch.Tensor,  # [tokens, hidden] float32; updated in place and returned
+        positions: torch.Tensor,  # [tokens] int64
+        cos: torch.Tensor,  # [max positions, head_dim]: the whole table
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`forward` through Tandem's C kernels: one call per step (norms, projections with
+        the residual added in the GEMM, rotary + cache write, SiLU x up) instead of chains
+        of torch operators. Needs packed linears and no q/k norms."""
+        n = hidden.shape[0]
+        norm, qkv, o = self.input_norm, self.qkv, self.o_proj
+        x = cpu_kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon)
+        qkv_out = cpu_kernels.linear(x, qkv.panels, qkv.packed_bias, qkv.out_features)
+        key_cache, value_cache = metadata.kv_caches[self.layer_idx]
+        q = cpu_kernels.rotary_cache(
+            qkv_out, positions, metadata.slot_mapping, cos, sin, self.num_heads, key_cache,
+            value_cache,
+        )  # fmt: skip
+        attn = metadata.backend.attend(q, key_cache, value_cache, metadata, self.scaling)
+        attn = attn.reshape(n, self.num_heads * self.head_dim)
+        hidden = cpu_kernels.linear(attn, o.panels, o.packed_bias, o.out_features, hidden)
+        norm, gate_up, down = self.post_norm, self.gate_up, self.down_proj
+        x = cpu_kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon)
+        gu = cpu_kernels.linear(x, gate_up.panels, gate_up.packed_bias, gate_up.out_features)
+        act = cpu_kernels.silu_mul(gu)
+        return cpu_kernels.linear(act, down.panels, down.packed_bias, down.out_features, hidden)
+
 
 class LlamaForward(nn.Module):
     """Body and LM head of a loaded Llama-family model over one packed batch."""
@@ -151,6 +182,19 @@ class LlamaForward(nn.Module):
         scaling = rope.attention_scaling
         self.register_buffer("cos", (emb.cos() * scaling).to(device, dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(device, dtype), persistent=False)
+        self.cpu_kernels = False
+
+    def use_cpu_kernels(self) -> bool:
+        """Pack the linears and run each layer through `_Layer.forward_cpu` (float32 on the
+        CPU, no q/k norms); False, changing nothing, where that does not apply."""
+        weight = self.embed_tokens.weight
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            return False
+        if any(layer.q_norm is not None for layer in self.layers):
+            return False
+        pack_linears(self)
+        self.cpu_kernels = True
+        return True
 
     def forward(
         self,
@@ -159,6 +203,10 @@ class LlamaForward(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [tokens, hidden], before the final norm
         hidden = self.embed_tokens(input_ids)
+        if self.cpu_kernels:
+            for layer in self.layers:
+                hidden = layer.forward_cpu(hidden, positions, self.cos, self.sin, metadata)
+            return hidden
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         for layer in self.layers:
@@ -168,4 +216,10 @@ class LlamaForward(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] body output -> [rows, vocab]; rows are normalised independently, so
         pick the rows first."""
+        if self.cpu_kernels:
+            head: PackedLinear = self.lm_head
+            x = cpu_kernels.rms_norm(
+                hidden.contiguous(), self.norm.weight, self.norm.variance_epsilon
+            )
+            return cpu_kernels.linear(x, head.panels, head.packed_bias, head.out_features)
         return self.lm_head(_rms_norm(hidden, self.norm.weight, self.norm.variance_epsilon))

@@ -1,0 +1,112 @@
+"""Tandem's CPU kernels against torch's operators, on the default pair's shapes.
+
+  python -m bench.cpu_kernels linear      # all the target's linears, per row count
+  python -m bench.cpu_kernels attention   # one layer's attention, per batch shape
+
+`linear`: the 8 layers' q/k/v, o, gate/up and down projections plus the LM head, each with
+its own weight (about 100 MB in float32, so weights come from memory as in a real pass, not
+from cache): torch `F.linear` (MKL), oneDNN on prepacked weights (what vLLM's CPU backend
+uses), and Tandem's packed C GEMM. `attention`: the reference backend (gather the blocks,
+then SDPA) against the C kernel on the same paged cache with scattered block tables.
+Milliseconds, best of --repeats rounds of --iters calls; one thread unless --threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_kernels, cpu_memory
+from engine.attention import REFERENCE, build_metadata
+from engine.cpu_attention import CPU
+
+# The default target: hidden 512, 8 heads of 64 (4 kv heads), MLP 1408, vocabulary 4096.
+LAYER_SHAPES = [(1024, 512), (512, 512), (2816, 512), (512, 1408)]  # (out, in)
+HEAD_SHAPE = (4096, 512)
+LAYERS = 8
+
+
+def best_ms(fn, iters: int, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        times.append((time.perf_counter() - start) / iters * 1e3)
+    return min(times)
+
+
+def bench_linear(args: argparse.Namespace) -> None:
+    shapes = LAYER_SHAPES * LAYERS + [HEAD_SHAPE]
+    weights = [torch.randn(out, inp) for out, inp in shapes]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
+    panels = [cpu_kernels.pack_linear_weight(w) for w in weights]
+    print("| rows | torch F.linear | oneDNN prepacked | Tandem packed |")
+    print("|---:|---:|---:|---:|")
+    for rows in args.rows:
+        xs = {inp: torch.randn(rows, inp) for _, inp in shapes}
+
+        def run(kind: str):
+            def one_model() -> None:
+                for i, (out, inp) in enumerate(shapes):
+                    x = xs[inp]
+                    if kind == "torch":
+                        F.linear(x, weights[i])
+                    elif kind == "onednn":
+                        torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")
+                    else:
+                        cpu_kernels.linear(x, panels[i], None, out)
+
+            return best_ms(one_model, args.iters, args.repeats)
+
+        times = [run(kind) for kind in ("torch", "onednn", "tandem")]
+        print(f"| {rows} | " + " | ".join(f"{t:.2f} ms" for t in times) + " |")
+
+
+def bench_attention(args: argparse.Namespace) -> None:
+    heads, kv_heads, head_dim, block = 8, 4, 64, 16
+    num_blocks = 1200
+    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim)
+    gen = torch.Generator().manual_seed(0)
+    print("| requests | queries each | keys each | reference (gather + SDPA) | C kernel |")
+    print("|---:|---:|---:|---:|---:|")
+    for seqs, q_len, ctx in [(1, 1, 250), (1, 5, 250), (16, 1, 250), (16, 5, 250), (4, 17, 100)]:
+        tables = [torch.randperm(num_blocks, generator=gen)[:64].tolist() for _ in range(seqs)]
+        shape = ([q_len] * seqs, [ctx] * seqs, tables)
+        query = torch.randn(seqs * q_len, heads, head_dim)
+        times = []
+        for backend in (REFERENCE, CPU):
+            md = build_metadata([(k_cache, v_cache)], block, *shape, torch.device("cpu"), backend)
+            times.append(
+                best_ms(
+                    lambda b=backend, m=md: b.attend(query, k_cache, v_cache, m, 0.125),
+                    args.iters,
+                    args.repeats,
+                )
+            )
+        print(f"| {seqs} | {q_len} | {ctx} | {times[0]:.3f} ms | {times[1]:.3f} ms |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("what", choices=["linear", "attention"])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 5, 9, 16, 33, 64, 512])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    cpu_memory.keep_freed_memory()  # as the engine runs
+    if not cpu_kernels.available():
+        raise SystemExit(f"the kernels are unavailable: {cpu_kernels.unavailable_reason()}")
+    print(f"{args.what}, {args.threads} thread(s), torch {torch.__version__}")
+    (bench_linear if args.what == "linear" else bench_attention)(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""Tandem's CPU kernels (engine/csrc/cpu_kernels.c): built once per machine, called via ctypes.
+
+The C source is compiled by the system's C compiler (`$CC`, else cc, gcc or clang) with
+`-O3 -march=native -fopenmp` into a cache directory (`$TANDEM_KERNEL_CACHE`, else
+`$XDG_CACHE_HOME/tandem/kernels` or `~/.cache/tandem/kernels`), keyed by the source, the
+compiler, the flags and this CPU's model and feature flags, so a shared home directory or a
+copied cache never hands one CPU a library built for another. The first start on a machine
+compiles (about a second); later starts load the cached library. Without a compiler the
+kernels are unavailable and the engine keeps torch's paths (`unavailable_reason()` says why).
+
+Both kernels are float32 only, and each call runs on torch's thread count (the library links
+the OpenMP runtime torch already loaded). ctypes releases the GIL for the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
+PANEL = 16  # output columns per packed panel: PANEL in the C source
+MAX_BLOCK = 256  # longest KV block the attention kernel takes: MAX_BLOCK in the C source
+_BASE_FLAGS = ["-std=gnu11", "-O3", "-ffp-contract=fast", "-shared", "-fPIC"]
+# Tried in order; the first that compiles is used. Without OpenMP the kernels run on one
+# thread whatever torch's thread count.
+_FLAG_SETS = (["-march=native", "-fopenmp"], ["-march=native"], ["-fopenmp"], [])
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+_tried = False
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def unavailable_reason() -> str | None:
+    load()
+    return _error
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built and loaded on first use; None when it cannot be."""
+    global _lib, _error, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _lib = _declare(ctypes.CDLL(str(_build())))
+            except (OSError, RuntimeError) as exc:
+                _error = str(exc)
+                logger.warning("Tandem's CPU kernels are unavailable, using torch's: %s", exc)
+        return _lib
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] float32 -> the kernel's panels [ceil(out / PANEL), in, PANEL] (zero-padded)."""
+    out_features, in_features = weight.shape
+    num_panels = -(-out_features // PANEL)
+    padded = weight.new_zeros(num_panels * PANEL, in_features)
+    padded[:out_features] = weight
+    return padded.view(num_panels, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def linear(
+    x: torch.Tensor,  # [rows, in] float32, contiguous
+    panels: torch.Tensor,  # pack_linear_weight(weight)
+    bias: torch.Tensor | None,  # [out] float32, contiguous
+    out_features: int,
+    residual: torch.Tensor | None = None,  # [rows, out] float32, contiguous: added, in place
+) -> torch.Tensor:  # [rows, out]: x @ weight.T + bias (+ residual, which is then returned)
+    lib = _require()
+    x = x.contiguous()
+    rows, in_features = x.shape
+    out = residual if residual is not None else torch.empty(rows, out_features)
+    if rows:
+        lib.tandem_linear(
+            x.data_ptr(),
+            panels.data_ptr(),
+            _ptr(bias),
+            _ptr(residual),
+            out.data_ptr(),
+            rows,
+            out_features,
+            in_features,
+            torch.get_num_threads(),
+        )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [rows, dim] float32 -> RMSNorm(x) * weight, a new tensor."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _require().tandem_rms_norm(
+        x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps
+    )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[rows, 2 * inter] fused gate/up output -> silu(gate) * up [rows, inter]."""
+    gate_up = gate_up.contiguous()
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter)
+    _require().tandem_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter)
+    return out
+
+
+def rotary_cache(
+    qkv: torch.Tensor,  # [tokens, (heads + 2 kv_heads) * head_dim] float32, contiguous
+    positions: torch.Tensor,  # [tokens] int64
+    slots: torch.Tensor,  # [tokens] int64 cache slots
+    cos: torch.Tensor,  # [positions, head_dim] float32
+    sin: torch.Tensor,
+    heads: int,
+    key_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim] float32
+    value_cache: torch.Tensor,
+) -> torch.Tensor:  # q [tokens, heads, head_dim], rotated
+    """Rotary embedding on q and k (rotate-half); k and v written to their cache slots."""
+    kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    tokens = qkv.shape[0]
+    q = torch.empty(tokens, heads, head_dim)
+    _require().tandem_rotary_cache(
+        qkv.data_ptr(),
+        positions.data_ptr(),
+        slots.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        tokens,
+        heads,
+        kv_heads,
+        head_dim,
+        q.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+    )
+    return q
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+def attention_supports(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether `paged_attention` takes these shapes (head_dim 32/64/128, blocks <= 256)."""
+    return bool(_require().tandem_attention_supports(heads, kv_heads, head_dim, block_size))
+
+
+def paged_attention(
+    query: torch.Tensor,  # [tokens, heads, head_dim] float32, contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] float32
+    value_cache: torch.Tensor,
+    tables: torch.Tensor,  # [num_seqs, width] int64 block ids
+    q_starts: torch.Tensor,  # [num_seqs] int64: first row of each request in query
+    q_lens: torch.Tensor,  # [num_seqs] int64
+    ctx_lens: torch.Tensor,  # [num_seqs] int64: keys each request attends (new ones included)
+    scale: float,
+    out: torch.Tensor,  # [tokens, heads, head_dim]: the requests' rows are written
+) -> None:
+    lib = _require()
+    _, block_size, kv_heads, head_dim = key_cache.shape
+    status = lib.tandem_paged_attention(
+        query.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        q_starts.data_ptr(),
+        q_lens.data_ptr(),
+        ctx_lens.data_ptr(),
+        tables.shape[0],
+        out.data_ptr(),
+        query.shape[1],
+        kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(
+            f"the CPU attention kernel does not take heads={query.shape[1]}, "
+            f"kv_heads={kv_heads}, head_dim={head_dim}, block_size={block_size}"
+        )
+
+
+def _require() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"Tandem's CPU kernels are unavailable: {_error}")
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.tandem_linear.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
+    lib.tandem_linear.restype = None
+    lib.tandem_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.tandem_rms_norm.restype = None
+    lib.tandem_silu_mul.argtypes = [ptr, ptr, i64, i64]
+    lib.tandem_silu_mul.restype = None
+    lib.tandem_rotary_cache.argtypes = [ptr] * 5 + [i64] * 4 + [ptr] * 3
+    lib.tandem_rotary_cache.restype = None
+    lib.tandem_attention_supports.argtypes = [i64, i64, i64, i64]
+    lib.tandem_attention_supports.restype = i32
+    lib.tandem_paged_attention.argtypes = (
+        [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr] + [i64] * 4 + [ctypes.c_float, i32]
+    )
+    lib.tandem_paged_attention.restype = i32
+    return lib
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    raise RuntimeError("no C compiler found (set $CC, or install gcc)")
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("TANDEM_KERNEL_CACHE"):
+        return Path(os.environ["TANDEM_KERNEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tandem" / "kernels"
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU's model name and feature flags."""
+    wanted = ("model name", "flags", "Features", "CPU part")
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    seen = {}
+    for line in lines:
+        key = line.split(":", 1)[0].strip()
+        if key in wanted and key not in seen:
+            seen[key] = line
+    return platform.machine() + "\n" + "\n".join(seen[k] for k in sorted(seen))
+
+
+def _build() -> Path:
+    cc = _compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    source = SOURCE.read_bytes()
+    errors = []
+    for extra in _FLAG_SETS:
+        flags = _BASE_FLAGS + extra
+        key = hashlib.sha256(
+            b"\0".join(
+                [source, version.encode(), " ".join(flags).encode(), _cpu_identity().encode()]
+            )
+        ).hexdigest()[:16]
+        target = _cache_dir() / key / "libtandem_cpu.so"
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Compile beside the target, then rename: two processes building at once both finish.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        cmd = [cc, *flags, str(SOURCE), "-o", tmp, "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode == 0:
+            os.replace(tmp, target)
+            logger.info("built Tandem's CPU kernels: %s", " ".join(cmd[:-3] + [str(target)]))
+            return target
+        os.unlink(tmp)
+        errors.append(f"{' '.join(extra) or 'no extra flags'}: {proc.stderr.strip()[-300:]}")
+    raise RuntimeError(f"{cc} could not build {SOURCE.name}: " + " | ".join(errors))

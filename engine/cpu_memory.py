@@ -1,0 +1,64 @@
+"""glibc's malloc told to keep freed memory while a CPU engine runs.
+
+A CPU forward allocates and frees large activations in every layer: a 16-request decode
+step gathers 4 MB of keys and 4 MB of values per layer on the default pair. glibc serves
+blocks above its mmap threshold with fresh mmap()s and gives the top of a heap back to the OS
+once 128 KiB of it are free, so each pass page-faults the same pages in again. On the
+default pair, one thread, a 16-request decode pass over 250-token contexts took 100 ms with
+glibc's defaults and 37 ms with the settings below (index_select of the keys: 2.3 ms ->
+0.3 ms). vLLM's CPU backend asks for tcmalloc to be preloaded for the same reason.
+
+So on the CPU the engine raises the mmap threshold to its ceiling (32 MiB on 64-bit glibc)
+and the trim threshold to 1 GiB: the process keeps the memory of its largest pass instead of
+returning and re-faulting it every step. Settings the user made through glibc's own
+environment variables win, and a process without glibc's `mallopt` is left alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20  # glibc refuses more than HEAP_MAX_SIZE / 2 = 32 MiB on 64-bit
+TRIM_THRESHOLD = 1 << 30
+_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+
+_applied = False
+
+
+def keep_freed_memory() -> bool:
+    """Apply the thresholds above once per process; return whether they are in force."""
+    global _applied
+    if _applied:
+        return True
+    if any(name in os.environ for name in _USER_SETTINGS):
+        logger.info("malloc settings come from the environment; leaving them as they are")
+        return False
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False
+    ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    ok = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and ok
+    if not ok:
+        logger.warning("mallopt refused the CPU engine's malloc thresholds")
+    _applied = ok
+    return ok
+
+
+def _mallopt():
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        fn = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn

@@ -1,0 +1,239 @@
+"""Tandem's CPU kernels (engine/csrc/cpu_kernels.c) against torch, and the engine on them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_kernels
+from engine.attention import REFERENCE, build_metadata, reference_attention
+from engine.attention_backends import BACKENDS, select_backend
+from engine.config import SpecConfig
+from engine.cpu_attention import CPU, MAX_KERNEL_QUERY
+from engine.model_runner import ModelRunner, SeqInput
+from tests.engine_utils import drain, greedy, make_engine, random_prompts
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(), reason=f"no CPU kernels: {cpu_kernels.unavailable_reason()}"
+)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 70])
+@pytest.mark.parametrize("out_features,in_features", [(16, 8), (17, 33), (300, 64)])
+def test_linear_matches_torch(rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    w = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    res = torch.randn(rows, out_features, generator=gen)
+    panels = cpu_kernels.pack_linear_weight(w)
+    expected = F.linear(x, w, b)
+    torch.testing.assert_close(cpu_kernels.linear(x, panels, b, out_features), expected)
+    torch.testing.assert_close(
+        cpu_kernels.linear(x, panels, None, out_features), F.linear(x, w), rtol=1e-5, atol=1e-5
+    )
+    got = cpu_kernels.linear(x, panels, b, out_features, residual=res.clone())
+    torch.testing.assert_close(got, expected + res)
+
+
+def test_linear_rows_do_not_depend_on_the_batch():
+    """A row's output is bit-identical whether it is computed alone or among others."""
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(100, 48, generator=gen), torch.randn(13, 48, generator=gen)
+    panels = cpu_kernels.pack_linear_weight(w)
+    together = cpu_kernels.linear(x, panels, None, 100)
+    for i in range(13):
+        assert torch.equal(cpu_kernels.linear(x[i : i + 1], panels, None, 100)[0], together[i])
+
+
+def test_elementwise_kernels_match_torch():
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(7, 96, generator=gen), torch.randn(96, generator=gen)
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (96,), w, 1e-5))
+    gu = torch.randn(5, 2 * 40, generator=gen) * 4
+    torch.testing.assert_close(cpu_kernels.silu_mul(gu), F.silu(gu[:, :40]) * gu[:, 40:])
+
+
+def test_rotary_cache_matches_torch():
+    heads, kv_heads, d, block, tokens = 4, 2, 16, 4, 6
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen)
+    angles = torch.rand(32, d // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    positions = torch.tensor([0, 5, 6, 7, 31, 2])
+    slots = torch.tensor([3, 9, 1, 0, 30, 17])
+    k_cache, v_cache = torch.zeros(8, block, kv_heads, d), torch.zeros(8, block, kv_heads, d)
+    q = cpu_kernels.rotary_cache(qkv, positions, slots, cos, sin, heads, k_cache, v_cache)
+
+    def rotate(x):  # x [tokens, h, d]
+        c, s = cos[positions][:, None], sin[positions][:, None]
+        return x * c + torch.cat((-x[..., d // 2 :], x[..., : d // 2]), -1) * s
+
+    q_ref = rotate(qkv[:, : heads * d].view(tokens, heads, d))
+    k_ref = rotate(qkv[:, heads * d : (heads + kv_heads) * d].view(tokens, kv_heads, d))
+    v_ref = qkv[:, (heads + kv_heads) * d :].view(tokens, kv_heads, d)
+    torch.testing.assert_close(q, q_ref)
+    torch.testing.assert_close(k_cache.view(-1, kv_heads, d)[slots], k_ref)
+    assert torch.equal(v_cache.view(-1, kv_heads, d)[slots], v_ref)
+    untouched = torch.ones(8 * block, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache.view(-1, kv_heads, d)[untouched].any()
+
+
+def _paged_case(q_lens, ctx_lens, heads, kv_heads, d, block, seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-c // block) for c in ctx_lens) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()  # scattered block tables
+    tables, used = [], 0
+    for ctx in ctx_lens:
+        n = -(-ctx // block)
+        tables.append(order[used : used + n] + [0, 0])  # longer than needed, as in the engine
+        used += n
+    k_cache = torch.randn(num_blocks, block, kv_heads, d, generator=gen)
+    v_cache = torch.randn(num_blocks, block, kv_heads, d, generator=gen)
+    query = torch.randn(sum(q_lens), heads, d, generator=gen)
+    return query, k_cache, v_cache, tables
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,d,block",
+    [(4, 2, 16, 4), (8, 4, 64, 16), (6, 2, 32, 16), (4, 4, 128, 1), (2, 1, 80, 32), (2, 2, 96, 5)],
+)
+def test_cpu_backend_matches_the_reference(heads, kv_heads, d, block):
+    """Decodes, verifications, a query past the kernel's limit (SDPA) and a request with
+    one key, in one batch, against the reference backend."""
+    q_lens = [1, 5, 1, MAX_KERNEL_QUERY + 3, 17, 1]
+    ctx_lens = [1, 37, 250, 60, 17, 16]
+    query, k_cache, v_cache, tables = _paged_case(q_lens, ctx_lens, heads, kv_heads, d, block, d)
+    scale = d**-0.5
+    caches = [(k_cache, v_cache)]
+    ref = build_metadata(caches, block, q_lens, ctx_lens, tables, torch.device("cpu"), REFERENCE)
+    md = build_metadata(caches, block, q_lens, ctx_lens, tables, torch.device("cpu"), CPU)
+    assert md.kernel_seqs is not None and len(md.groups) == 1  # one long query went to SDPA
+    expected = reference_attention(query, k_cache, v_cache, ref, scale)
+    got = CPU.attend(query, k_cache, v_cache, md, scale)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_rows_do_not_depend_on_the_batch():
+    """A query's output is bit-identical attended alone (a decode) or as the last query of a
+    verification beside other requests."""
+    heads, kv_heads, d, block = 8, 4, 64, 16
+    query, k_cache, v_cache, tables = _paged_case([5, 1], [40, 90], heads, kv_heads, d, block, 3)
+    both = build_metadata([(k_cache, v_cache)], block, [5, 1], [40, 90], tables, "cpu", CPU)
+    alone = build_metadata([(k_cache, v_cache)], block, [1], [40], tables[:1], "cpu", CPU)
+    together = CPU.attend(query, k_cache, v_cache, both, 0.125)
+    single = CPU.attend(query[4:5], k_cache, v_cache, alone, 0.125)
+    assert torch.equal(together[4], single[0])
+
+
+def test_unsupported_shapes_are_refused():
+    assert cpu_kernels.attention_supports(8, 4, 64, 16)
+    assert not cpu_kernels.attention_supports(8, 4, 48, 16)  # head size not compiled
+    assert not cpu_kernels.attention_supports(8, 3, 64, 16)  # heads not a multiple
+    assert not cpu_kernels.attention_supports(8, 4, 64, 512)  # block past MAX_BLOCK
+
+
+def test_backend_selection_on_the_cpu(monkeypatch):
+    cpu = torch.device("cpu")
+    assert select_backend("auto", cpu) == "cpu"
+    assert select_backend("auto", cpu, torch.bfloat16) == "reference"
+    with pytest.raises(ValueError, match="float32 on the CPU"):
+        select_backend("cpu", cpu, torch.bfloat16)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert select_backend("auto", cpu) == "reference"
+    with pytest.raises(ValueError, match="install a C compiler"):
+        select_backend("cpu", cpu)
+
+
+def test_runner_falls_back_for_a_head_size_the_kernel_lacks(tmp_path, tiny_dirs):
+    from tests.tiny_models import build_model
+
+    odd = build_model(
+        tmp_path / "odd", hidden_size=48, num_heads=2, tokenizer_dir=tiny_dirs["llama"]
+    )
+    runner = ModelRunner(str(odd), torch.device("cpu"), torch.float32, "cpu")  # head_dim 24
+    assert runner.attention_backend is BACKENDS["reference"]
+
+
+def test_native_forward_on_the_kernels_matches_transformers(tiny_dirs):
+    runner = ModelRunner(str(tiny_dirs["llama"]), torch.device("cpu"), torch.float32, "cpu")
+    assert runner.use_cpu_kernels() == "native forward on the C kernels"
+    assert runner.native.cpu_kernels
+    assert runner._native_error(runner.native) < 1e-4
+
+
+def test_a_verification_pass_gives_the_decode_pass_logits(tiny_dirs):
+    """On the kernels every step of the forward is computed per row, so a token's logits in
+    a 1 + K verification pass equal, bit for bit, those of a plain decode of that token."""
+    runner = ModelRunner(str(tiny_dirs["llama"]), torch.device("cpu"), torch.float32, "cpu")
+    runner.use_cpu_kernels()
+    runner.allocate_kv(32, 4)
+    prompt = random_prompts([9], vocab=runner.vocab_size, seed=5)[0]
+    runner.forward([SeqInput(prompt, 0, [0, 1, 2, 3, 4], [])])
+    feed = random_prompts([4], vocab=runner.vocab_size, seed=6)[0]
+    verify = runner.forward([SeqInput(feed, 9, [0, 1, 2, 3, 4], [0, 1, 2, 3])])
+    for j in range(4):  # the same tokens again, one pass each (same cache slots)
+        decode = runner.forward([SeqInput([feed[j]], 9 + j, [0, 1, 2, 3, 4], [0])])
+        assert torch.equal(decode[0], verify[j])
+
+
+def test_speculative_greedy_equals_plain_greedy_on_the_kernels(tiny_dirs):
+    prompts = random_prompts([5, 17, 40], vocab=300, seed=11)
+    spec = SpecConfig(
+        method="draft", draft_model=str(tiny_dirs["llama_draft"]), draft_length="fixed"
+    )
+    outputs = []
+    for spec_config in (None, spec):
+        engine = make_engine(tiny_dirs["llama"], spec=spec_config, max_num_batched_tokens=32)
+        assert engine.runner.attention_backend is BACKENDS["cpu"]
+        assert engine.runner.native is not None and engine.runner.native.cpu_kernels
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, greedy(12))
+        outputs.append(drain(engine))
+        engine.check_invariants()
+    assert outputs[0] == outputs[1]
+
+
+def test_without_a_compiler_the_engine_runs_on_torch(tmp_path, tiny_dirs):
+    """No compiler on PATH and an empty kernel cache: the kernels are unavailable, auto picks
+    the reference backend, --cpu-packed-linear is ignored with a warning, and it serves."""
+    script = textwrap.dedent(
+        f"""
+        import logging, sys
+        logging.basicConfig(level=logging.WARNING)
+        sys.path.insert(0, {os.getcwd()!r})
+        from engine import cpu_kernels
+        from tests.engine_utils import drain, greedy, make_engine
+        assert not cpu_kernels.available()
+        assert "no C compiler" in cpu_kernels.unavailable_reason()
+        engine = make_engine({str(tiny_dirs["llama"])!r})
+        assert engine.attention_backend == "reference"
+        assert not engine.runner.native.cpu_kernels
+        engine.add_request("r", [5, 6, 7], greedy(4))
+        print("tokens", drain(engine)["r"])
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CC"}
+    env |= {"PATH": str(tmp_path), "TANDEM_KERNEL_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "tokens [" in proc.stdout
+    assert "--cpu-packed-linear ignored" in proc.stderr
+
+
+def test_the_library_is_cached_per_cpu_and_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))
+    first = cpu_kernels._build()
+    assert first.is_relative_to(tmp_path) and first.exists()
+    assert cpu_kernels._build() == first  # built once, then found
+    monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: "another cpu")
+    assert cpu_kernels._build() != first
