@@ -5,8 +5,9 @@
 
 `linear`: the 8 layers' q/k/v, o, gate/up and down projections plus the LM head, each with
 its own weight (about 100 MB in float32, so weights come from memory as in a real pass, not
-from cache): torch `F.linear` (MKL), oneDNN on prepacked weights (what vLLM's CPU backend
-uses), and Tandem's packed C GEMM. `attention`: the reference backend (gather the blocks,
+from cache), holding bfloat16 values as the default pair's checkpoint does: torch
+`F.linear` (MKL), oneDNN on prepacked weights (what vLLM's CPU backend uses), and Tandem's
+packed C GEMM on float32 panels and on (exact) bfloat16 panels. `attention`: the reference backend (gather the blocks,
 then SDPA) against the C kernel on the same paged cache with scattered block tables.
 Milliseconds, best of --repeats rounds of --iters calls; one thread unless --threads.
 """
@@ -42,15 +43,20 @@ def best_ms(fn, iters: int, repeats: int) -> float:
 
 def bench_linear(args: argparse.Namespace) -> None:
     shapes = LAYER_SHAPES * LAYERS + [HEAD_SHAPE]
-    weights = [torch.randn(out, inp) for out, inp in shapes]
+    # bfloat16 values in float32, as the default pair's checkpoint loads
+    weights = [torch.randn(out, inp).bfloat16().float() for out, inp in shapes]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
-    panels = [cpu_kernels.pack_linear_weight(w) for w in weights]
-    print("| rows | torch F.linear | oneDNN prepacked | Tandem packed |")
-    print("|---:|---:|---:|---:|")
+    panels = [cpu_kernels.pack_linear_weight(w, allow_bf16=False) for w in weights]
+    panels16 = [cpu_kernels.pack_linear_weight(w) for w in weights]
+    assert all(p.dtype == torch.bfloat16 for p in panels16)
+    print(
+        "| rows | torch F.linear | oneDNN prepacked | Tandem, float32 panels | Tandem, bfloat16 panels |"
+    )
+    print("|---:|---:|---:|---:|---:|")
     for rows in args.rows:
         xs = {inp: torch.randn(rows, inp) for _, inp in shapes}
 
-        def run(kind: str):
+        def run(kind: str, xs: dict = xs):
             def one_model() -> None:
                 for i, (out, inp) in enumerate(shapes):
                     x = xs[inp]
@@ -58,12 +64,14 @@ def bench_linear(args: argparse.Namespace) -> None:
                         F.linear(x, weights[i])
                     elif kind == "onednn":
                         torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")
-                    else:
+                    elif kind == "tandem":
                         cpu_kernels.linear(x, panels[i], None, out)
+                    else:
+                        cpu_kernels.linear(x, panels16[i], None, out)
 
             return best_ms(one_model, args.iters, args.repeats)
 
-        times = [run(kind) for kind in ("torch", "onednn", "tandem")]
+        times = [run(kind) for kind in ("torch", "onednn", "tandem", "tandem-bf16")]
         print(f"| {rows} | " + " | ".join(f"{t:.2f} ms" for t in times) + " |")
 
 
@@ -84,7 +92,7 @@ def bench_attention(args: argparse.Namespace) -> None:
             md = build_metadata([(k_cache, v_cache)], block, *shape, torch.device("cpu"), backend)
             times.append(
                 best_ms(
-                    lambda b=backend, m=md: b.attend(query, k_cache, v_cache, m, 0.125),
+                    lambda b=backend, m=md, q=query: b.attend(q, k_cache, v_cache, m, 0.125),
                     args.iters,
                     args.repeats,
                 )

@@ -262,12 +262,14 @@ def _nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> list[float]:
 
 
 def _log_sizes(limit: int) -> list[int]:
-    sizes, n = [], 1
+    """Every size up to 8 (1 + K for the usual K: interpolating there would hide whether a
+    verification pass costs what a decode does), then 1.5x and 2x steps up to `limit`."""
+    sizes = list(range(1, 9))
+    n = 8
     while n < limit:
-        sizes.append(n)
+        sizes += [n * 3 // 2, n * 2]
         n *= 2
-    sizes.append(max(limit, 1))
-    return sorted(set(sizes))
+    return sorted({s for s in sizes if s < limit} | {max(limit, 1)})
 
 
 def _min_time(fn: Callable[[], object], repeats: int) -> float:

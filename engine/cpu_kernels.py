@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
 PANEL = 16  # output columns per packed panel: PANEL in the C source
+_BF16_ORDER = [c for j in range(PANEL // 2) for c in (j, j + PANEL // 2)]  # 0, 8, 1, 9, ...
 MAX_BLOCK = 256  # longest KV block the attention kernel takes: MAX_BLOCK in the C source
 _BASE_FLAGS = ["-std=gnu11", "-O3", "-ffp-contract=fast", "-shared", "-fPIC"]
 # Tried in order; the first that compiles is used. Without OpenMP the kernels run on one
@@ -59,25 +60,37 @@ def load() -> ctypes.CDLL | None:
         if not _tried:
             _tried = True
             try:
-                _lib = _declare(ctypes.CDLL(str(_build())))
+                loader = ctypes.PyDLL if os.environ.get("TANDEM_HOLD_GIL") else ctypes.CDLL
+                _lib = _declare(loader(str(_build())))
             except (OSError, RuntimeError) as exc:
                 _error = str(exc)
                 logger.warning("Tandem's CPU kernels are unavailable, using torch's: %s", exc)
         return _lib
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] float32 -> the kernel's panels [ceil(out / PANEL), in, PANEL] (zero-padded)."""
+def pack_linear_weight(weight: torch.Tensor, allow_bf16: bool = True) -> torch.Tensor:
+    """[out, in] float32 -> the kernel's panels [ceil(out / PANEL), in, PANEL] (zero-padded).
+
+    bfloat16 panels when every weight is exactly a bfloat16 value (a bfloat16 checkpoint
+    loaded in float32) and `allow_bf16`: the kernel widens them exactly, so the results are
+    those of the float32 weights, for half the memory traffic. Otherwise float32 panels.
+    """
     out_features, in_features = weight.shape
     num_panels = -(-out_features // PANEL)
     padded = weight.new_zeros(num_panels * PANEL, in_features)
     padded[:out_features] = weight
-    return padded.view(num_panels, PANEL, in_features).transpose(1, 2).contiguous()
+    panels = padded.view(num_panels, PANEL, in_features).transpose(1, 2).contiguous()
+    if allow_bf16:
+        narrow = panels.to(torch.bfloat16)
+        if torch.equal(narrow.to(torch.float32), panels):
+            # Columns 0, 8, 1, 9, ..., 7, 15 within each panel row (see panel_row in the C).
+            return narrow[..., _BF16_ORDER].contiguous()
+    return panels
 
 
 def linear(
     x: torch.Tensor,  # [rows, in] float32, contiguous
-    panels: torch.Tensor,  # pack_linear_weight(weight)
+    panels: torch.Tensor,  # pack_linear_weight(weight): float32 or bfloat16
     bias: torch.Tensor | None,  # [out] float32, contiguous
     out_features: int,
     residual: torch.Tensor | None = None,  # [rows, out] float32, contiguous: added, in place
@@ -86,8 +99,9 @@ def linear(
     x = x.contiguous()
     rows, in_features = x.shape
     out = residual if residual is not None else torch.empty(rows, out_features)
+    kernel = lib.tandem_linear_bf16 if panels.dtype == torch.bfloat16 else lib.tandem_linear
     if rows:
-        lib.tandem_linear(
+        kernel(
             x.data_ptr(),
             panels.data_ptr(),
             _ptr(bias),
@@ -207,8 +221,9 @@ def _require() -> ctypes.CDLL:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.tandem_linear.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
-    lib.tandem_linear.restype = None
+    for linear in (lib.tandem_linear, lib.tandem_linear_bf16):
+        linear.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
+        linear.restype = None
     lib.tandem_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
     lib.tandem_rms_norm.restype = None
     lib.tandem_silu_mul.argtypes = [ptr, ptr, i64, i64]

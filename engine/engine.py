@@ -240,10 +240,11 @@ class LLMEngine:
         for item, k in zip(sched.scheduled, num_drafts, strict=True):
             query_lens.append(item.num_new_tokens + k)
             context_lens.append(item.request.num_computed_tokens + item.num_new_tokens + k)
-        if any(num_drafts):
-            draft_pairs = sum(k * c for k, c in zip(num_drafts, context_lens, strict=True))
+        if any(num_drafts) and drafts is not None:
+            # Charged for every token the draft model ran, prefill chunks included: counting
+            # only the drafts would read a step with a prefill chunk as a slow draft.
             self.cost_model.observe_draft(
-                max(num_drafts), sum(num_drafts), draft_pairs, draft_seconds
+                max(num_drafts), drafts.fed_tokens, drafts.fed_pairs, draft_seconds
             )
         self.cost_model.observe_target(PassShape.of(query_lens, context_lens), target_seconds)
 

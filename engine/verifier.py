@@ -126,6 +126,21 @@ class Verifier:
             self.speed_of_light.observe_distributions(logits[first_rows.to(logits.device)])
         wants_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw = logits.clone() if wants_logprobs else logits
+        if all(r.params.greedy for r in reqs):
+            # Greedy rows are one-hot at the argmax, so rejection sampling reduces to: keep
+            # drafts while they equal the argmax of their row, then emit that row's argmax
+            # (the recovered or bonus token). Same tokens, none of the vocabulary-wide tensors.
+            best = apply_penalties_and_masks(logits, rows).argmax(dim=-1).tolist()
+            emitted_lists = []
+            row = 0
+            for req, k in zip(reqs, num_drafts, strict=True):
+                n = 0
+                while n < k and req.spec_token_ids[n] == best[row + n]:
+                    n += 1
+                emitted_lists.append(req.spec_token_ids[:n] + [best[row + n]])
+                row += k + 1
+            self._emit(reqs, num_drafts, emitted_lists, raw, result)
+            return
         probs = logits_to_probs(apply_penalties_and_masks(logits, rows), rows)
         draft_ids = torch.tensor(
             [t for r in reqs for t in r.spec_token_ids], dtype=torch.long, device=self.device
@@ -143,10 +158,18 @@ class Verifier:
         )
         noise = exponential_noise(reqs, [k + 1 for k in num_drafts], probs.shape[1], self.device)
         out = rejection_sample(probs, draft_ids, draft_probs, num_drafts, uniform, noise).tolist()
+        self._emit(reqs, num_drafts, [[t for t in e if t != PAD] for e in out], raw, result)
 
+    def _emit(
+        self,
+        reqs: list[Request],
+        num_drafts: list[int],
+        emitted: list[list[int]],  # per request: accepted drafts + the recovered/bonus token
+        raw: torch.Tensor,  # [rows, vocab] the target's logits, for logprobs
+        result: VerifyResult,
+    ) -> None:
         row = 0
-        for req, k, emitted in zip(reqs, num_drafts, out, strict=True):
-            tokens = [t for t in emitted if t != PAD]
+        for req, k, tokens in zip(reqs, num_drafts, emitted, strict=True):
             logprobs = None
             if req.params.logprobs is not None:
                 logprobs = token_logprobs(raw[row : row + len(tokens)], tokens, req.params.logprobs)

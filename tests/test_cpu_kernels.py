@@ -42,6 +42,23 @@ def test_linear_matches_torch(rows, out_features, in_features):
     torch.testing.assert_close(got, expected + res)
 
 
+def test_bfloat16_panels_only_when_exact_and_then_bit_identical():
+    """A bfloat16 checkpoint loaded in float32 packs to bfloat16 panels (half the bytes) with
+    the float32 panels' results bit for bit; weights with more precision stay float32."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 24, generator=gen).bfloat16().float()
+    b, x = torch.randn(40, generator=gen), torch.randn(9, 24, generator=gen)
+    narrow, wide = cpu_kernels.pack_linear_weight(w), cpu_kernels.pack_linear_weight(w, False)
+    assert narrow.dtype == torch.bfloat16 and wide.dtype == torch.float32
+    assert narrow.numel() == wide.numel()
+    for rows in (1, 5, 9):
+        got = cpu_kernels.linear(x[:rows], narrow, b, 40)
+        assert torch.equal(got, cpu_kernels.linear(x[:rows], wide, b, 40))
+        torch.testing.assert_close(got, F.linear(x[:rows], w, b))
+    w[3, 5] += 1e-3  # no longer a bfloat16 value
+    assert cpu_kernels.pack_linear_weight(w).dtype == torch.float32
+
+
 def test_linear_rows_do_not_depend_on_the_batch():
     """A row's output is bit-identical whether it is computed alone or among others."""
     gen = torch.Generator().manual_seed(0)

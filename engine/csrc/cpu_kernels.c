@@ -23,7 +23,7 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 
 INLINE v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 INLINE v8 load(const float *p) { return *(const v8 *)p; }
-INLINE void store(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+INLINE void store(float *p, v8 v) { *(v8 *)p = v; } /* v8 is 4-byte aligned: any float * */
 INLINE v8 select_v(v8i mask, v8 a, v8 b) { return (v8)(((v8i)a & mask) | ((v8i)b & ~mask)); }
 INLINE float hsum(v8 v) {
   float s = 0;
@@ -45,16 +45,39 @@ INLINE float hmax(v8 v) {
  * 2 x ROWS accumulators in registers while the panel streams past once; further tiles of the
  * same call find the panel in cache. Each output is summed over k in order, whatever M is,
  * so a row's result does not depend on the other rows in the batch.
+ *
+ * Panels are float32, or bfloat16 when every weight of the matrix is exactly a bfloat16
+ * value (a bfloat16 checkpoint loaded in float32): a bfloat16 is the top half of a float32,
+ * so widening is exact and the arithmetic is the float32 one, on half the bytes from memory.
  */
 #define PANEL 16
 #define ROWS 6
 
-INLINE void linear_tile(const int m, const float *x, int64_t K, const float *panel,
-                        const float *bias, const float *res, float *y, int64_t N, int cols) {
+typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
+
+/* Panel row k: its PANEL weights as two float32 vectors. A bfloat16 panel row is stored
+ * interleaved, columns 0, 8, 1, 9, ..., 7, 15, so 32-bit lane j holds column j in its low
+ * half and column j + 8 in its high half: one shift and one mask widen all 16. */
+INLINE void panel_row(const int bf16, const void *panel, int64_t k, v8 *lo, v8 *hi) {
+  if (bf16) {
+    const v8u w = *(const v8u *)((const uint16_t *)panel + k * PANEL);
+    *lo = (v8)(w << 16);
+    *hi = (v8)(w & 0xffff0000u);
+  } else {
+    const float *p = (const float *)panel + k * PANEL;
+    *lo = load(p);
+    *hi = load(p + 8);
+  }
+}
+
+INLINE void linear_tile(const int bf16, const int m, const float *x, int64_t K,
+                        const void *panel, const float *bias, const float *res, float *y,
+                        int64_t N, int cols) {
   v8 lo[ROWS], hi[ROWS];
   for (int r = 0; r < m; r++) lo[r] = hi[r] = (v8){0};
   for (int64_t k = 0; k < K; k++) {
-    const v8 w_lo = load(panel + k * PANEL), w_hi = load(panel + k * PANEL + 8);
+    v8 w_lo, w_hi;
+    panel_row(bf16, panel, k, &w_lo, &w_hi);
     for (int r = 0; r < m; r++) {
       const float s = x[r * K + k];
       lo[r] += s * w_lo;
@@ -73,28 +96,43 @@ INLINE void linear_tile(const int m, const float *x, int64_t K, const float *pan
   }
 }
 
-void tandem_linear(const float *x, const float *panels, const float *bias, const float *residual,
-                   float *y, int64_t M, int64_t N, int64_t K, int nthreads) {
+INLINE void linear(const int bf16, const float *x, const void *panels, const float *bias,
+                   const float *residual, float *y, int64_t M, int64_t N, int64_t K,
+                   int nthreads) {
   const int64_t num_panels = (N + PANEL - 1) / PANEL;
+  const int64_t panel_bytes = K * PANEL * (bf16 ? 2 : 4);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
   for (int64_t p = 0; p < num_panels; p++) {
-    const float *panel = panels + p * K * PANEL;
+    const void *panel = (const char *)panels + p * panel_bytes;
     const float *b = bias ? bias + p * PANEL : 0;
     const int cols = N - p * PANEL < PANEL ? (int)(N - p * PANEL) : PANEL;
     for (int64_t r = 0; r < M; r += ROWS) {
       const float *xr = x + r * K;
       const float *rr = residual ? residual + r * N + p * PANEL : 0;
       float *yr = y + r * N + p * PANEL;
-      switch (M - r < ROWS ? M - r : ROWS) {  /* constant row counts: unrolled tiles */
-        case 1: linear_tile(1, xr, K, panel, b, rr, yr, N, cols); break;
-        case 2: linear_tile(2, xr, K, panel, b, rr, yr, N, cols); break;
-        case 3: linear_tile(3, xr, K, panel, b, rr, yr, N, cols); break;
-        case 4: linear_tile(4, xr, K, panel, b, rr, yr, N, cols); break;
-        case 5: linear_tile(5, xr, K, panel, b, rr, yr, N, cols); break;
-        default: linear_tile(6, xr, K, panel, b, rr, yr, N, cols); break;
+#define TILE(m) linear_tile(bf16, m, xr, K, panel, b, rr, yr, N, cols)
+      switch (M - r < ROWS ? M - r : ROWS) { /* constant row counts: unrolled tiles */
+        case 1: TILE(1); break;
+        case 2: TILE(2); break;
+        case 3: TILE(3); break;
+        case 4: TILE(4); break;
+        case 5: TILE(5); break;
+        default: TILE(6); break;
       }
+#undef TILE
     }
   }
+}
+
+void tandem_linear(const float *x, const float *panels, const float *bias, const float *residual,
+                   float *y, int64_t M, int64_t N, int64_t K, int nthreads) {
+  linear(0, x, panels, bias, residual, y, M, N, K, nthreads);
+}
+
+void tandem_linear_bf16(const float *x, const uint16_t *panels, const float *bias,
+                        const float *residual, float *y, int64_t M, int64_t N, int64_t K,
+                        int nthreads) {
+  linear(1, x, panels, bias, residual, y, M, N, K, nthreads);
 }
 
 /* ---------------------------------------------------------------------------------------
@@ -163,6 +201,7 @@ INLINE void attend_tile(const int NV, const float *q, const float *k_cache, cons
                         const int64_t *table, int64_t q_start, int64_t q_len, int64_t ctx,
                         int64_t kv_head, int64_t row0, int rows, int64_t heads,
                         int64_t kv_heads, int64_t block_size, float scale, float *out) {
+  if (rows < 1) return;
   const int64_t D = 8 * NV, group = heads / kv_heads, ks = kv_heads * D;
   v8 qv[QTILE][NV], acc[QTILE][NV], sc[QTILE][MAX_BLOCK / 8];
   float m[QTILE], l[QTILE];

@@ -20,6 +20,11 @@ class DraftBatch:
     """Per scheduled request (in SchedulerOutput order): at most its num_draft_tokens drafts."""
     probs: torch.Tensor | None = None
     """[total drafts, vocab] q for each draft, request by request; None = model-free (one-hot)."""
+    fed_tokens: int = 0
+    """Tokens a draft model processed over all its passes this step: drafts, catch-up tokens
+    and prefill chunks alike (what its measured time paid for)."""
+    fed_pairs: int = 0
+    """Sum over those tokens of the context each attended (query x key pairs)."""
 
 
 class Proposer(Protocol):

@@ -86,10 +86,22 @@ class DraftModelProposer:
                 drafting.append((i, req, k))
 
         drafts: list[list[int]] = [[] for _ in sched.scheduled]
-        probs: list[list[torch.Tensor]] = [[] for _ in sched.scheduled]
+        probs: list[list[torch.Tensor]] | None = [[] for _ in sched.scheduled]
         if not seqs:
             return DraftBatch(drafts, None)
-        logits = self.runner.forward(seqs)
+        if all(req.params.greedy for _, req, _ in drafting):
+            # Greedy drafts are the argmax, q one-hot on them: what a model-free drafter's
+            # missing probs mean to the rejection sampler, so none are built.
+            probs = None
+        fed = [0, 0]  # tokens, query x key pairs
+
+        def forward(seqs: list[SeqInput]) -> torch.Tensor:
+            for seq in seqs:
+                fed[0] += len(seq.token_ids)
+                fed[1] += len(seq.token_ids) * seq.context_len
+            return self.runner.forward(seqs)
+
+        logits = forward(seqs)
         step = 0
         while drafting:
             self._sample(logits, drafting, step, drafts, probs)
@@ -102,9 +114,9 @@ class DraftModelProposer:
                 pos = req.num_draft_computed_tokens
                 seqs.append(SeqInput([drafts[i][-1]], pos, block_tables[i], [0]))
                 req.num_draft_computed_tokens = pos + 1
-            logits = self.runner.forward(seqs)
-        flat = [p for per_req in probs for p in per_req]
-        return DraftBatch(drafts, torch.stack(flat) if flat else None)
+            logits = forward(seqs)
+        flat = [p for per_req in probs for p in per_req] if probs is not None else []
+        return DraftBatch(drafts, torch.stack(flat) if flat else None, *fed)
 
     def _sample(
         self,
@@ -112,13 +124,18 @@ class DraftModelProposer:
         drafting: list[tuple[int, Request, int]],
         step: int,
         drafts: list[list[int]],
-        probs: list[list[torch.Tensor]],
+        probs: list[list[torch.Tensor]] | None,
     ) -> None:
         reqs = [req for _, req, _ in drafting]
         for i, req, _ in drafting:
             req.spec_token_ids = drafts[i]  # penalties / min_tokens see the earlier drafts
         rows = [RowSpec(req, step) for req in reqs]
-        q = logits_to_probs(apply_penalties_and_masks(logits, rows), rows)
+        logits = apply_penalties_and_masks(logits, rows)
+        if probs is None:  # all greedy
+            for (i, _, _), token in zip(drafting, logits.argmax(dim=-1).tolist(), strict=True):
+                drafts[i].append(token)
+            return
+        q = logits_to_probs(logits, rows)
         noise = exponential_noise(reqs, [1] * len(reqs), q.shape[1], q.device)
         tokens = sample_from(q, noise).tolist()
         for (i, _, _), token, q_row in zip(drafting, tokens, q, strict=True):
