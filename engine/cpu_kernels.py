@@ -60,8 +60,7 @@ def load() -> ctypes.CDLL | None:
         if not _tried:
             _tried = True
             try:
-                loader = ctypes.PyDLL if os.environ.get("TANDEM_HOLD_GIL") else ctypes.CDLL
-                _lib = _declare(loader(str(_build())))
+                _lib = _declare(ctypes.CDLL(str(_build())))
             except (OSError, RuntimeError) as exc:
                 _error = str(exc)
                 logger.warning("Tandem's CPU kernels are unavailable, using torch's: %s", exc)
