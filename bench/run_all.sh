@@ -25,8 +25,10 @@ if [ -z "${SKIP_ENGINE:-}" ]; then
   step "$PY" -m bench.engine_bench k-sweep --threads "$THREADS"
   step "$PY" -m bench.engine_bench concurrency --threads "$THREADS"
 fi
-step "$PY" -m bench.peers --threads "$THREADS" --out bench/results/peers.json
+# Every configuration 3 times, round-robin: on a shared machine identical runs differ by 10-20%.
+ROUNDS=${ROUNDS:-3}
+step "$PY" -m bench.peers --threads "$THREADS" --rounds "$ROUNDS" --out bench/results/peers.json
 # The same peers benchmark with 2 threads each: shown beside the headline as a ratio table.
-step "$PY" -m bench.peers --threads 2 --out bench/results/peers-2threads.json
+step "$PY" -m bench.peers --threads 2 --rounds "$ROUNDS" --out bench/results/peers-2threads.json
 step "$PY" -m bench.peers.profile_tandem --threads "$THREADS" --out bench/results/peers-profile.json
 step "$PY" -m bench.report

@@ -73,8 +73,10 @@ def test_elementwise_kernels_match_torch():
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(7, 96, generator=gen), torch.randn(96, generator=gen)
     torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (96,), w, 1e-5))
-    gu = torch.randn(5, 2 * 40, generator=gen) * 4
-    torch.testing.assert_close(cpu_kernels.silu_mul(gu), F.silu(gu[:, :40]) * gu[:, 40:])
+    for inter in (40, 37):  # vectors of 8, and a tail
+        gu = torch.randn(5, 2 * inter, generator=gen) * 4
+        gu[0, :4] = torch.tensor([-100.0, 100.0, -88.5, 90.0])  # past exp's clamps
+        torch.testing.assert_close(cpu_kernels.silu_mul(gu), F.silu(gu[:, :inter]) * gu[:, inter:])
 
 
 def test_rotary_cache_matches_torch():

@@ -32,10 +32,12 @@ def tandem_cases(model: str, draft: str, ks: list[int]) -> list[ServerCase]:
         "--speculative-method", "draft", "--max-draft-tokens", str(max(ks)),
         "--draft-length", "adaptive",
     ]  # fmt: skip
-    # The default configuration as it was before Tandem's own forward and the packed linears:
-    # transformers' modules and torch's GEMM (what those two changes are worth over HTTP).
-    spec[f"draft adaptive K<={max(ks)}, HF forward"] = spec[f"draft adaptive K<={max(ks)}"] + [
+    # The default configuration on torch's operators alone: transformers' modules, torch's
+    # GEMM and the reference (gather + SDPA) attention, none of Tandem's own forward or CPU
+    # kernels (what those are worth over HTTP).
+    spec[f"draft adaptive K<={max(ks)}, torch ops"] = spec[f"draft adaptive K<={max(ks)}"] + [
         "--model-impl", "transformers", "--cpu-packed-linear", "off",
+        "--attention-backend", "reference",
     ]  # fmt: skip
     return [
         ServerCase(

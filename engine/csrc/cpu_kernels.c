@@ -168,11 +168,12 @@ INLINE v8 reduce8(const v8 *x) {
   return EVEN(ab, cd) + ODD(ab, cd);
 }
 
-/* exp(x) for x <= 0 (scores minus their running max); Cephes' expf polynomial, within 2 ulp.
- * Below -87 (masked keys, -inf, included) the result is exactly 0. */
+/* exp(x), Cephes' expf polynomial, within 2 ulp. Below -87 (masked keys, -inf, included)
+ * the result is exactly 0; inputs past 88 are taken as 88 (exp(88) ~ 1.7e38). */
 INLINE v8 exp_v(v8 x) {
   const v8i dead = x < splat(-87.0f);
   x = (v8)((v8i)x & ~dead);
+  x = select_v(x > splat(88.0f), splat(88.0f), x);
   const v8 fx = x * splat(1.44269504088896341f) + splat(0.5f);
   v8 n = __builtin_convertvector(__builtin_convertvector(fx, v8i), v8);
   n -= (v8)((v8i)splat(1.0f) & (n > fx)); /* floor */
@@ -337,12 +338,18 @@ void tandem_rms_norm(const float *x, const float *weight, float *out, int64_t ro
   }
 }
 
-/* out[r] = silu(gu[r, :inter]) * gu[r, inter:] for the fused gate/up output gu[rows, 2 inter]. */
+/* out[r] = silu(gu[r, :inter]) * gu[r, inter:] for the fused gate/up output gu[rows, 2 inter];
+ * silu(g) = g / (1 + exp(-g)). */
 void tandem_silu_mul(const float *gu, float *out, int64_t rows, int64_t inter) {
   for (int64_t r = 0; r < rows; r++) {
     const float *g = gu + r * 2 * inter, *u = g + inter;
     float *o = out + r * inter;
-    for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    int64_t i = 0;
+    for (; i + 8 <= inter; i += 8) {
+      const v8 gv = load(g + i);
+      store(o + i, gv / (splat(1.0f) + exp_v(-gv)) * load(u + i));
+    }
+    for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
   }
 }
 
