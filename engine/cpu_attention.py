@@ -1,7 +1,7 @@
 """The `cpu` attention backend: Tandem's C kernel for decoding and verification queries.
 
 Requests feeding at most `MAX_KERNEL_QUERY` tokens (a decode, a 1 + K verification, a short
-chunk) are attended by `tandem_paged_attention` (engine/csrc/cpu_kernels.c), which reads each
+chunk) are attended by `tandem_paged_attention` (engine/csrc/attention.c), which reads each
 request's keys and values where they sit in the paged cache: no gather into a padded batch,
 no mask tensor. Longer queries (prefill chunks) go to the reference path's
 `scaled_dot_product_attention`, which is faster there because it multiplies whole tiles of

@@ -1,47 +1,28 @@
-"""Tandem's CPU kernels (engine/csrc/cpu_kernels.c): built once per machine, called via ctypes.
+"""Tandem's CPU kernels (engine/csrc): loaded once per process, called through ctypes.
 
-The C source is compiled by the system's C compiler (`$CC`, else cc, gcc or clang) with
-`-O3 -march=native -fopenmp` into a cache directory (`$TANDEM_KERNEL_CACHE`, else
-`$XDG_CACHE_HOME/tandem/kernels` or `~/.cache/tandem/kernels`), keyed by the source, the
-compiler, the flags and this CPU's model and feature flags, so a shared home directory or a
-copied cache never hands one CPU a library built for another. The first start on a machine
-compiles (about a second); later starts load the cached library. Without a compiler the
+engine/kernel_build.py compiles the C sources for this machine (once, cached); this module
+loads the library, declares its functions and wraps each call. Without a C compiler the
 kernels are unavailable and the engine keeps torch's paths (`unavailable_reason()` says why).
 
-Both kernels are float32 only, and each call runs on torch's thread count (the library links
+All of them are float32 only, and each call runs on torch's thread count (the library links
 the OpenMP runtime torch already loaded). ctypes releases the GIL for the call.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import functools
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
+from engine import kernel_build
+
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
-PANEL = 16  # output columns per packed panel: PANEL in the C source
+PANEL = 16  # output columns per packed panel: PANEL in gemm.c
 _BF16_ORDER = [c for j in range(PANEL // 2) for c in (j, j + PANEL // 2)]  # 0, 8, 1, 9, ...
-MAX_BLOCK = 256  # longest KV block the attention kernel takes: MAX_BLOCK in the C source
-_BASE_FLAGS = ["-std=gnu11", "-O3", "-ffp-contract=fast", "-shared", "-fPIC"]
-# Tried in order; the first that compiles is used. Without OpenMP the kernels run on one
-# thread whatever torch's thread count.
-_FLAG_SETS = (["-march=native", "-fopenmp"], ["-march=native"], ["-fopenmp"], [])
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
-_tried = False
+MAX_BLOCK = 256  # longest KV block the attention kernel takes: MAX_BLOCK in attention.c
 
 
 def available() -> bool:
@@ -49,22 +30,22 @@ def available() -> bool:
 
 
 def unavailable_reason() -> str | None:
-    load()
-    return _error
+    return _loaded()[1]
 
 
 def load() -> ctypes.CDLL | None:
     """The kernel library, built and loaded on first use; None when it cannot be."""
-    global _lib, _error, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            try:
-                _lib = _declare(ctypes.CDLL(str(_build())))
-            except (OSError, RuntimeError) as exc:
-                _error = str(exc)
-                logger.warning("Tandem's CPU kernels are unavailable, using torch's: %s", exc)
-        return _lib
+    return _loaded()[0]
+
+
+@functools.cache
+def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
+    """(library, None) or (None, why not): once per process."""
+    try:
+        return _declare(ctypes.CDLL(str(kernel_build.build()))), None
+    except (OSError, RuntimeError) as exc:
+        logger.warning("Tandem's CPU kernels are unavailable, using torch's: %s", exc)
+        return None, str(exc)
 
 
 def pack_linear_weight(weight: torch.Tensor, allow_bf16: bool = True) -> torch.Tensor:
@@ -214,7 +195,7 @@ def paged_attention(
 def _require() -> ctypes.CDLL:
     lib = load()
     if lib is None:
-        raise RuntimeError(f"Tandem's CPU kernels are unavailable: {_error}")
+        raise RuntimeError(f"Tandem's CPU kernels are unavailable: {unavailable_reason()}")
     return lib
 
 
@@ -236,62 +217,3 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     )
     lib.tandem_paged_attention.restype = i32
     return lib
-
-
-def _compiler() -> str:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    raise RuntimeError("no C compiler found (set $CC, or install gcc)")
-
-
-def _cache_dir() -> Path:
-    if os.environ.get("TANDEM_KERNEL_CACHE"):
-        return Path(os.environ["TANDEM_KERNEL_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tandem" / "kernels"
-
-
-def _cpu_identity() -> str:
-    """What -march=native depends on: the CPU's model name and feature flags."""
-    wanted = ("model name", "flags", "Features", "CPU part")
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    seen = {}
-    for line in lines:
-        key = line.split(":", 1)[0].strip()
-        if key in wanted and key not in seen:
-            seen[key] = line
-    return platform.machine() + "\n" + "\n".join(seen[k] for k in sorted(seen))
-
-
-def _build() -> Path:
-    cc = _compiler()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    source = SOURCE.read_bytes()
-    errors = []
-    for extra in _FLAG_SETS:
-        flags = _BASE_FLAGS + extra
-        key = hashlib.sha256(
-            b"\0".join(
-                [source, version.encode(), " ".join(flags).encode(), _cpu_identity().encode()]
-            )
-        ).hexdigest()[:16]
-        target = _cache_dir() / key / "libtandem_cpu.so"
-        if target.exists():
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Compile beside the target, then rename: two processes building at once both finish.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        cmd = [cc, *flags, str(SOURCE), "-o", tmp, "-lm"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode == 0:
-            os.replace(tmp, target)
-            logger.info("built Tandem's CPU kernels: %s", " ".join(cmd[:-3] + [str(target)]))
-            return target
-        os.unlink(tmp)
-        errors.append(f"{' '.join(extra) or 'no extra flags'}: {proc.stderr.strip()[-300:]}")
-    raise RuntimeError(f"{cc} could not build {SOURCE.name}: " + " | ".join(errors))

@@ -1,7 +1,7 @@
 """Linear layers on packed weights for the CPU (`--cpu-packed-linear`).
 
 Each float32 `nn.Linear` of both models is swapped for a `PackedLinear` whose weight is also
-kept packed into the panels of Tandem's C GEMM (engine/csrc/cpu_kernels.c), which streams
+kept packed into the panels of Tandem's C GEMM (engine/csrc/gemm.c), which streams
 the weight from memory once per call whatever the row count. On the default pair, one
 AVX2 core, all of the target's linears with weights coming from memory (as in a real pass):
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 
@@ -29,14 +30,10 @@ MMAP_THRESHOLD = 32 << 20  # glibc refuses more than HEAP_MAX_SIZE / 2 = 32 MiB 
 TRIM_THRESHOLD = 1 << 30
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
 
-_applied = False
 
-
+@functools.cache
 def keep_freed_memory() -> bool:
-    """Apply the thresholds above once per process; return whether they are in force."""
-    global _applied
-    if _applied:
-        return True
+    """Apply the thresholds above (once per process); return whether they are in force."""
     if any(name in os.environ for name in _USER_SETTINGS):
         logger.info("malloc settings come from the environment; leaving them as they are")
         return False
@@ -47,7 +44,6 @@ def keep_freed_memory() -> bool:
     ok = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and ok
     if not ok:
         logger.warning("mallopt refused the CPU engine's malloc thresholds")
-    _applied = ok
     return ok
 
 

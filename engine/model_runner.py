@@ -132,13 +132,18 @@ class ModelRunner:
 
     def use_cpu_kernels(self) -> str:
         """Run this model through Tandem's C kernels (float32 on the CPU): with the native
-        forward every step of a layer, probed against transformers again; otherwise the
-        linear layers of the Hugging Face module. Returns what now runs on them."""
+        forward every step of a layer, probed against transformers again (or, for a layer the
+        fused path does not cover, its linear layers); otherwise the linear layers of the
+        Hugging Face module. Returns what now runs on them."""
         native = self.native
-        if native is not None and native.use_cpu_kernels():
+        if native is not None:
+            if native.use_cpu_kernels():
+                done = "native forward on the C kernels"
+            else:  # e.g. q/k norms: those steps stay on torch, the linears go packed
+                done = f"native forward, {cpu_linear.pack_linears(native)} linears packed"
             error = self._native_error(native)
             if error <= _NATIVE_TOLERANCE[self.dtype]:
-                return "native forward on the C kernels"
+                return done
             if self.model_impl_setting == "native":
                 raise ValueError(
                     f"--model-impl native: {self.name}: on the CPU kernels its "

@@ -99,8 +99,9 @@ OPTIONS: tuple[Option, ...] = (
         "model.attention_backend",
         "--attention-backend",
         str,
-        "paged attention: triton (one kernel reading the block tables) or reference (padded "
-        "SDPA); auto = triton on CUDA when Triton is installed, else reference",
+        "paged attention: triton (one GPU kernel reading the block tables), cpu (Tandem's C "
+        "kernel reading the block tables, float32) or reference (padded SDPA); auto = triton on "
+        "CUDA when Triton is installed, cpu on the CPU when its kernels build, else reference",
         choices=ATTENTION_BACKENDS,
     ),
     Option(
@@ -125,9 +126,10 @@ OPTIONS: tuple[Option, ...] = (
         "model.cpu_packed_linear",
         "--cpu-packed-linear",
         parse_bool,
-        "on (default): on the CPU in float32, the target's linear layers run calls of 4+ rows "
-        "(verification passes, batches) on prepacked oneDNN weights; doubles the memory of "
-        "those weights; ignored on CUDA",
+        "on (default): on the CPU in float32, both models run on Tandem's C kernels: linear "
+        "layers on packed weights (bfloat16 panels where the weights are exactly bfloat16 "
+        "values) and, with the native forward, every step of a layer; ignored on CUDA or "
+        "without a C compiler",
         metavar="on|off",
     ),
     Option(

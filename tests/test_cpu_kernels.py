@@ -1,4 +1,4 @@
-"""Tandem's CPU kernels (engine/csrc/cpu_kernels.c) against torch, and the engine on them."""
+"""Tandem's CPU kernels (engine/csrc) against torch, their build, and the engine on them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels
+from engine import cpu_kernels, kernel_build
 from engine.attention import REFERENCE, build_metadata, reference_attention
 from engine.attention_backends import BACKENDS, select_backend
 from engine.config import SpecConfig
@@ -251,8 +251,17 @@ def test_without_a_compiler_the_engine_runs_on_torch(tmp_path, tiny_dirs):
 
 def test_the_library_is_cached_per_cpu_and_source(tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))
-    first = cpu_kernels._build()
+    first = kernel_build.build()
     assert first.is_relative_to(tmp_path) and first.exists()
-    assert cpu_kernels._build() == first  # built once, then found
-    monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: "another cpu")
-    assert cpu_kernels._build() != first
+    assert kernel_build.build() == first  # built once, then found
+    monkeypatch.setattr(kernel_build, "_cpu_identity", lambda: "another cpu")
+    assert kernel_build.build() != first
+
+
+def test_an_unwritable_cache_falls_back_to_the_temp_dir(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(blocker / "cache"))  # mkdir fails
+    monkeypatch.setattr(kernel_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    built = kernel_build.build()
+    assert built.is_relative_to(tmp_path / "tmp") and built.exists()

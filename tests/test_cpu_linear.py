@@ -1,4 +1,4 @@
-"""Prepacked oneDNN linears on the CPU: same results as nn.Linear, and lossless end to end."""
+"""Packed linears on the CPU (Tandem's C GEMM): same results as nn.Linear, lossless end to end."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from engine import cpu_linear
 from engine.config import SpecConfig
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 
-pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="torch built without oneDNN")
+pytestmark = pytest.mark.skipif(
+    not cpu_linear.available(), reason="Tandem's CPU kernels did not build (no C compiler?)"
+)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -33,7 +35,8 @@ def test_pack_linears_replaces_every_linear_and_only_those():
 
 
 def test_packed_target_stays_lossless(tiny_dirs):
-    """Greedy speculative output with a packed target equals HF's greedy output."""
+    """Greedy speculative output with packed models (and, native, the fused layer kernels)
+    equals HF's greedy output."""
     target = tiny_dirs["llama"]
     prompts = random_prompts([5, 12, 20, 33], vocab=300, seed=41)
     expected = hf_greedy(target, prompts, 24)

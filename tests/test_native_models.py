@@ -53,6 +53,27 @@ def test_native_logits_match_transformers(tiny_dirs, qwen3_dir, family):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3"])
+def test_native_forward_on_the_cpu_kernels_matches_transformers(tiny_dirs, qwen3_dir, family):
+    """Every layer step on the C kernels (Llama, Qwen2, Mistral); Qwen3's q/k norms keep torch,
+    its linears go packed. Either way the native forward still gives transformers' logits."""
+    from engine import cpu_kernels, cpu_linear
+
+    if not cpu_kernels.available():
+        pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
+    model_dir = qwen3_dir if family == "qwen3" else tiny_dirs[family]
+    hf, native = _runner(model_dir, "transformers"), _runner(model_dir, "native")
+    done = native.use_cpu_kernels()
+    assert native.model_impl == "native"
+    if family == "qwen3":
+        assert done.startswith("native forward,") and not native.native.cpu_kernels
+        assert any(type(m) is cpu_linear.PackedLinear for m in native.native.modules())
+    else:
+        assert done == "native forward on the C kernels" and native.native.cpu_kernels
+    for seqs in _steps(hf.vocab_size):
+        torch.testing.assert_close(native.forward(seqs), hf.forward(seqs), rtol=1e-4, atol=1e-4)
+
+
 def test_native_weights_are_shared_with_transformers(tiny_dirs):
     """q/k/v and gate/up are fused without a second copy; the HF modules read the fused
     weights, so the transformers forward on the same runner still gives the same logits."""

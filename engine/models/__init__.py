@@ -37,6 +37,11 @@ class NativeForward(Protocol):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def use_cpu_kernels(self) -> bool:
+        """Switch to Tandem's C kernels (engine/cpu_kernels.py) where this forward can: True
+        if it now runs on them, False (changing nothing) if it cannot."""
+        ...
+
 
 @dataclass(frozen=True)
 class Implementation:

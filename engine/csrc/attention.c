@@ -1,0 +1,149 @@
+#include "vec.h"
+
+/* ---------------------------------------------------------------------------------------
+ * Paged attention for the short queries of decoding and verification.
+ *
+ * q, out: [tokens, heads, head_dim]; k_cache, v_cache: [blocks, block_size, kv_heads,
+ * head_dim]; tables: [num_seqs, table_width] block ids. Request s has q_lens[s] queries at
+ * rows q_starts[s].. of q and out; its query j sits at position ctx_lens[s] - q_lens[s] + j
+ * and sees the request's keys at positions 0..that position (its new keys are in the cache).
+ *
+ * One task is (request, kv head, tile of up to QTILE query rows), a row being one query of
+ * one of the kv head's query heads. Per cache block the task scores 8 keys at a time against
+ * every row (8 independent FMA chains, summed across lanes by reduce8), then runs an online
+ * softmax (running max m, running sum l) and accumulates p * v. Keys are read once per task,
+ * where they are.
+ */
+#define QTILE 16
+#define MAX_BLOCK 256
+
+/* Scores of one query row against 8 consecutive keys (stride between keys: ks floats). */
+INLINE v8 score8(const int NV, const v8 *q, const float *k, int64_t ks) {
+  v8 part[8];
+  for (int u = 0; u < 8; u++) part[u] = (v8){0};
+  for (int c = 0; c < NV; c++)
+    for (int u = 0; u < 8; u++) part[u] += q[c] * load(k + u * ks + 8 * c);
+  return reduce8(part);
+}
+
+INLINE void attend_tile(const int NV, const float *q, const float *k_cache, const float *v_cache,
+                        const int64_t *table, int64_t q_start, int64_t q_len, int64_t ctx,
+                        int64_t kv_head, int64_t row0, int rows, int64_t heads,
+                        int64_t kv_heads, int64_t block_size, float scale, float *out) {
+  if (rows < 1) return;
+  const int64_t D = 8 * NV, group = heads / kv_heads, ks = kv_heads * D;
+  v8 qv[QTILE][NV], acc[QTILE][NV], sc[QTILE][MAX_BLOCK / 8];
+  float m[QTILE], l[QTILE];
+  int64_t pos[QTILE];
+  for (int i = 0; i < rows; i++) {
+    const int64_t j = (row0 + i) / group, h = kv_head * group + (row0 + i) % group;
+    const float *qp = q + ((q_start + j) * heads + h) * D;
+    for (int c = 0; c < NV; c++) {
+      qv[i][c] = load(qp + 8 * c) * scale;
+      acc[i][c] = (v8){0};
+    }
+    pos[i] = ctx - q_len + j;
+    m[i] = -INFINITY;
+    l[i] = 0.0f;
+  }
+  const int64_t last = pos[rows - 1]; /* rows are in query order: the furthest position */
+  const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  for (int64_t b = 0; b * block_size <= last; b++) {
+    const int64_t first = b * block_size;
+    const float *kb = k_cache + (table[b] * block_size * kv_heads + kv_head) * D;
+    const float *vb = v_cache + (table[b] * block_size * kv_heads + kv_head) * D;
+    const int64_t n = last - first + 1 < block_size ? last - first + 1 : block_size;
+    const int64_t full = n / 8, groups = (n + 7) / 8;
+    for (int i = 0; i < rows; i++) {
+      const v8i visible = (v8i){0} + (int32_t)(pos[i] - first); /* key t visible: t <= this */
+      for (int64_t g = 0; g < full; g++) {
+        const v8 s = score8(NV, qv[i], kb + g * 8 * ks, ks);
+        sc[i][g] = select_v(lane + (int32_t)(g * 8) <= visible, s, splat(-INFINITY));
+      }
+      if (full < groups) { /* the last few keys of a partly used block */
+        v8 s = splat(-INFINITY);
+        for (int64_t t = full * 8; t < n && t <= pos[i] - first; t++) {
+          v8 d = (v8){0};
+          for (int c = 0; c < NV; c++) d += qv[i][c] * load(kb + t * ks + 8 * c);
+          s[t - full * 8] = hsum(d);
+        }
+        sc[i][full] = s;
+      }
+      v8 mx8 = sc[i][0];
+      for (int64_t g = 1; g < groups; g++) mx8 = select_v(mx8 > sc[i][g], mx8, sc[i][g]);
+      const float mx = fmaxf(hmax(mx8), m[i]);
+      if (mx == -INFINITY) continue; /* nothing visible to this row in this block */
+      const float rescale = expf(m[i] - mx); /* 0 while nothing was seen */
+      m[i] = mx;
+      v8 sum = (v8){0};
+      for (int64_t g = 0; g < groups; g++) {
+        const v8 p = exp_v(sc[i][g] - splat(mx));
+        sc[i][g] = p;
+        sum += p;
+      }
+      l[i] = l[i] * rescale + hsum(sum);
+      v8 a[NV];
+      for (int c = 0; c < NV; c++) a[c] = acc[i][c] * rescale;
+      const float *p = (const float *)sc[i];
+      for (int64_t t = 0; t < n; t++) {
+        const v8 pt = splat(p[t]);
+        for (int c = 0; c < NV; c++) a[c] += pt * load(vb + t * ks + 8 * c);
+      }
+      for (int c = 0; c < NV; c++) acc[i][c] = a[c];
+    }
+  }
+  for (int i = 0; i < rows; i++) {
+    const int64_t j = (row0 + i) / group, h = kv_head * group + (row0 + i) % group;
+    float *o = out + ((q_start + j) * heads + h) * D;
+    const v8 inv = splat(1.0f / l[i]);
+    for (int c = 0; c < NV; c++) store(o + 8 * c, acc[i][c] * inv);
+  }
+}
+
+/* The head sizes compiled (each with its own unrolled tile): those of the common model
+ * families. */
+#define HEAD_DIMS(X) X(16) X(32) X(64) X(80) X(96) X(128) X(256)
+
+/* The shapes tandem_paged_attention handles: a head size in HEAD_DIMS, blocks of at most
+ * MAX_BLOCK tokens, query heads a multiple of kv heads. */
+int tandem_attention_supports(int64_t heads, int64_t kv_heads, int64_t head_dim,
+                              int64_t block_size) {
+  int known = 0;
+#define KNOWN(d) known |= head_dim == d;
+  HEAD_DIMS(KNOWN)
+#undef KNOWN
+  return known && block_size >= 1 && block_size <= MAX_BLOCK && kv_heads >= 1 &&
+         heads % kv_heads == 0;
+}
+
+/* Returns 0, or -1 for a shape tandem_attention_supports refuses (nothing is written). */
+int tandem_paged_attention(const float *q, const float *k_cache, const float *v_cache,
+                           const int64_t *tables, int64_t table_width, const int64_t *q_starts,
+                           const int64_t *q_lens, const int64_t *ctx_lens, int64_t num_seqs,
+                           float *out, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                           int64_t block_size, float scale, int nthreads) {
+  if (!tandem_attention_supports(heads, kv_heads, head_dim, block_size)) return -1;
+  const int64_t group = heads / kv_heads;
+  int64_t tiles = 1;
+  for (int64_t s = 0; s < num_seqs; s++) {
+    const int64_t t = (q_lens[s] * group + QTILE - 1) / QTILE;
+    tiles = t > tiles ? t : tiles;
+  }
+  const int64_t tasks = num_seqs * kv_heads * tiles;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic) if (nthreads > 1)
+  for (int64_t task = 0; task < tasks; task++) {
+    const int64_t s = task / (kv_heads * tiles), kv_head = task / tiles % kv_heads;
+    const int64_t row0 = task % tiles * QTILE, rows = q_lens[s] * group;
+    if (row0 >= rows) continue;
+    const int n = rows - row0 < QTILE ? (int)(rows - row0) : QTILE;
+    const int64_t *table = tables + s * table_width;
+#define TILE(d)                                                                           \
+  case d:                                                                                 \
+    attend_tile(d / 8, q, k_cache, v_cache, table, q_starts[s], q_lens[s], ctx_lens[s],   \
+                kv_head, row0, n, heads, kv_heads, block_size, scale, out);               \
+    break;
+    switch (head_dim) { HEAD_DIMS(TILE) }
+#undef TILE
+  }
+  return 0;
+}
