@@ -194,11 +194,15 @@ def calibrate_runners(
             torch.cuda.synchronize(device)
 
     def batch(num_seqs: int, query_len: int, context: int) -> list[SeqInput]:
-        per_seq = -(-context // block_size)
-        seqs = []
-        for s in range(num_seqs):
-            table = [(s * per_seq + b) % num_blocks for b in range(per_seq)]
-            seqs.append(SeqInput([0] * query_len, context - query_len, table, [query_len - 1]))
+        return sequences([query_len] * num_seqs, [context] * num_seqs)
+
+    def sequences(query_lens: list[int], contexts: list[int]) -> list[SeqInput]:
+        seqs, first = [], 0
+        for q, ctx in zip(query_lens, contexts, strict=True):
+            per_seq = -(-ctx // block_size)
+            table = [(first + b) % num_blocks for b in range(per_seq)]
+            first += per_seq
+            seqs.append(SeqInput([0] * q, ctx - q, table, [q - 1]))
         return seqs
 
     def timed(runner: ModelRunner, seqs: list[SeqInput], n: int = repeats) -> float:
@@ -208,8 +212,8 @@ def calibrate_runners(
     sizes = _log_sizes(max_tokens)
     table = []
     for n in sizes:
-        chunk = min(n, _TABLE_CHUNK)
-        table.append(timed(target, batch(-(-n // chunk), chunk, chunk)))
+        chunks = table_chunks(n)
+        table.append(timed(target, sequences(chunks, chunks)))
     cost = CostModel(sizes, table, 0.0, 0.0)
 
     # Attention: decode batches over short and long contexts, one and several queries each;
@@ -245,6 +249,13 @@ def calibrate_runners(
         cost.draft_per_pair * 1e6, cost.capacity(),
     )  # fmt: skip
     return cost
+
+
+def table_chunks(num_tokens: int) -> list[int]:
+    """Query lengths of the sequences that time a pass of exactly `num_tokens` tokens: as
+    few as keep each at most `_TABLE_CHUNK`, as even as they divide."""
+    count = -(-num_tokens // _TABLE_CHUNK)
+    return [num_tokens // count + (i < num_tokens % count) for i in range(count)]
 
 
 def _nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> list[float]:

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from engine.config import SpecConfig
-from engine.cost_model import CostModel, PassShape, _nonneg_lstsq
+from engine.cost_model import (
+    _TABLE_CHUNK,
+    CostModel,
+    PassShape,
+    _log_sizes,
+    _nonneg_lstsq,
+    calibrate_runners,
+    table_chunks,
+)
 from engine.draft_length import (
     REASON_ACCEPTANCE,
     REASON_BATCH,
@@ -116,6 +125,29 @@ def test_nonneg_lstsq_recovers_costs_and_never_goes_negative():
     # Data that says a cost is negative: that column is dropped, the rest refitted.
     b = a @ np.array([0.002, -0.0001, 3e-8])
     assert min(_nonneg_lstsq(a, b)) >= 0.0
+
+
+def test_calibration_times_each_table_size_with_exactly_that_many_tokens():
+    """A table entry for n tokens must time a pass of n tokens (24 was once timed as 2 x 16)."""
+    for n in range(1, 600):
+        chunks = table_chunks(n)
+        assert sum(chunks) == n and max(chunks) <= _TABLE_CHUNK
+        assert max(chunks) - min(chunks) <= 1
+
+    class Recorder:
+        device = torch.device("cpu")
+
+        def __init__(self) -> None:
+            self.passes: list[int] = []
+
+        def forward(self, seqs) -> None:
+            self.passes.append(sum(len(s.token_ids) for s in seqs))
+
+    runner = Recorder()
+    cost = calibrate_runners(runner, None, 16, 64, 100, 8, 256, repeats=1)
+    assert cost.sizes.tolist() == _log_sizes(100)
+    assert set(_log_sizes(100)) <= set(runner.passes)
+    assert 24 in runner.passes
 
 
 def test_context_bound_batch_drafts_more_than_weight_bound_one():
