@@ -2,20 +2,22 @@
 
 Each float32 `nn.Linear` of both models is swapped for a `PackedLinear` whose weight is also
 kept packed into the panels of Tandem's C GEMM (engine/csrc/gemm.c), which streams
-the weight from memory once per call whatever the row count. On the default pair, one
-AVX2 core, all of the target's linears with weights coming from memory (as in a real pass):
+the weight from memory once per call whatever the row count: in bfloat16 when every weight
+is exactly a bfloat16 value (as in the default pair), else in float32. All of the target's
+linears of the default pair, weights coming from memory as in a real pass, one AVX2 core
+(AMD EPYC, `python -m bench.cpu_kernels linear`, 2026-11-23):
 
-| rows | torch F.linear (MKL) | oneDNN, prepacked | packed C kernel |
-|---:|---:|---:|---:|
-| 1 | 9.1 ms | 8.8 ms | 5.8 ms |
-| 5 | 20.9 ms | 13.6 ms | 8.7 ms |
-| 16 | 25.2 ms | 19.3 ms | 15.3 ms |
-| 64 | 55.0 ms | 48.7 ms | 43.4 ms |
-| 512 | 323 ms | 335 ms | 305 ms |
+| rows | torch F.linear (MKL) | oneDNN, prepacked | C, float32 panels | C, bfloat16 panels |
+|---:|---:|---:|---:|---:|
+| 1 | 8.30 ms | 7.59 ms | 5.96 ms | 4.11 ms |
+| 5 | 18.71 ms | 11.17 ms | 8.01 ms | 4.92 ms |
+| 16 | 23.33 ms | 18.52 ms | 14.49 ms | 10.30 ms |
+| 64 | 62.26 ms | 48.31 ms | 41.76 ms | 39.43 ms |
+| 512 | 325.71 ms | 338.13 ms | 296.43 ms | 297.19 ms |
 
-(`python -m bench.cpu_kernels linear`.) A row's result does not depend on the other rows of
-the call, so a verification pass and a plain decode compute the same numbers for a token.
-The packed copy doubles the memory of the linear weights.
+A row's result does not depend on the other rows of the call, so a verification pass and a
+plain decode compute the same numbers for a token. The packed copy adds 50% (bfloat16) or
+100% (float32) to the memory of the linear weights.
 """
 
 from __future__ import annotations
@@ -45,10 +47,13 @@ class PackedLinear(nn.Module):
             self.register_buffer("packed_bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        x2 = x.reshape(rows, self.in_features).contiguous()
-        out = cpu_kernels.linear(x2, self.panels, self.packed_bias, self.out_features)
+        out = self.rows(x.reshape(-1, self.in_features))
         return out.view(*x.shape[:-1], self.out_features)
+
+    def rows(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] -> x @ weight.T + bias [rows, out]; with `residual` [rows, out] the
+        result is added to it in place and it is returned (a skip connection in the GEMM)."""
+        return cpu_kernels.linear(x, self.panels, self.packed_bias, self.out_features, residual)
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -82,3 +82,20 @@ def rejection_sample(
         out[:, :max_k] = torch.where(keep, padded, PAD)
     out.scatter_(1, num_accepted[:, None], final_tokens[:, None])
     return out
+
+
+def greedy_verify(
+    target_argmax: list[int],  # per verified row, request by request (k + 1 rows each)
+    draft_token_ids: list[list[int]],  # per request, its drafts
+) -> list[list[int]]:  # per request: accepted drafts, then the recovered or bonus token
+    """`rejection_sample` for all-greedy rows without the vocabulary-wide tensors: with p
+    one-hot at the argmax, keep drafts while they equal their row's argmax, then emit the
+    argmax of the first row that did not match (or of the last row)."""
+    emitted, row = [], 0
+    for drafts in draft_token_ids:
+        n = 0
+        while n < len(drafts) and drafts[n] == target_argmax[row + n]:
+            n += 1
+        emitted.append(drafts[:n] + [target_argmax[row + n]])
+        row += len(drafts) + 1
+    return emitted

@@ -15,7 +15,7 @@ import torch
 from engine.model_runner import ModelRunner, SeqInput
 from engine.outputs import StepTokens, TokenLogprob
 from engine.proposers.base import DraftBatch
-from engine.rejection_sampler import PAD, rejection_sample
+from engine.rejection_sampler import PAD, greedy_verify, rejection_sample
 from engine.request import Request
 from engine.sampler import (
     RowSpec,
@@ -127,19 +127,9 @@ class Verifier:
         wants_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw = logits.clone() if wants_logprobs else logits
         if all(r.params.greedy for r in reqs):
-            # Greedy rows are one-hot at the argmax, so rejection sampling reduces to: keep
-            # drafts while they equal the argmax of their row, then emit that row's argmax
-            # (the recovered or bonus token). Same tokens, none of the vocabulary-wide tensors.
             best = apply_penalties_and_masks(logits, rows).argmax(dim=-1).tolist()
-            emitted_lists = []
-            row = 0
-            for req, k in zip(reqs, num_drafts, strict=True):
-                n = 0
-                while n < k and req.spec_token_ids[n] == best[row + n]:
-                    n += 1
-                emitted_lists.append(req.spec_token_ids[:n] + [best[row + n]])
-                row += k + 1
-            self._emit(reqs, num_drafts, emitted_lists, raw, result)
+            emitted = greedy_verify(best, [r.spec_token_ids for r in reqs])
+            self._emit(reqs, num_drafts, emitted, raw, result)
             return
         probs = logits_to_probs(apply_penalties_and_masks(logits, rows), rows)
         draft_ids = torch.tensor(

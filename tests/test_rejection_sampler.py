@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.rejection_sampler import PAD, rejection_sample
+from engine.rejection_sampler import PAD, greedy_verify, rejection_sample
 
 
 def _one_hot(ids: list[int], vocab: int) -> torch.Tensor:
@@ -27,6 +27,22 @@ def test_greedy_accepts_matching_prefix_then_emits_target_argmax():
         torch.ones(7, vocab),
     )
     assert out.tolist() == [[1, 2, 3, PAD], [0, 0, PAD, PAD], [5, PAD, PAD, PAD]]
+
+
+def test_greedy_verify_matches_rejection_sampling_on_one_hot_rows():
+    gen = torch.Generator().manual_seed(0)
+    vocab = 5
+    for _ in range(200):
+        ks = torch.randint(0, 5, (4,), generator=gen).tolist()
+        argmax = torch.randint(0, vocab, (sum(ks) + len(ks),), generator=gen).tolist()
+        drafts = [torch.randint(0, vocab, (k,), generator=gen).tolist() for k in ks]
+        flat = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
+        out = rejection_sample(
+            _one_hot(argmax, vocab), flat, None, ks, torch.zeros(sum(ks)),
+            torch.ones(len(argmax), vocab),
+        )  # fmt: skip
+        expected = [[t for t in row if t != PAD] for row in out.tolist()]
+        assert greedy_verify(argmax, drafts) == expected
 
 
 def test_first_draft_rejected_gives_recovered_token_only():

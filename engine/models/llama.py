@@ -137,22 +137,18 @@ class _Layer(nn.Module):
         the residual added in the GEMM, rotary + cache write, SiLU x up) instead of chains
         of torch operators. Needs packed linears and no q/k norms."""
         n = hidden.shape[0]
-        norm, qkv, o = self.input_norm, self.qkv, self.o_proj
+        norm = self.input_norm
         x = cpu_kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon)
-        qkv_out = cpu_kernels.linear(x, qkv.panels, qkv.packed_bias, qkv.out_features)
         key_cache, value_cache = metadata.kv_caches[self.layer_idx]
         q = cpu_kernels.rotary_cache(
-            qkv_out, positions, metadata.slot_mapping, cos, sin, self.num_heads, key_cache,
-            value_cache,
+            self.qkv.rows(x), positions, metadata.slot_mapping, cos, sin, self.num_heads,
+            key_cache, value_cache,
         )  # fmt: skip
         attn = metadata.backend.attend(q, key_cache, value_cache, metadata, self.scaling)
-        attn = attn.reshape(n, self.num_heads * self.head_dim)
-        hidden = cpu_kernels.linear(attn, o.panels, o.packed_bias, o.out_features, hidden)
-        norm, gate_up, down = self.post_norm, self.gate_up, self.down_proj
+        hidden = self.o_proj.rows(attn.reshape(n, self.num_heads * self.head_dim), hidden)
+        norm = self.post_norm
         x = cpu_kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon)
-        gu = cpu_kernels.linear(x, gate_up.panels, gate_up.packed_bias, gate_up.out_features)
-        act = cpu_kernels.silu_mul(gu)
-        return cpu_kernels.linear(act, down.panels, down.packed_bias, down.out_features, hidden)
+        return self.down_proj.rows(cpu_kernels.silu_mul(self.gate_up.rows(x)), hidden)
 
 
 class LlamaForward(nn.Module):
@@ -218,8 +214,6 @@ class LlamaForward(nn.Module):
         pick the rows first."""
         if self.cpu_kernels:
             head: PackedLinear = self.lm_head
-            x = cpu_kernels.rms_norm(
-                hidden.contiguous(), self.norm.weight, self.norm.variance_epsilon
-            )
-            return cpu_kernels.linear(x, head.panels, head.packed_bias, head.out_features)
+            x = cpu_kernels.rms_norm(hidden, self.norm.weight, self.norm.variance_epsilon)
+            return head.rows(x)
         return self.lm_head(_rms_norm(hidden, self.norm.weight, self.norm.variance_epsilon))
