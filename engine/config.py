@@ -54,12 +54,14 @@ class ModelConfig:
     packed weights (engine/cpu_linear.py). Ignored on CUDA, and (with a warning) where the
     kernels do not build."""
 
+    cache_dir: str | None = None
+    """Where GGUF files are converted to (engine/model_files.py); None = the user cache."""
     cpu_bind: bool = True
     """On the CPU, bind the server's engine thread to cores of its own when the process may
     use more cores than torch has threads (engine/cpu_affinity.py)."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.model), "--model must name a local model directory")
+        _check(bool(self.model), "--model must name a model directory or GGUF file")
         _check_choice("--dtype", self.dtype, DTYPES)
         _check_choice("--device", self.device, DEVICES)
         _check_choice("--attention-backend", self.attention_backend, ATTENTION_BACKENDS)
@@ -132,6 +134,8 @@ class SpecConfig:
     """Longest suffix n-gram the prompt-lookup proposer matches."""
     ngram_min: int = 1
     """Shortest suffix n-gram it falls back to."""
+    recalibrate: bool = False
+    """Time the cost model afresh at start instead of reusing this machine's cached one."""
 
     def __post_init__(self) -> None:
         _check_choice("--speculative-method", self.method, SPEC_METHODS)

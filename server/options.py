@@ -71,8 +71,19 @@ OPTIONS: tuple[Option, ...] = (
         "model.path",
         "--model",
         str,
-        "target model: a local Hugging Face model directory",
+        "target model: a local Hugging Face model directory, a .gguf file (converted once and "
+        "cached, tokenizer and chat template from the file), or pkg://PACKAGE/FILE for a file "
+        "an installed Python package ships",
         metavar="PATH",
+        is_path=True,
+    ),
+    Option(
+        "model.cache_dir",
+        "--model-cache-dir",
+        _optional(str),
+        "where GGUF files are converted to and found again, keyed by content hash "
+        "(default $XDG_CACHE_HOME/tandem/models, else ~/.cache/tandem/models)",
+        metavar="DIR",
         is_path=True,
     ),
     Option(
@@ -152,7 +163,8 @@ OPTIONS: tuple[Option, ...] = (
         "speculative.draft_model",
         "--draft-model",
         _optional(str),
-        "draft model directory (sharing the target's tokenizer) for --speculative-method draft",
+        "draft model for --speculative-method draft, sharing the target's tokenizer: a "
+        "Hugging Face directory, a .gguf file or pkg://PACKAGE/FILE, as for --model",
         metavar="PATH",
         is_path=True,
     ),
@@ -169,6 +181,14 @@ OPTIONS: tuple[Option, ...] = (
         str,
         "adaptive = K chosen each step from a cost model, fixed = always --max-draft-tokens",
         choices=DRAFT_LENGTH_POLICIES,
+    ),
+    Option(
+        "speculative.recalibrate",
+        "--recalibrate",
+        parse_bool,
+        "on = time the adaptive-K cost model afresh at start; off = reuse the calibration "
+        "cached for this machine, these models and settings (~/.cache/tandem/calibration)",
+        metavar="on|off",
     ),
     Option("speculative.ngram_max", None, int, "longest n-gram prompt lookup matches"),
     Option("speculative.ngram_min", None, int, "shortest n-gram prompt lookup falls back to"),

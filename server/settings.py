@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from engine.model_files import PACKAGE_SCHEME, check_model_path, default_served_name
 from server.options import BY_KEY, CONFIG_ENV, LOG_LEVELS, OPTIONS, Option, parse_bool
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +75,7 @@ class Settings:
 
     @property
     def served_model_name(self) -> str:
-        return self.server.served_model_name or self.model_ref
+        return self.server.served_model_name or default_served_name(self.model_ref)
 
     def model_names(self) -> tuple[str, ...]:
         """Names a request's `model` field may use: the served name, or the model path."""
@@ -152,6 +153,8 @@ def resolve_config_path(path: str, config_dir: Path) -> str:
     Tried in order: beside the config file, then the directory above it (so the presets in
     configs/ can say `models/target` as seen from the repo root), then the working directory.
     """
+    if path.startswith(PACKAGE_SCHEME):
+        return path
     given = Path(path).expanduser()
     if given.is_absolute():
         return str(given)
@@ -191,7 +194,8 @@ def load_settings(
             raise ValueError(f"unknown setting {key!r}")
         if BY_KEY[key].is_path and value is not None:
             refs[key] = value
-            value = str(Path(value).expanduser().resolve())
+            if not value.startswith(PACKAGE_SCHEME):
+                value = str(Path(value).expanduser().resolve())
         values[key] = value
     return _build(values, refs)
 
@@ -205,16 +209,18 @@ def _section(values: Mapping[str, Any], section: str) -> dict[str, Any]:
     }
 
 
-def _check_dir(flag: str, directory: str, ref: str | None) -> None:
-    if not Path(directory).is_dir():
-        written = f" ({ref!r} as written)" if ref and ref != directory else ""
-        raise ValueError(f"{flag}: no model directory at {directory}{written}")
+def _check_model(flag: str, path: str, ref: str | None) -> None:
+    try:
+        check_model_path(path, flag)
+    except ValueError as exc:
+        written = f" ({ref!r} as written)" if ref and ref != path else ""
+        raise ValueError(f"{exc}{written}") from None
 
 
 def _build(values: Mapping[str, Any], refs: Mapping[str, str]) -> Settings:
     model = _section(values, "model")
     if not model.get("model"):
-        raise ValueError("--model is required (a local Hugging Face model directory)")
+        raise ValueError("--model is required (a Hugging Face model directory or a GGUF file)")
     spec = _section(values, "speculative")
     spec.setdefault("method", "draft" if spec.get("draft_model") else "off")
     engine = EngineConfig(
@@ -224,9 +230,9 @@ def _build(values: Mapping[str, Any], refs: Mapping[str, str]) -> Settings:
         spec=SpecConfig(**spec),
     )
     server = ServerConfig(**_section(values, "server"))
-    _check_dir("--model", engine.model.model, refs.get("model.path"))
+    _check_model("--model", engine.model.model, refs.get("model.path"))
     if engine.spec.method == "draft" and engine.spec.draft_model:
-        _check_dir("--draft-model", engine.spec.draft_model, refs.get("speculative.draft_model"))
+        _check_model("--draft-model", engine.spec.draft_model, refs.get("speculative.draft_model"))
     return Settings(
         engine=engine, server=server, model_ref=refs.get("model.path", engine.model.model)
     )

@@ -254,7 +254,7 @@ def test_the_library_is_cached_per_cpu_and_source(tmp_path, monkeypatch):
     first = kernel_build.build()
     assert first.is_relative_to(tmp_path) and first.exists()
     assert kernel_build.build() == first  # built once, then found
-    monkeypatch.setattr(kernel_build, "_cpu_identity", lambda: "another cpu")
+    monkeypatch.setattr(kernel_build, "cpu_identity", lambda: "another cpu")
     assert kernel_build.build() != first
 
 

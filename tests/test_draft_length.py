@@ -247,3 +247,27 @@ def test_k_falls_as_the_batch_grows_and_reaches_zero_when_compute_bound():
         per_request.append(sum(ks) / batch)
     assert per_request == sorted(per_request, reverse=True)
     assert per_request[0] >= 4 and per_request[-1] == 0
+
+
+def test_calibration_is_cached_per_key_and_redone_on_request(tmp_path, monkeypatch):
+    from engine.cost_model import cached_calibration, calibration_cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def calibrate() -> CostModel:
+        calls.append(1)
+        return CostModel([1, 8], [0.010, 0.012 + len(calls)], 0.001, 0.0005, kv_coef=1e-6)
+
+    first = cached_calibration("k1", calibrate)
+    again = cached_calibration("k1", calibrate)
+    assert len(calls) == 1
+    assert again.to_dict() == first.to_dict()
+    assert cached_calibration("k2", calibrate).target_seconds[-1] != first.target_seconds[-1]
+    assert len(calls) == 2
+    fresh = cached_calibration("k1", calibrate, fresh=True)  # --recalibrate on
+    assert len(calls) == 3
+    assert cached_calibration("k1", calibrate).to_dict() == fresh.to_dict()
+    (calibration_cache_dir() / "k1.json").write_text("{not json")
+    cached_calibration("k1", calibrate)  # an unreadable cache costs a calibration, no error
+    assert len(calls) == 4

