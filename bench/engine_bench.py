@@ -124,8 +124,8 @@ def run_sweep(args: argparse.Namespace, levels: list[int], specs: dict[str, Spec
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("mode", choices=["k-sweep", "concurrency"])
-    p.add_argument("--model", default=str(ROOT / "models" / "target"))
-    p.add_argument("--draft-model", default=str(ROOT / "models" / "draft"))
+    p.add_argument("--model", default=str(ROOT / "bench" / "toy_pair" / "target"))
+    p.add_argument("--draft-model", default=str(ROOT / "bench" / "toy_pair" / "draft"))
     p.add_argument("--device", default="auto")
     p.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])

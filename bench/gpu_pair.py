@@ -6,10 +6,10 @@
 
 Big enough that a GPU reading the target's weights is memory-bound at batch 1, small
 enough to train in minutes. Same corpus and tokenizer as the default pair: the corpus is
-built by scripts/train_default_pair.py's own functions (this machine's Python standard
+built by scripts/train_toy_pair.py's own functions (this machine's Python standard
 library, split train / held-out by a hash of each file's path, so bench/prompts.py draws
 its prompts from the held-out files here too), and the tokenizer is the one shipped in
-models/target. The target trains on next-token cross-entropy, then the draft on CE mixed
+bench/toy_pair/target. The target trains on next-token cross-entropy, then the draft on CE mixed
 with distillation from the saved target, both under bf16 autocast with fused AdamW on
 batches of 64 x 256 tokens. Each stops at its wall-clock budget or after --epochs passes
 over the training tokens, whichever comes first; the learning rate follows that progress.
@@ -39,7 +39,7 @@ from bench.prompts import training_module
 from engine.model_runner import resolve_device, resolve_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
-T = training_module()  # scripts/train_default_pair.py
+T = training_module()  # scripts/train_toy_pair.py
 TARGET = T.ModelShape(hidden=1024, layers=12, heads=16, kv_heads=8, intermediate=2816)
 DRAFT = T.ModelShape(hidden=576, layers=2, heads=9, kv_heads=3, intermediate=1536)
 TINY_TARGET = T.ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
@@ -154,7 +154,7 @@ def build_pair(args: argparse.Namespace, tok) -> tuple[torch.nn.Module, torch.nn
 def make_pair(args: argparse.Namespace) -> dict:
     started = time.monotonic()
     out: Path = args.out
-    tok = AutoTokenizer.from_pretrained(ROOT / "models" / "target")
+    tok = AutoTokenizer.from_pretrained(ROOT / "bench" / "toy_pair" / "target")
     target, draft = build_pair(args, tok)
     info: dict = {
         "mode": "random" if args.random else "trained",

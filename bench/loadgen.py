@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="the `model` field to send")
     p.add_argument("--kind", choices=KINDS, default="openai", help="how to force fixed lengths")
-    p.add_argument("--tokenizer", default=str(ROOT / "models" / "target"))
+    p.add_argument("--tokenizer", default=str(ROOT / "bench" / "toy_pair" / "target"))
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--requests", type=int, nargs="+", default=[8, 48], help="one per level")
     p.add_argument("--max-tokens", type=int, default=128)

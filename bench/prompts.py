@@ -1,7 +1,7 @@
 """Benchmark prompts: windows of held-out text the default pair never trained on.
 
 The held-out split is the training script's own (a hash of each stdlib file's path), loaded
-from scripts/train_default_pair.py so the two can never disagree.
+from scripts/train_toy_pair.py so the two can never disagree.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-_TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_default_pair.py"
+_TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_toy_pair.py"
 
 
 def training_module():
-    """scripts/train_default_pair.py as a module (it is a script, not a package member)."""
-    spec = importlib.util.spec_from_file_location("train_default_pair", _TRAIN_SCRIPT)
+    """scripts/train_toy_pair.py as a module (it is a script, not a package member)."""
+    spec = importlib.util.spec_from_file_location("train_toy_pair", _TRAIN_SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while it executes

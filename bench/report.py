@@ -32,7 +32,7 @@ def k_sweep_section(data: dict) -> list[str]:
     off = next(r for r in rows if r["setting"] == "off")
     target_pass = off["target_seconds"] / off["verify_steps"]
     lines = [
-        "## Speculation at concurrency 1 (issue 4)",
+        "## Toy pair: speculation at concurrency 1 (issue 4)",
         "",
         _provenance(data),
         "",
@@ -73,7 +73,7 @@ def concurrency_section(data: dict, plot: Path) -> list[str]:
     _plot(table, settings, levels, plot)
     head = "| concurrency | " + " | ".join(settings) + " | adaptive / best other |"
     lines = [
-        "## Throughput against concurrency (issue 6)",
+        "## Toy pair: throughput against concurrency (issue 6)",
         "",
         _provenance(data),
         "",
@@ -149,14 +149,95 @@ def _load(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+CHAT_CONFIGS = {
+    "off": "speculation off",
+    "ngram-adaptive": "n-gram, adaptive K",
+    "draft-fixed-4": "draft, fixed K=4",
+    "draft-adaptive": "draft, adaptive K (default)",
+}
+
+
+def chat_section(data: dict, plot: Path) -> list[str]:
+    """The default model (SmolLM2-135M-Instruct + its draft) over HTTP: bench.chat_bench."""
+    rows = {(r["config"], r["concurrency"], r["temperature"]): r for r in data["rows"]}
+    configs = [c for c in CHAT_CONFIGS if any(k[0] == c for k in rows)]
+    levels = sorted({k[1] for k in rows})
+    temps = sorted({k[2] for k in rows})
+    m = data["machine"]
+    lines = [
+        "## The default model over HTTP: SmolLM2-135M-Instruct and its draft",
+        "",
+        f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores) with "
+        f"`{data['command']}`: one `tandem serve` per row (the shipped config plus the row's "
+        "flags), streaming `/v1/chat/completions`, held-out chat instructions "
+        f"(`bench/chat_prompts.py`), natural stops up to {data['max_tokens']} tokens, output "
+        "tokens from usage. Median of "
+        f"{data.get('median_of', 1)} round(s). `x off` is the speed-up over speculation off "
+        "at the same concurrency and temperature; `acc` the share of drafted tokens accepted.",
+        "",
+    ]
+    head = ["configuration"]
+    for t in temps:
+        for c in levels:
+            head += [f"c={c} T={t:g} tok/s", "x off", "acc"]
+    head.append("ITL p50 c=1 T=0 (ms)")
+    lines += ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    for cfg in configs:
+        cells = [CHAT_CONFIGS[cfg]]
+        for t in temps:
+            for c in levels:
+                r, base = rows.get((cfg, c, t)), rows.get(("off", c, t))
+                if r is None:
+                    cells += ["", "", ""]
+                    continue
+                speed = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+                acc = r.get("acceptance")
+                cells += [f"{r['tokens_per_s']:.1f}", f"{speed:.2f}x",
+                          "" if acc is None else f"{acc:.2f}"]  # fmt: skip
+        first = rows.get((cfg, levels[0], temps[0]))
+        cells.append(f"{first['itl_p50_ms']:.1f}" if first else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    _chat_plot(rows, configs, levels, temps, plot)
+    lines += ["", f"![default model throughput]({plot.name})"]
+    return lines
+
+
+def _chat_plot(rows: dict, configs: list[str], levels: list[int], temps: list[float], path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [(c, t) for t in temps for c in levels]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(1, len(configs))
+    for i, cfg in enumerate(configs):
+        values = [rows.get((cfg, c, t), {}).get("tokens_per_s", 0.0) for c, t in groups]
+        ax.bar([g + i * width for g in range(len(groups))], values, width, label=CHAT_CONFIGS[cfg])
+    ax.set_xticks([g + width * (len(configs) - 1) / 2 for g in range(len(groups))])
+    ax.set_xticklabels([f"c={c}, T={t:g}" for c, t in groups])
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("SmolLM2-135M-Instruct over HTTP, CPU")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     sections = [
         "# Benchmarks",
         "",
         "Every number here was measured by the command shown beside it and written by",
-        "`python -m bench.report` from `bench/results/*.json`. The default pair is the one in",
-        "`models/` (see `models/README.md`).",
+        "`python -m bench.report` from `bench/results/*.json`. The default model is",
+        "SmolLM2-135M-Instruct with the draft in `models/draft` (see `models/README.md`); the",
+        "sections after the first measure the toy pair in `bench/toy_pair/` (see its README),",
+        "Tandem's default before it shipped a real model.",
     ]
+    DOCS.mkdir(exist_ok=True)
+    chat = RESULTS / "chat.json"
+    if chat.exists():
+        sections += ["", *chat_section(json.loads(chat.read_text()), DOCS / "chat_cpu.png")]
     k_sweep = RESULTS / "k-sweep.json"
     if k_sweep.exists():
         sections += ["", *k_sweep_section(json.loads(k_sweep.read_text()))]
@@ -166,7 +247,6 @@ def main() -> None:
             "",
             *concurrency_section(json.loads(conc.read_text()), DOCS / "concurrency_cpu.png"),
         ]
-    DOCS.mkdir(exist_ok=True)
     peers = RESULTS / "peers.json"
     if peers.exists():
         from bench.report_peers import peers_section

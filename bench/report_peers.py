@@ -31,7 +31,7 @@ def peers_section(
         f"{n} at concurrency {c}" for c, n in zip(data["levels"], data["requests"], strict=True)
     )
     lines = [
-        "## Beside its peers (issue 8)",
+        "## Toy pair: beside its peers (issue 8)",
         "",
         f"Measured {data['date']} on {m['cpu']} ({m['cpu_count']} cores, {m['threads']} "
         f"torch/OpenMP threads for every system: {_env(data['env'])}); {versions}. The whole "

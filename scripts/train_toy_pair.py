@@ -19,8 +19,8 @@ predictable time on a shared 2-core machine; the LR schedule follows wall-clock 
 has fully decayed when the budget runs out regardless of how fast the machine happened to be.
 
 Usage:
-  python scripts/train_default_pair.py --out models            # full run (~1 hour on 2 cores)
-  python scripts/train_default_pair.py --quick                 # ~1-2 minute smoke test to a tmp dir
+  python scripts/train_toy_pair.py --out bench/toy_pair      # full run (~1 hour on 2 cores)
+  python scripts/train_toy_pair.py --quick                 # ~1-2 minute smoke test to a tmp dir
 """
 
 from __future__ import annotations
@@ -594,11 +594,12 @@ def write_readme(out: Path, r: dict) -> None:
     )
     total_mb = r["target_mb"] + r["draft_mb"]
     # Markdown joins wrapped lines, so the template is wrapped for the source, not the output.
-    text = f"""# Default model pair
+    text = f"""# The toy pair
 
-`target/` and `draft/` are the small models Tandem serves by default. Both are
+`target/` and `draft/` are the toy pair Tandem served by default before it shipped a real
+model; the CPU-kernel, peer and GPU benchmarks still use them. Both are
 `LlamaForCausalLM` checkpoints (bfloat16 safetensors) sharing one tokenizer, trained from scratch
-on CPU by `scripts/train_default_pair.py`. They are a toy pair: they continue
+on CPU by `scripts/train_toy_pair.py`. They are a toy pair: they continue
 Python-standard-library-style code rather than answer chats, but they are a genuine target/draft
 pair (the draft was distilled from the target) for exercising speculative decoding.
 
@@ -702,7 +703,9 @@ Greedy completion by the target (at most {SAMPLE_NEW_TOKENS} new tokens) of `{pr
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", type=Path, help="output dir (default: models; a tmp dir with --quick)")
+    p.add_argument(
+        "--out", type=Path, help="output dir (default: bench/toy_pair; a tmp dir with --quick)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target-minutes", type=float, help="default 40 (0.4 with --quick)")
     p.add_argument("--draft-minutes", type=float, help="default 12 (0.25 with --quick)")
@@ -712,7 +715,9 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.out is None:
         # Never let a smoke test overwrite the shipped models by accident.
-        args.out = Path(tempfile.mkdtemp(prefix="tandem-pair-")) if args.quick else Path("models")
+        args.out = (
+            Path(tempfile.mkdtemp(prefix="tandem-pair-")) if args.quick else Path("bench/toy_pair")
+        )
     if args.target_minutes is None:
         args.target_minutes = 0.4 if args.quick else 40.0
     if args.draft_minutes is None:

