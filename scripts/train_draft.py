@@ -191,14 +191,19 @@ def train(target_dir: str, answers: Path, work: Path, args) -> Path:
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     config = draft_config(target.config, args)
     torch.manual_seed(args.seed)
-    model = LlamaForCausalLM(config)
-    # The target's embedding on its top principal directions: tokens start where the target
-    # puts them, seen through a narrower window.
-    emb = target.get_input_embeddings().weight.detach()
-    _, _, v = torch.linalg.svd(emb, full_matrices=False)
-    with torch.no_grad():
-        model.get_input_embeddings().weight.copy_(emb @ v[: args.hidden].T)
-    del target, emb
+    if args.resume:  # go on training the checkpoint a previous run left in --work
+        model = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        config = model.config
+    else:
+        model = LlamaForCausalLM(config)
+        # The target's embedding on its top principal directions: tokens start where the
+        # target puts them, seen through a narrower window.
+        emb = target.get_input_embeddings().weight.detach()
+        _, _, v = torch.linalg.svd(emb, full_matrices=False)
+        with torch.no_grad():
+            model.get_input_embeddings().weight.copy_(emb @ v[: args.hidden].T)
+        del emb
+    del target
     examples = build_examples(answers, tok, args.doc_tokens, args.seq_len)
     answer_tokens = sum(sum(m) for ids, m in examples)
     log(f"train: {len(examples)} sequences, {answer_tokens} tokens with loss; "
@@ -254,9 +259,15 @@ def train(target_dir: str, answers: Path, work: Path, args) -> Path:
     log(f"train: {step} steps, {seen} loss tokens in {time.perf_counter() - started:.0f}s")
     model.eval()
     model.to(torch.bfloat16).save_pretrained(ckpt)
-    (work / "train_stats.json").write_text(json.dumps(
-        {"steps": step, "loss_tokens": seen, "sequences": len(examples),
-         "answer_and_text_tokens": answer_tokens, "final_loss": float(loss.item())}))  # fmt: skip
+    stats_path = work / "train_stats.json"
+    earlier = json.loads(stats_path.read_text()) if args.resume and stats_path.exists() else {}
+    first = [{"steps": earlier.get("steps", 0), "loss_tokens": earlier.get("loss_tokens", 0)}]
+    this = {"minutes": args.train_minutes, "lr": args.lr, "steps": step, "loss_tokens": seen}
+    runs = earlier.get("runs", first if earlier else []) + [this]
+    stats_path.write_text(json.dumps(
+        {"steps": sum(r["steps"] for r in runs), "loss_tokens": sum(r["loss_tokens"] for r in runs),
+         "sequences": len(examples), "answer_and_text_tokens": answer_tokens,
+         "final_loss": float(loss.item()), "runs": runs}))  # fmt: skip
     return ckpt
 
 
@@ -298,6 +309,9 @@ def main() -> None:
     p.add_argument("--train-minutes", type=float, default=30.0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the checkpoint in --work/draft"
+    )
     p.add_argument("--stage", choices=["answers", "train", "all"], default="all")
     args = p.parse_args()
     if args.threads:
