@@ -98,9 +98,9 @@ async def run_level(
     # Chunks carry one delta each; spread each request's usage count over its chunks so
     # per-token latencies use real token counts.
     for trace, _ in results:
-        if trace.chunks and trace.output_tokens:
-            per = trace.output_tokens / len(trace.chunks)
-            trace.chunks = [(t, per) for t, _ in trace.chunks]
+        if trace.chunks and trace.output_tokens >= len(trace.chunks):
+            n, extra = divmod(trace.output_tokens, len(trace.chunks))
+            trace.chunks = [(t, n + (i < extra)) for i, (t, _) in enumerate(trace.chunks)]
     row = summarize([t for t, _ in results], seconds)
     drafted = sum(u.get("speculative", {}).get("drafted_tokens", 0) for _, u in results)
     accepted = sum(u.get("speculative", {}).get("accepted_tokens", 0) for _, u in results)
