@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 server.stop()
     rows = []
-    for key, rs in runs.items():
+    for rs in runs.values():
         median = sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2]
         rows.append(median | {"tokens_per_s_runs": [r["tokens_per_s"] for r in rs]})
     args.out.parent.mkdir(parents=True, exist_ok=True)

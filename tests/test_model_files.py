@@ -91,9 +91,7 @@ def test_an_unsupported_tensor_type_is_named(tmp_path):
         model_files.inspect_gguf(path, "--draft-model")
 
 
-def test_prepare_reuses_a_complete_conversion_and_redoes_an_interrupted_one(
-    tmp_path, monkeypatch
-):
+def test_prepare_reuses_a_complete_conversion_and_redoes_an_interrupted_one(tmp_path, monkeypatch):
     path = write_gguf(tmp_path / "m.gguf")
     cache = tmp_path / "cache"
     calls = []
