@@ -97,7 +97,10 @@ def test_empty_variables_count_as_unset(config):
         ({"TANDEM_PORT": "http"}, r"\$TANDEM_PORT: invalid value 'http' for --port"),
         ({"TANDEM_DEVICE": "tpu"}, r"\$TANDEM_DEVICE must be one of auto, cpu, cuda"),
         ({"TANDEM_DRAIN_TIMEOUT": "-1"}, "--drain-timeout must be between 0 and 86400"),
-        ({"TANDEM_MODEL": "/no/such/dir"}, "--model: no model directory at /no/such/dir"),
+        (
+            {"TANDEM_MODEL": "/no/such/dir"},
+            "--model: no model directory or GGUF file at /no/such/dir",
+        ),
     ],
 )
 def test_bad_variables_say_what_to_change(config, environ, message):
