@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import statistics
 import sys
@@ -121,8 +122,6 @@ def machine() -> dict:
         if line.startswith("model name"):
             cpu = line.split(":", 1)[1].strip()
             break
-    import os
-
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
             "date": date.today().isoformat()}  # fmt: skip
 

