@@ -7,19 +7,27 @@ in which every request feeds the same number of tokens can run on fixed shapes (
 on CUDA; engine/decode_graphs.py) once `enable_decode_graphs` has been called. For
 architectures registered in engine/models/, the pass can run Tandem's own forward on the same
 weights (`model_impl`), checked against transformers' on a probe batch first.
+
+A model directory may hold `head_tokens.json` ({"token_ids": [...]}): the runner then computes
+logits for those tokens only (a draft whose LM head covers the tokens it may ever propose, as
+in frequency-ranked drafting) and gives every other token a logit of -1e30, so callers still
+see the full vocabulary and a sampled draft's q is exactly the distribution it drew from.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine import attention, cpu_attention, cpu_linear
+from engine import attention, cpu_attention, cpu_linear, gguf_linear
 from engine.attention_backends import BACKENDS
 from engine.decode_graphs import DecodeGraphs
+from engine.model_files import gguf_source
 from engine.models import MODEL_IMPLS, NativeForward, build_native
 
 logger = logging.getLogger(__name__)
@@ -28,6 +36,32 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # How far (relative to the largest logit) the native forward may be from transformers' on the
 # probe batch: summation order differs (fused projections), so not bit-equal in general.
 _NATIVE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+HEAD_TOKENS_FILE = "head_tokens.json"
+# The logit of a token outside a restricted head: probability exactly 0 next to any real
+# logit, finite so that penalties and temperature keep it finite (no NaN even if a mask
+# removed every head token).
+_OUTSIDE_HEAD = -1e30
+
+
+def restrict_head(model: torch.nn.Module, model_path: str) -> torch.Tensor | None:
+    """Swap the LM head of `model` for one over the token ids in `model_path`'s
+    head_tokens.json, if there is one; return those ids (None: the full vocabulary)."""
+    path = Path(model_path) / HEAD_TOKENS_FILE
+    if not path.is_file():
+        return None
+    full = model.get_output_embeddings()
+    vocab = full.weight.shape[0]
+    ids = json.loads(path.read_text())["token_ids"]
+    if not ids or len(set(ids)) != len(ids) or not all(0 <= i < vocab for i in ids):
+        raise ValueError(f"{path}: token_ids must be distinct token ids below {vocab}")
+    index = torch.tensor(ids, dtype=torch.long, device=full.weight.device)
+    head = torch.nn.Linear(full.in_features, len(ids), bias=full.bias is not None)
+    with torch.no_grad():
+        head.weight = torch.nn.Parameter(full.weight.detach().index_select(0, index).clone())
+        if full.bias is not None:
+            head.bias = torch.nn.Parameter(full.bias.detach().index_select(0, index).clone())
+    model.set_output_embeddings(head)
+    return index
 
 
 def resolve_device(name: str) -> torch.device:
@@ -81,6 +115,8 @@ class ModelRunner:
             model_path, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
         )
         self.model.to(device).eval()
+        vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.head_tokens = restrict_head(self.model, model_path)
         text_config = self.hf_config.get_text_config()
         self.num_layers = text_config.num_hidden_layers
         self.num_kv_heads = getattr(
@@ -96,7 +132,8 @@ class ModelRunner:
             if why is not None:
                 logger.info("%s: reference attention, not the cpu kernel: %s", model_path, why)
                 self.attention_backend = BACKENDS["reference"]
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = vocab_size
+        """The full vocabulary: `forward`'s logits have this width, restricted head or not."""
         self.max_positions = text_config.max_position_embeddings
         self.sliding_window = (
             getattr(text_config, "sliding_window", None)
@@ -109,6 +146,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.native: NativeForward | None = None
         self.model_impl_setting = model_impl
+        self.kernels = "torch"
+        """What runs this model's layers: torch, or what `use_cpu_kernels` switched on."""
         if model_impl != "transformers":
             self.native = self._load_native(strict=model_impl == "native")
         self.model_impl = "native" if self.native is not None else "transformers"
@@ -130,17 +169,23 @@ class ModelRunner:
             logger.info("%s runs through transformers: %s", self.name, why)
         return native
 
-    def use_cpu_kernels(self) -> str:
+    def use_cpu_kernels(self, gguf_blocks: bool = True) -> str:
         """Run this model through Tandem's C kernels (float32 on the CPU): with the native
         forward every step of a layer, probed against transformers again (or, for a layer the
         fused path does not cover, its linear layers); otherwise the linear layers of the
-        Hugging Face module. Returns what now runs on them."""
+        Hugging Face module. With `gguf_blocks`, a converted GGUF model's linears read the
+        file's own quantized blocks. Returns (and keeps in `kernels`) what now runs on them."""
+        self.kernels = self._use_cpu_kernels(gguf_blocks)
+        return self.kernels
+
+    def _use_cpu_kernels(self, gguf_blocks: bool) -> str:
         native = self.native
         if native is not None:
             if native.use_cpu_kernels():
                 done = "native forward on the C kernels"
             else:  # e.g. q/k norms: those steps stay on torch, the linears go packed
                 done = f"native forward, {cpu_linear.pack_linears(native)} linears packed"
+            done += self._use_gguf_blocks(native) if gguf_blocks else ""
             error = self._native_error(native)
             if error <= _NATIVE_TOLERANCE[self.dtype]:
                 return done
@@ -157,7 +202,20 @@ class ModelRunner:
             )
             self.native, self.model_impl = None, "transformers"
         packed = cpu_linear.pack_linears(self.model)
-        return f"{packed} linear layers on packed weights"
+        done = f"{packed} linear layers on packed weights"
+        return done + (self._use_gguf_blocks(self.model) if gguf_blocks else "")
+
+    def _use_gguf_blocks(self, module: torch.nn.Module) -> str:
+        """Packed linears of a converted GGUF model onto the file's own quantized blocks
+        (same outputs, fewer bytes per pass); what was switched, for the log."""
+        source = gguf_source(self.name)
+        if source is None:
+            return ""
+        switched = gguf_linear.use_gguf_blocks(module, source)
+        if not switched:
+            return f"; no layer matches a Q8_0/Q4_1 tensor of {source.name}"
+        kinds = ", ".join(f"{n} on {kind}" for kind, n in sorted(switched.items()))
+        return f"; {kinds} blocks of {source.name}"
 
     @torch.inference_mode()
     def _native_error(self, native: NativeForward) -> float:
@@ -317,7 +375,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(query_lens, context_lens):
             hidden = graphs.run(token_ids, positions, context_lens, tables, logit_index)
-            return self._graph_head(hidden).float()  # [num_logits, vocab]
+            return self._widen(self._graph_head(hidden).float())  # [num_logits, vocab]
         metadata = attention.build_metadata(
             self.kv_caches,
             self.block_size,
@@ -332,5 +390,12 @@ class ModelRunner:
         rows = torch.tensor(logit_index, dtype=torch.long, device=self.device)
         if self.native is not None:
             hidden = self.native(input_ids, position_ids, metadata)
-            return self.native.logits(hidden.index_select(0, rows)).float()
-        return self._hf_logits(input_ids, position_ids, metadata, rows).float()
+            return self._widen(self.native.logits(hidden.index_select(0, rows)).float())
+        return self._widen(self._hf_logits(input_ids, position_ids, metadata, rows).float())
+
+    def _widen(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits of a restricted head [rows, head tokens] -> [rows, vocab]."""
+        if self.head_tokens is None:
+            return logits
+        out = logits.new_full((logits.shape[0], self.vocab_size), _OUTSIDE_HEAD)
+        return out.index_copy_(1, self.head_tokens, logits)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import SpecConfig
 from engine.draft_length import DraftLengths
+from engine.model_runner import HEAD_TOKENS_FILE
 from engine.request import Request, SamplingParams
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 from tests.tiny_models import build_model
@@ -43,6 +46,22 @@ def _run_with_ks(engine, prompts, max_tokens=MAX_TOKENS, params=None):
     return [outputs[rid] for rid in ids]
 
 
+def with_head_tokens(model_dir: Path, out: Path, token_ids: list[int]) -> Path:
+    """A copy of `model_dir` whose LM head covers `token_ids` only."""
+    shutil.copytree(model_dir, out)
+    (out / HEAD_TOKENS_FILE).write_text(json.dumps({"token_ids": token_ids}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def restricted_draft(tiny_dirs, tmp_path_factory) -> Path:
+    """The tiny draft with an LM head over every third token of its vocabulary."""
+    source = tiny_dirs["llama_draft"]
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    out = tmp_path_factory.mktemp("restricted") / "draft"
+    return with_head_tokens(source, out, list(range(0, vocab, 3)))
+
+
 @pytest.fixture(scope="module")
 def prompts_and_reference(tiny_dirs):
     # Repetitive prompts give the n-gram proposer something to find.
@@ -51,16 +70,31 @@ def prompts_and_reference(tiny_dirs):
     return prompts, hf_greedy(tiny_dirs["llama"], prompts, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("drafter", ["different_draft", "draft_is_target", "ngram"])
-def test_greedy_speculative_equals_target_only(tiny_dirs, prompts_and_reference, drafter):
+@pytest.mark.parametrize(
+    "drafter", ["different_draft", "restricted_head", "draft_is_target", "ngram"]
+)
+def test_greedy_speculative_equals_target_only(
+    tiny_dirs, prompts_and_reference, restricted_draft, drafter
+):
     prompts, expected = prompts_and_reference
     target = tiny_dirs["llama"]
     spec = {
         "different_draft": SpecConfig("draft", str(tiny_dirs["llama_draft"]), 8, "fixed"),
+        "restricted_head": SpecConfig("draft", str(restricted_draft), 8, "fixed"),
         "draft_is_target": SpecConfig("draft", str(target), 8, "fixed"),
         "ngram": SpecConfig("ngram", max_draft_tokens=8, draft_length="fixed"),
     }[drafter]
     engine = make_engine(target, spec=spec, block_size=4, max_num_batched_tokens=96)
+    drafted: list[int] = []
+    if engine.proposer is not None:
+        propose = engine.proposer.propose
+
+        def recording_propose(*args):
+            batch = propose(*args)
+            drafted.extend(t for per_request in batch.token_ids for t in per_request)
+            return batch
+
+        engine.proposer.propose = recording_propose
     assert _run_with_ks(engine, prompts) == expected
     stats = engine.stats()
     assert stats.spec_drafted_tokens > 0 and stats.spec_verify_passes > 0
@@ -69,6 +103,9 @@ def test_greedy_speculative_equals_target_only(tiny_dirs, prompts_and_reference,
     if drafter == "different_draft":
         assert stats.spec_accepted_tokens < stats.spec_drafted_tokens / 2  # disagrees often
         assert stats.spec_blocks_released > 0
+    if drafter == "restricted_head":
+        # Every drafted token comes from the head's subset.
+        assert drafted and all(t % 3 == 0 for t in drafted)
 
 
 def test_rejected_drafts_across_blocks_are_released_right_after_the_step(tiny_dirs):
@@ -175,10 +212,8 @@ def tiny_vocab_pair(tmp_path_factory):
     return target, draft
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_sampled_continuations_follow_the_target_distribution(tiny_vocab_pair, top_p):
-    target, draft = tiny_vocab_pair
-    exact = _exact_distribution(target, top_p)
+def _sample_continuations(target: Path, draft: Path, top_p: float, n: int = 4000):
+    """n sampled continuations of PROMPT, drafts from `draft`: (counts, stats, n)."""
     engine = make_engine(
         target,
         spec=SpecConfig("draft", str(draft), max_draft_tokens=3, draft_length="fixed"),
@@ -188,7 +223,6 @@ def test_sampled_continuations_follow_the_target_distribution(tiny_vocab_pair, t
         prefix_caching=False,
         max_waiting=4000,
     )
-    n = 4000
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_p=top_p, ignore_eos=True)
     for i in range(n):
         engine.add_request(f"t{i}", PROMPT, params)
@@ -196,7 +230,25 @@ def test_sampled_continuations_follow_the_target_distribution(tiny_vocab_pair, t
     counts: dict[tuple[int, ...], int] = {}
     for tokens in outputs.values():
         counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
-    stats = engine.stats()
+    return counts, engine.stats(), n
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampled_continuations_follow_the_target_distribution(tiny_vocab_pair, top_p):
+    target, draft = tiny_vocab_pair
+    exact = _exact_distribution(target, top_p)
+    counts, stats, n = _sample_continuations(target, draft, top_p)
     assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens  # both paths exercised
+    stat, bound = _chi_square_test(counts, exact, n)
+    assert stat < bound, f"chi-square {stat:.1f} >= {bound:.1f}"
+
+
+def test_sampled_continuations_with_a_restricted_draft_head(tiny_vocab_pair, tmp_path):
+    """A draft whose head covers tokens {0, 2} only (q is 0 elsewhere) stays lossless."""
+    target, draft = tiny_vocab_pair
+    restricted = with_head_tokens(draft, tmp_path / "draft", [0, 2])
+    exact = _exact_distribution(target, 1.0)
+    counts, stats, n = _sample_continuations(target, restricted, 1.0)
+    assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens
     stat, bound = _chi_square_test(counts, exact, n)
     assert stat < bound, f"chi-square {stat:.1f} >= {bound:.1f}"
