@@ -54,6 +54,11 @@ class ModelConfig:
     packed weights (engine/cpu_linear.py). Ignored on CUDA, and (with a warning) where the
     kernels do not build."""
 
+    gguf_blocks: bool = True
+    """With the CPU kernels, a model converted from a GGUF file runs its linear layers on the
+    file's own Q8_0 / Q4_1 blocks (engine/gguf_linear.py): the same outputs from about a
+    fifth of the bytes per pass. Off = the dequantized float32 weights."""
+
     cache_dir: str | None = None
     """Where GGUF files are converted to (engine/model_files.py); None = the user cache."""
     cpu_bind: bool = True

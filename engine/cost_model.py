@@ -212,6 +212,8 @@ def calibration_key(runners: list[ModelRunner], settings: dict) -> str:
         h.update(json.dumps(runner.hf_config.to_dict(), sort_keys=True, default=str).encode())
         h.update(f"{runner.device} {runner.dtype} {runner.model_impl}".encode())
         h.update(type(runner.attention_backend).__name__.encode())
+        head = runner.head_tokens
+        h.update(f"{runner.kernels} {None if head is None else head.tolist()}".encode())
         model_dir = Path(runner.name)
         if model_dir.is_dir():
             for weights in sorted(model_dir.glob("*.safetensors")) + sorted(

@@ -14,6 +14,7 @@ import ctypes
 import functools
 import logging
 
+import numpy as np
 import torch
 
 from engine import kernel_build
@@ -23,6 +24,8 @@ logger = logging.getLogger(__name__)
 PANEL = 16  # output columns per packed panel: PANEL in gemm.c
 _BF16_ORDER = [c for j in range(PANEL // 2) for c in (j, j + PANEL // 2)]  # 0, 8, 1, 9, ...
 MAX_BLOCK = 256  # longest KV block the attention kernel takes: MAX_BLOCK in attention.c
+QUANT_TYPES = ("Q8_0", "Q4_1")  # GGUF block types gemm_quant.c reads
+QBLOCK = 32  # weights per GGUF block of those types
 
 
 def available() -> bool:
@@ -68,18 +71,54 @@ def pack_linear_weight(weight: torch.Tensor, allow_bf16: bool = True) -> torch.T
     return panels
 
 
+def pack_quant_weight(blocks: np.ndarray, quant: str) -> torch.Tensor:
+    """GGUF blocks of a weight [out, in / 32 * block bytes] (uint8, row by row as in the
+    file) -> gemm_quant.c's panels (uint8): per panel of PANEL output rows and per block,
+    the float32 scales, then the quants of the 32 inputs with the PANEL columns side by side."""
+    if quant not in QUANT_TYPES:
+        raise ValueError(f"no kernel for GGUF type {quant}")
+    rows = blocks.shape[0]
+    per_block = 20 if quant == "Q4_1" else 34
+    nb = blocks.shape[1] // per_block
+    pad = -rows % PANEL
+    raw = np.concatenate([blocks, np.zeros((pad, blocks.shape[1]), np.uint8)]).reshape(
+        -1, PANEL, nb, per_block
+    )
+    raw = raw.transpose(0, 2, 1, 3)  # [panels, blocks, PANEL columns, block bytes]
+
+    def scale(start: int) -> np.ndarray:  # float16 at `start` -> float32 bytes [p, b, 64]
+        half = np.ascontiguousarray(raw[..., start : start + 2]).view(np.float16)[..., 0]
+        return half.astype(np.float32).view(np.uint8).reshape(*raw.shape[:2], -1)
+
+    if quant == "Q8_0":
+        q = raw[..., 2:].transpose(0, 1, 3, 2)  # [p, b, k, column] int8 bytes
+        parts = [scale(0), q.reshape(*raw.shape[:2], -1)]
+    else:
+        qs = raw[..., 4:]  # byte j: weight j in the low nibble, weight j + 16 in the high
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1).transpose(0, 1, 3, 2)  # [p, b, k, c]
+        words = q[..., 0::2] | (q[..., 1::2] << 4)  # column c at bits 4c..4c+3
+        parts = [scale(0), scale(2), words.reshape(*raw.shape[:2], -1)]
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(-1))
+
+
 def linear(
     x: torch.Tensor,  # [rows, in] float32, contiguous
-    panels: torch.Tensor,  # pack_linear_weight(weight): float32 or bfloat16
+    panels: torch.Tensor,  # pack_linear_weight(weight) or pack_quant_weight(blocks, quant)
     bias: torch.Tensor | None,  # [out] float32, contiguous
     out_features: int,
     residual: torch.Tensor | None = None,  # [rows, out] float32, contiguous: added, in place
+    quant: str | None = None,  # the GGUF type of quantized panels
 ) -> torch.Tensor:  # [rows, out]: x @ weight.T + bias (+ residual, which is then returned)
     lib = _require()
     x = x.contiguous()
     rows, in_features = x.shape
     out = residual if residual is not None else torch.empty(rows, out_features)
-    kernel = lib.tandem_linear_bf16 if panels.dtype == torch.bfloat16 else lib.tandem_linear
+    if quant is not None:
+        kernel = lib.tandem_linear_q4_1 if quant == "Q4_1" else lib.tandem_linear_q8_0
+    elif panels.dtype == torch.bfloat16:
+        kernel = lib.tandem_linear_bf16
+    else:
+        kernel = lib.tandem_linear
     if rows:
         kernel(
             x.data_ptr(),
@@ -201,7 +240,8 @@ def _require() -> ctypes.CDLL:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for linear in (lib.tandem_linear, lib.tandem_linear_bf16):
+    quant = (lib.tandem_linear_q8_0, lib.tandem_linear_q4_1)
+    for linear in (lib.tandem_linear, lib.tandem_linear_bf16, *quant):
         linear.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
         linear.restype = None
     lib.tandem_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]

@@ -45,6 +45,14 @@ class PackedLinear(nn.Module):
             self.register_buffer("panels", panels, persistent=False)
             bias = linear.bias.detach().contiguous() if linear.bias is not None else None
             self.register_buffer("packed_bias", bias, persistent=False)
+        self.quant: str | None = None
+        """The GGUF type of `panels` when they hold a GGUF file's own blocks
+        (engine/gguf_linear.py), else None."""
+
+    def use_quantized(self, panels: torch.Tensor, quant: str) -> None:
+        """Read `panels`, GGUF blocks of exactly this layer's weights
+        (cpu_kernels.pack_quant_weight), from now on."""
+        self.panels, self.quant = panels, quant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.rows(x.reshape(-1, self.in_features))
@@ -53,7 +61,9 @@ class PackedLinear(nn.Module):
     def rows(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] -> x @ weight.T + bias [rows, out]; with `residual` [rows, out] the
         result is added to it in place and it is returned (a skip connection in the GEMM)."""
-        return cpu_kernels.linear(x, self.panels, self.packed_bias, self.out_features, residual)
+        return cpu_kernels.linear(
+            x, self.panels, self.packed_bias, self.out_features, residual, self.quant
+        )
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -290,7 +290,9 @@ class LLMEngine:
             )
             return
         for runner in self.runners:
-            logger.info("%s: %s", runner.name, runner.use_cpu_kernels())
+            logger.info(
+                "%s: %s", runner.name, runner.use_cpu_kernels(self.config.model.gguf_blocks)
+            )
 
     def _max_model_len(self) -> int:
         limit = self.runner.max_positions

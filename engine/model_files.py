@@ -229,6 +229,16 @@ def convert_gguf(path: Path, target: Path, info: GGUFInfo, digest: str) -> None:
     logger.info("converted %s in %.1fs", path.name, time.perf_counter() - started)
 
 
+def gguf_source(model_dir: str) -> Path | None:
+    """The GGUF file `model_dir` was converted from, if it is a conversion and that file is
+    still there (engine/gguf_linear.py reads its quantized blocks)."""
+    marker = Path(model_dir) / _COMPLETE
+    if not marker.is_file():
+        return None
+    source = Path(json.loads(marker.read_text())["source"])
+    return source if source.is_file() else None
+
+
 def prepare_config(config):
     """`config` (an engine.config.EngineConfig) with the target and draft paths turned into
     Hugging Face directories (GGUF files converted or found in the cache)."""

@@ -59,6 +59,31 @@ def test_bfloat16_panels_only_when_exact_and_then_bit_identical():
     assert cpu_kernels.pack_linear_weight(w).dtype == torch.float32
 
 
+@pytest.mark.parametrize("quant", cpu_kernels.QUANT_TYPES)
+@pytest.mark.parametrize("out_features,in_features", [(16, 32), (37, 96), (300, 576)])
+def test_gguf_blocks_give_the_dequantized_weights_results_bit_for_bit(
+    quant, out_features, in_features
+):
+    """Q8_0 / Q4_1 blocks dequantized in registers: every row count gives exactly what the
+    float32 panels of gguf's own dequantization give (same values, same summation order)."""
+    gguf = pytest.importorskip("gguf")
+    gen = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, in_features, generator=gen)
+    kind = gguf.GGMLQuantizationType[quant]
+    blocks = gguf.quants.quantize(w.numpy(), kind)
+    dequantized = torch.from_numpy(gguf.quants.dequantize(blocks, kind).astype("float32"))
+    quantized = cpu_kernels.pack_quant_weight(blocks, quant)
+    wide = cpu_kernels.pack_linear_weight(dequantized, allow_bf16=False)
+    assert quantized.numel() < wide.numel() * 4 / 3  # 6 (Q4_1) or 9 (Q8_0) bits a weight
+    b = torch.randn(out_features, generator=gen)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, in_features, generator=gen)
+        res = torch.randn(rows, out_features, generator=gen)
+        got = cpu_kernels.linear(x, quantized, b, out_features, res.clone(), quant)
+        assert torch.equal(got, cpu_kernels.linear(x, wide, b, out_features, res.clone()))
+        torch.testing.assert_close(got, F.linear(x, dequantized, b) + res, rtol=1e-4, atol=1e-4)
+
+
 def test_linear_rows_do_not_depend_on_the_batch():
     """A row's output is bit-identical whether it is computed alone or among others."""
     gen = torch.Generator().manual_seed(0)

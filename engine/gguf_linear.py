@@ -1,0 +1,96 @@
+"""A GGUF model's linear layers on its own quantized blocks (the CPU kernels, float32).
+
+A `.gguf` model is served from float32 weights dequantized from the file
+(engine/model_files.py). On the CPU those weights are also what a pass reads from memory:
+540 MB per pass for SmolLM2-135M, against 96 MB for the file's own Q4_1/Q8_0 blocks. Here
+each packed linear layer (engine/cpu_linear.py) whose every weight row is a row of a Q8_0
+or Q4_1 tensor of the file is switched to those blocks (engine/csrc/gemm_quant.c), which
+dequantizes them in registers to the very same float32 values and sums in the same order:
+the layer's output is bit for bit what it was, for a fifth of the bytes.
+
+Rows are matched by content, not by name: each row of the file's tensors is dequantized
+and hashed, and a layer takes the blocks of the rows whose bytes equal its own. That covers
+the row permutation transformers applies to Llama's q/k projections, fused projections
+(q|k|v, gate|up) and a tied LM head, and it cannot pick a wrong row: a layer whose rows are
+not all found, or come from tensors of different types, stays as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine import cpu_kernels
+from engine.cpu_linear import PackedLinear
+
+logger = logging.getLogger(__name__)
+
+
+def _row_keys(rows: np.ndarray) -> list[bytes]:
+    return [hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in rows]
+
+
+class _Rows:
+    """Every row of the file's Q8_0 / Q4_1 tensors, by the hash of its dequantized bytes."""
+
+    def __init__(self, gguf_path: Path) -> None:
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
+
+        self.tensors: list[tuple[str, np.ndarray]] = []  # (type, raw blocks [rows, bytes])
+        self.index: dict[bytes, tuple[int, int]] = {}  # row hash -> (tensor, row)
+        for tensor in GGUFReader(gguf_path).tensors:
+            kind = tensor.tensor_type.name
+            if kind not in cpu_kernels.QUANT_TYPES:
+                continue
+            raw = np.asarray(tensor.data).reshape(-1, np.asarray(tensor.data).shape[-1])
+            values = dequantize(raw, tensor.tensor_type).astype(np.float32, copy=False)
+            t = len(self.tensors)
+            self.tensors.append((kind, raw))
+            for r, key in enumerate(_row_keys(values)):
+                self.index.setdefault(key, (t, r))
+
+    def blocks_for(self, weight: torch.Tensor) -> tuple[str, np.ndarray] | None:
+        """(type, blocks [rows, bytes]) whose dequantized values are exactly `weight`'s rows,
+        or None when some row is missing or the rows mix types."""
+        values = weight.detach().float().contiguous().numpy()
+        if values.shape[1] % cpu_kernels.QBLOCK:
+            return None
+        found = [self.index.get(key) for key in _row_keys(values)]
+        if any(f is None for f in found):
+            return None
+        kinds = {self.tensors[t][0] for t, _ in found}
+        widths = {self.tensors[t][1].shape[1] for t, _ in found}
+        if len(kinds) != 1 or len(widths) != 1:
+            return None
+        blocks = np.stack([self.tensors[t][1][r] for t, r in found])
+        return kinds.pop(), blocks
+
+
+def use_gguf_blocks(module: nn.Module, gguf_path: Path) -> dict[str, int]:
+    """Switch every `PackedLinear` of `module` whose weights are rows of `gguf_path`'s Q8_0 /
+    Q4_1 tensors to those blocks; returns how many layers went to each type."""
+    from gguf.quants import dequantize
+
+    rows = _Rows(gguf_path)
+    switched: dict[str, int] = {}
+    for layer in module.modules():
+        if not isinstance(layer, PackedLinear) or layer.quant is not None:
+            continue
+        match = rows.blocks_for(layer.weight)
+        if match is None:
+            continue
+        kind, blocks = match
+        from gguf import GGMLQuantizationType
+
+        check = dequantize(blocks, GGMLQuantizationType[kind]).astype(np.float32, copy=False)
+        if not np.array_equal(check, layer.weight.detach().numpy()):  # a hash collision
+            continue
+        layer.use_quantized(cpu_kernels.pack_quant_weight(blocks, kind), kind)
+        switched[kind] = switched.get(kind, 0) + 1
+    return switched

@@ -1,0 +1,88 @@
+"""engine/gguf_linear.py: packed linears switched onto a GGUF file's own Q8_0 / Q4_1 blocks
+only where every row is found there, with unchanged outputs. (The real model runs this way in
+tests/test_default_model.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from engine import cpu_kernels, model_files
+from engine.cpu_linear import PackedLinear
+from engine.gguf_linear import use_gguf_blocks
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(), reason=f"no CPU kernels: {cpu_kernels.unavailable_reason()}"
+)
+
+
+def _quantized(rows: int, cols: int, kind: str, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """(GGUF blocks, their dequantized float32 weights)."""
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[kind]
+    blocks = gguf.quants.quantize(w, qtype)
+    return blocks, torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
+
+
+def _linear(weight: torch.Tensor) -> PackedLinear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    layer.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    return PackedLinear(layer)
+
+
+def test_layers_whose_rows_are_all_in_the_file_switch_and_keep_their_outputs(tmp_path: Path):
+    q_blocks, q = _quantized(48, 64, "Q4_1", 0)  # e.g. attn_q
+    k_blocks, k = _quantized(16, 64, "Q4_1", 1)  # attn_k
+    e_blocks, e = _quantized(40, 64, "Q8_0", 2)  # token_embd (a tied LM head)
+    f_blocks, f = _quantized(32, 64, "Q8_0", 3)
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, blocks, kind in [
+        ("blk.0.attn_q.weight", q_blocks, "Q4_1"),
+        ("blk.0.attn_k.weight", k_blocks, "Q4_1"),
+        ("token_embd.weight", e_blocks, "Q8_0"),
+        ("blk.0.ffn_up.weight", f_blocks, "Q8_0"),
+    ]:
+        qtype = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    perm = torch.randperm(48, generator=torch.Generator().manual_seed(0))
+    stray = f.clone()
+    stray[5, 7] += 1e-3  # one weight the file does not have
+    module = nn.ModuleDict(
+        {
+            "qk": _linear(torch.cat([q[perm], k])),  # permuted rows, fused with another tensor
+            "head": _linear(e),
+            "stray": _linear(stray),
+            "mixed": _linear(torch.cat([q, e[:16]])),  # Q4_1 rows next to Q8_0 rows
+        }
+    )
+    x = torch.randn(5, 64)
+    before = {name: layer(x) for name, layer in module.items()}
+    assert use_gguf_blocks(module, path) == {"Q4_1": 1, "Q8_0": 1}
+    assert module["qk"].quant == "Q4_1" and module["head"].quant == "Q8_0"
+    assert module["stray"].quant is None and module["mixed"].quant is None
+    for name, layer in module.items():
+        assert torch.equal(layer(x), before[name]), name
+
+
+def test_gguf_source_names_the_converted_file_while_it_exists(tmp_path: Path):
+    source = tmp_path / "m.gguf"
+    source.write_bytes(b"GGUF")
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    assert model_files.gguf_source(str(converted)) is None  # a plain HF directory
+    (converted / "tandem-gguf.json").write_text(json.dumps({"source": str(source)}))
+    assert model_files.gguf_source(str(converted)) == source
+    source.unlink()
+    assert model_files.gguf_source(str(converted)) is None
