@@ -86,9 +86,12 @@ async def run_level(
         for i in queue:
             body = {
                 "model": MODEL, "messages": prompts[i % len(prompts)],
-                "max_tokens": args.max_tokens, "temperature": temperature, "seed": i,
+                "max_tokens": args.max_tokens, "temperature": temperature,
                 "stream": True, "stream_options": {"include_usage": True},
             }  # fmt: skip
+            if args.seeded:
+                # A seeded sampling request always drafts K_max (engine/draft_length.py).
+                body["seed"] = i
             results.append(await chat_one(client, url, body))
 
     limits = httpx.Limits(max_connections=concurrency + 4)
@@ -135,6 +138,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--extra", default="", help="more `tandem serve` flags for every config")
+    p.add_argument(
+        "--seeded",
+        action="store_true",
+        help="send a seed with each request (as few chat clients do)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "chat.json")
     args = p.parse_args(argv)
     if len(args.requests) != len(args.levels):

@@ -171,7 +171,8 @@ def chat_section(data: dict, plot: Path) -> list[str]:
         f"`{data['command']}`: one `tandem serve` per row (the shipped config plus the row's "
         "flags), streaming `/v1/chat/completions`, held-out chat instructions "
         f"(`bench/chat_prompts.py`), natural stops up to {data['max_tokens']} tokens, output "
-        "tokens from usage. Median of "
+        "tokens from usage; sampling requests carry no seed (with one, a request drafts "
+        "K_max at every step; the command says `--seeded` when they did). Median of "
         f"{data.get('median_of', 1)} round(s). `x off` is the speed-up over speculation off "
         "at the same concurrency and temperature; `acc` the share of drafted tokens accepted.",
         "",
