@@ -17,8 +17,9 @@
  * The scales are widened to float32 at packing (exact), so the kernel reads 6 (Q4_1) or
  * 9 (Q8_0) bits per weight instead of float32's 32.
  *
- * d * q + m is two roundings in gguf (a multiply, then an add); OPAQUE keeps the compiler
- * from fusing them into one FMA, so the weights are bit for bit the dequantized ones.
+ * d * q + m is a multiply and an add in gguf, and the compiler may fuse them here into one
+ * FMA: the same value either way, because d * q is exact in float32 (d, a widened float16,
+ * has 11 significant bits, q at most 8), so only the add rounds.
  */
 #define QPANEL 16
 #define QBLOCK 32
@@ -33,16 +34,6 @@
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
-
-#if defined(__x86_64__) && defined(__AVX512F__)
-#define OPAQUE(v) __asm__("" : "+v"(v))
-#elif defined(__x86_64__)
-#define OPAQUE(v) __asm__("" : "+x"(v))
-#elif defined(__aarch64__)
-#define OPAQUE(v) __asm__("" : "+w"(v))
-#else
-#define OPAQUE(v) __asm__("" : "+m"(v))
-#endif
 
 INLINE v16 load16(const float *p) { return *(const v16 *)p; }
 INLINE void store16(float *p, v16 v) { *(v16 *)p = v; }
@@ -87,9 +78,7 @@ INLINE v16 q4_1_weights(const uint8_t *quants, int k, v16 d, v16 m) {
   const v16u word = {lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi};
   const v16u shift = {0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28};
   const v16i q = (v16i)((word >> shift) & 15);
-  v16 w = __builtin_convertvector(q, v16) * d;
-  OPAQUE(w);
-  return w + m;
+  return __builtin_convertvector(q, v16) * d + m;
 }
 
 INLINE void quant_tile(const int type, const int rows, const float *x, int64_t K,
