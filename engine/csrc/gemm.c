@@ -65,7 +65,9 @@ INLINE void linear(const int bf16, const float *x, const void *panels, const flo
                    int nthreads) {
   const int64_t num_panels = (N + PANEL - 1) / PANEL;
   const int64_t panel_bytes = K * PANEL * (bf16 ? 2 : 4);
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+  /* Panels in dynamic chunks of 4: a worker the OS preempts (the server's event loop
+   * shares these cores) holds the call up for one chunk, not for half the matrix. */
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 4) if (nthreads > 1)
   for (int64_t p = 0; p < num_panels; p++) {
     const void *panel = (const char *)panels + p * panel_bytes;
     const float *b = bias ? bias + p * PANEL : 0;

@@ -125,7 +125,9 @@ INLINE void quant_linear(const int type, const float *x, const uint8_t *panels,
                          int64_t N, int64_t K, int nthreads) {
   const int64_t num_panels = (N + QPANEL - 1) / QPANEL;
   const int64_t panel_bytes = (K / QBLOCK) * block_bytes(type);
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+  /* Panels in dynamic chunks of 4: a worker the OS preempts (the server's event loop
+   * shares these cores) holds the call up for one chunk, not for half the matrix. */
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 4) if (nthreads > 1)
   for (int64_t p = 0; p < num_panels; p++) {
     const uint8_t *panel = panels + p * panel_bytes;
     const float *b = bias ? bias + p * QPANEL : 0;
