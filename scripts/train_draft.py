@@ -185,7 +185,7 @@ def head_tokens(answers: Path, tok, size: int) -> list[int]:
             counts.update(row["answer"])
             counts.update(ids[0] for ids, _ in row["top"])  # the argmax at each position
     must = {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
-    chosen = [t for t, _ in counts.most_common(size - len(must)) if t not in must]
+    chosen = [t for t, _ in counts.most_common() if t not in must]
     chosen = sorted(must | set(chosen[: size - len(must)]))
     covered = sum(counts[t] for t in chosen) / max(sum(counts.values()), 1)
     log(f"head: {len(chosen)} tokens cover {covered:.2%} of the answer tokens and argmaxes")
