@@ -18,7 +18,6 @@ not all found, or come from tensors of different types, stays as it was.
 from __future__ import annotations
 
 import hashlib
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +26,6 @@ from torch import nn
 
 from engine import cpu_kernels
 from engine.cpu_linear import PackedLinear
-
-logger = logging.getLogger(__name__)
 
 
 def _row_keys(rows: np.ndarray) -> list[bytes]:
@@ -48,7 +45,8 @@ class _Rows:
             kind = tensor.tensor_type.name
             if kind not in cpu_kernels.QUANT_TYPES:
                 continue
-            raw = np.asarray(tensor.data).reshape(-1, np.asarray(tensor.data).shape[-1])
+            data = np.asarray(tensor.data)
+            raw = data.reshape(-1, data.shape[-1])
             values = dequantize(raw, tensor.tensor_type).astype(np.float32, copy=False)
             t = len(self.tensors)
             self.tensors.append((kind, raw))
@@ -75,6 +73,7 @@ class _Rows:
 def use_gguf_blocks(module: nn.Module, gguf_path: Path) -> dict[str, int]:
     """Switch every `PackedLinear` of `module` whose weights are rows of `gguf_path`'s Q8_0 /
     Q4_1 tensors to those blocks; returns how many layers went to each type."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     rows = _Rows(gguf_path)
@@ -86,8 +85,6 @@ def use_gguf_blocks(module: nn.Module, gguf_path: Path) -> dict[str, int]:
         if match is None:
             continue
         kind, blocks = match
-        from gguf import GGMLQuantizationType
-
         check = dequantize(blocks, GGMLQuantizationType[kind]).astype(np.float32, copy=False)
         if not np.array_equal(check, layer.weight.detach().numpy()):  # a hash collision
             continue

@@ -8,7 +8,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -84,6 +84,24 @@ def serve(tiny_dirs: dict, **changes: object) -> Iterator[Served]:
     assert not engine.is_running  # the lifespan stopped the engine loop
 
 
+def wait_healthy(
+    url: str, timeout: float, alive: Callable[[], None] | None = None, interval: float = 0.05
+) -> None:
+    """Poll `url`/health until it answers 200; fail after `timeout` seconds. `alive` is
+    called before each try (to fail at once if the server process died)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if alive is not None:
+            alive()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not become healthy"
+        time.sleep(interval)
+
+
 @contextmanager
 def running(settings: Settings, engine: AsyncEngine, timeout: float = 60) -> Iterator[str]:
     """uvicorn serving `engine` on a free loopback port, healthy; yields its URL, then stops it."""
@@ -94,15 +112,7 @@ def running(settings: Settings, engine: AsyncEngine, timeout: float = 60) -> Ite
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.05)
+        wait_healthy(url, timeout)
         yield url
     finally:
         server.should_exit = True

@@ -29,6 +29,7 @@ from server.app import create_app
 from server.drain import DrainingServer
 from server.settings import load_settings
 from server.state import ServerState
+from tests.server_helpers import wait_healthy
 
 TOKENS = [40, 41, 42, 43, 44, 45]
 
@@ -112,15 +113,7 @@ def running(settings, drain_timeout: float) -> Iterator[Running]:
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.02)
+        wait_healthy(url, 30, interval=0.02)
         yield Running(url, server, thread, state, engine)
     finally:
         engine.gate.set()

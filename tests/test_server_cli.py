@@ -6,10 +6,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+
+from tests.server_helpers import wait_healthy
 
 REQUIRED_FLAGS = (
     "--config --model --draft-model --speculative-method --max-draft-tokens --draft-length "
@@ -67,16 +68,11 @@ def test_serve_starts_answers_and_stops_cleanly(tiny_dirs):
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
+
+        def alive() -> None:
             assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.1)
+
+        wait_healthy(url, 60, alive, interval=0.1)
         body = {"model": "cli", "prompt": "def", "max_tokens": 3, "ignore_eos": True}
         out = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()
         assert out["usage"]["completion_tokens"] == 3

@@ -47,7 +47,6 @@ INLINE int64_t block_bytes(const int type) {
   return type == Q4_1 ? 2 * QPANEL * 4 + QBLOCK * 8 : QPANEL * 4 + QBLOCK * QPANEL;
 }
 
-/* The 16 weights of panel-block row k (one per output column) as float32. */
 /* out[i] = all[idx[i]]: one permute instruction. */
 INLINE v16u spread(v16u all, v16u idx) {
 #if defined(__clang__)
