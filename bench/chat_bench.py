@@ -9,7 +9,13 @@ plus that configuration's flags). Requests are streaming /v1/chat/completions wi
 held-out instructions of bench/chat_prompts.py (never trained on by the draft), natural stops
 up to --max-tokens. Output tokens are counted from each response's usage. Every
 configuration is measured once per --rounds, round-robin, and the median round is reported
-(all rounds kept in the JSON). `python -m bench.report_chat` renders the table and plot.
+(all rounds kept in the JSON), then printed as a Markdown table.
+
+Each row also splits the measured wall time by where it went, from the server's
+`tandem_step_seconds_total` counters read before and after: the target's forward, the draft
+(proposer), sampling and verification, the rest of the engine step (scheduling and
+bookkeeping), and outside engine steps (the engine waiting for the server: HTTP, tokenizing,
+the gap between one request and the next at concurrency 1).
 """
 
 from __future__ import annotations
@@ -75,6 +81,20 @@ async def chat_one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[Tra
     return trace, usage
 
 
+STEP_PARTS = ("target_forward", "draft", "verify", "schedule")
+
+
+async def step_seconds(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """The server's engine-step time by part (`tandem_step_seconds_total`), in seconds."""
+    text = (await client.get(url + "/metrics")).text
+    parts = {}
+    for line in text.splitlines():
+        if line.startswith('tandem_step_seconds_total{part="'):
+            label, value = line.split('"', 2)[1], line.rsplit(" ", 1)[1]
+            parts[label] = float(value)
+    return parts
+
+
 async def run_level(
     url: str, prompts: list[list[dict]], concurrency: int, count: int, args, temperature: float
 ) -> dict:
@@ -96,9 +116,13 @@ async def run_level(
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0)) as client:
+        before = await step_seconds(client, url)
         start = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         seconds = time.perf_counter() - start
+        after = await step_seconds(client, url)
+    split = {p: (after.get(p, 0.0) - before.get(p, 0.0)) / seconds for p in STEP_PARTS}
+    split["outside_steps"] = max(1.0 - sum(split.values()), 0.0)
     # Chunks carry one delta each; spread each request's usage count over its chunks so
     # per-token latencies use real token counts.
     for trace, _ in results:
@@ -114,6 +138,7 @@ async def run_level(
         drafted_tokens=drafted,
         accepted_tokens=accepted,
         acceptance=accepted / drafted if drafted else None,
+        time_split=split,
         errors=sorted({t.error for t, _ in results if t.error})[:3],
     )
     return row
@@ -168,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
                         print(f"[{rnd}] {name:>15} c={level:<3} T={temp} "
                               f"{row['tokens_per_s']:7.1f} tok/s  itl p50 {row['itl_p50_ms']:6.1f} ms"
                               f"  acc {acc if acc is None else round(acc, 3)}  "
+                              f"split {split_text(row['time_split'])}  "
                               f"errors {row['errors']}", flush=True)  # fmt: skip
             finally:
                 server.stop()
@@ -185,7 +211,33 @@ def main(argv: list[str] | None = None) -> None:
         "spread": {k: statistics.pstdev([r["tokens_per_s"] for r in v]) for k, v in runs.items()},
     }
     args.out.write_text(json.dumps(payload, indent=1))
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out}\n")
+    print(markdown(rows))
+
+
+def split_text(split: dict[str, float]) -> str:
+    return " ".join(f"{part} {100 * share:.0f}%" for part, share in split.items())
+
+
+def markdown(rows: list[dict]) -> str:
+    """The rows as a Markdown table, each against speculation off at the same level and T."""
+    off = {(r["concurrency"], r["temperature"]): r["tokens_per_s"] for r in rows
+           if r["config"] == "off"}  # fmt: skip
+    lines = [
+        "| config | c | T | tok/s | vs off | ITL p50 ms | acceptance | target fwd | draft "
+        "| verify | schedule | outside steps |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["temperature"], r["concurrency"], r["config"])):
+        base = off.get((r["concurrency"], r["temperature"]))
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+        split = " | ".join(f"{100 * v:.0f}%" for v in r["time_split"].values())
+        lines.append(
+            f"| {r['config']} | {r['concurrency']} | {r['temperature']} | "
+            f"{r['tokens_per_s']:.1f} | {ratio} | {r['itl_p50_ms']:.1f} | {acc} | {split} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from engine import kernel_build
 logger = logging.getLogger(__name__)
 
 PANEL = 16  # output columns per packed panel: PANEL in gemm.c
+_Q4_ORDER = list(range(0, PANEL, 2)) + list(range(1, PANEL, 2))
 _BF16_ORDER = [c for j in range(PANEL // 2) for c in (j, j + PANEL // 2)]  # 0, 8, 1, 9, ...
 MAX_BLOCK = 256  # longest KV block the attention kernel takes: MAX_BLOCK in attention.c
 QUANT_TYPES = ("Q8_0", "Q4_1")  # GGUF block types gemm_quant.c reads
@@ -96,7 +97,8 @@ def pack_quant_weight(blocks: np.ndarray, quant: str) -> torch.Tensor:
     else:
         qs = raw[..., 4:]  # byte j: weight j in the low nibble, weight j + 16 in the high
         q = np.concatenate([qs & 15, qs >> 4], axis=-1).transpose(0, 1, 3, 2)  # [p, b, k, c]
-        words = q[..., 0::2] | (q[..., 1::2] << 4)  # column c at bits 4c..4c+3
+        q = q[..., _Q4_ORDER]  # even columns, then odd: see q4_1_weights in the C
+        words = q[..., 0::2] | (q[..., 1::2] << 4)
         parts = [scale(0), scale(2), words.reshape(*raw.shape[:2], -1)]
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(-1))
 

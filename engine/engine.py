@@ -181,6 +181,7 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
+        step_start = time.perf_counter()
         sched = self.scheduler.schedule()
         self.totals.steps += 1
         if not sched.scheduled:
@@ -196,10 +197,12 @@ class LLMEngine:
             logger.exception("engine step failed")
             return self._fail(sched, f"internal error in the engine step: {exc}")
         self._observe_timing(sched, drafts, drafted - start, verified - drafted)
+        self.totals.forward_seconds += results.forward_seconds
         outputs = self.scheduler.update(sched, results.tokens)
         for out in outputs:
             out.prompt_logprobs = results.prompt_logprobs.pop(out.request_id, None)
         self._count(sched, outputs)
+        self.totals.step_seconds += time.perf_counter() - step_start
         return outputs
 
     def stats(self) -> EngineStats:

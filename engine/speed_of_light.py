@@ -16,10 +16,20 @@ import torch
 
 
 class SpeedOfLight:
-    def __init__(self, window: int = 512) -> None:
+    def __init__(self, window: int = 512, every: int = 8) -> None:
+        self.every = every
+        """Distributions are read on one verification pass in `every`: the entropy of a
+        full-vocabulary softmax costs a few percent of a small model's step, and a sample of
+        passes estimates the window's means as well."""
+        self._passes = 0
         self._entropy: deque[float] = deque(maxlen=window)
         self._log_moment: deque[float] = deque(maxlen=window)
         self._tokens_per_pass: deque[int] = deque(maxlen=window)
+
+    def due(self) -> bool:
+        """Whether this verification pass should report its distributions."""
+        self._passes += 1
+        return self._passes % self.every == 1 or self.every == 1
 
     def observe_distributions(self, logits: torch.Tensor) -> None:
         """[rows, vocab] target logits of verified positions (one row per request is plenty)."""

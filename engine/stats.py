@@ -25,6 +25,10 @@ class EngineStats:
     """Wall time spent in the proposer (all draft passes)."""
     target_seconds: float = 0.0
     """Wall time spent in target passes (forward + verification)."""
+    forward_seconds: float = 0.0
+    """Of `target_seconds`, the target model's forward alone (logits out)."""
+    step_seconds: float = 0.0
+    """Wall time of engine steps that ran a pass: scheduling, draft, target, bookkeeping."""
     draft_passes: int = 0
     decode_request_steps: int = 0
     """Request-steps that verified a decode (with or without drafts): the denominator of mean K."""

@@ -8,6 +8,7 @@ then, when the request samples this step, its last token and every draft (1 + k 
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,8 @@ class VerifyResult:
     """Verified tokens of every request that sampled this step."""
     prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
     """Complete prompt logprobs of requests whose prefill finished this step."""
+    forward_seconds: float = 0.0
+    """Wall time of the target's forward (the rest of `run` is sampling and verification)."""
 
 
 class Verifier:
@@ -70,8 +73,9 @@ class Verifier:
                 samplers.append(req)
             seqs.append(SeqInput(tokens, start, table, offsets))
 
+        start = time.perf_counter()
         logits = runner.forward(seqs)[:, : self.vocab_size]  # [num_rows, vocab]
-        result = VerifyResult()
+        result = VerifyResult(forward_seconds=time.perf_counter() - start)
         # Split rows back per request, in the order they were laid out.
         cursor = 0
         prompt_logits: dict[str, torch.Tensor] = {}
@@ -119,7 +123,8 @@ class Verifier:
     ) -> None:
         num_drafts = [len(r.spec_token_ids) for r in reqs]
         rows = [RowSpec(r, j) for r, k in zip(reqs, num_drafts, strict=True) for j in range(k + 1)]
-        if self.speed_of_light is not None and any(num_drafts):
+        sol = self.speed_of_light
+        if sol is not None and any(num_drafts) and sol.due():
             first_rows = torch.tensor(
                 [0] + list(itertools.accumulate(k + 1 for k in num_drafts))[:-1]
             )

@@ -78,6 +78,11 @@ class EngineCollector(Collector):
             "spec_draft_length_reductions", "Request-steps whose K was cut below K_max, by reason.",
             "reason", stats.draft_length_reasons,
         )  # fmt: skip
+        yield _by_label(
+            "step_seconds", "Wall time of engine steps by part: target_forward, draft "
+            "(proposer), verify (sampling and verification), schedule (the rest of a step).",
+            "part", step_split(stats),
+        )  # fmt: skip
         sol = GaugeMetricFamily(
             "tandem_spec_speed_of_light",
             "Speed-of-light model of speculation.",
@@ -86,6 +91,18 @@ class EngineCollector(Collector):
         for name, value in sorted(stats.speed_of_light.items()):
             sol.add_metric([name], float(value))
         yield sol
+
+
+def step_split(stats: EngineStats) -> dict[str, float]:
+    """Where engine steps spent their wall time, in seconds, by part."""
+    verify = max(stats.target_seconds - stats.forward_seconds, 0.0)
+    rest = stats.step_seconds - stats.target_seconds - stats.draft_seconds
+    return {
+        "target_forward": stats.forward_seconds,
+        "draft": stats.draft_seconds,
+        "verify": verify,
+        "schedule": max(rest, 0.0),
+    }
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -116,7 +117,9 @@ def test_disconnecting_during_a_plain_request_aborts_it(served):
 
 def test_metrics_move_with_traffic(served):
     before = scrape_metrics(served)
+    start = time.perf_counter()
     served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, **GREEDY)
+    wall = time.perf_counter() - start
     with pytest.raises(openai.BadRequestError):
         served.client.completions.create(model=MODEL, prompt=PROMPT, temperature=9)
     after = scrape_metrics(served)
@@ -139,3 +142,9 @@ def test_metrics_move_with_traffic(served):
     assert ("tandem_spec_mean_draft_length", ()) in after
     assert ("tandem_preemptions_total", ()) in after
     assert ("tandem_spec_blocks_released_total", ()) in after
+    # Where step time went: every part moved (this server drafts), and the parts add up to
+    # no more than the wall time the request took.
+    parts = ("target_forward", "draft", "verify", "schedule")
+    moved = {part: delta("tandem_step_seconds_total", part=part) for part in parts}
+    assert all(seconds > 0 for seconds in moved.values()), moved
+    assert sum(moved.values()) < wall
