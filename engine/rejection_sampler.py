@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.sampler import sample_from
+
 PAD = -1
 
 
@@ -26,10 +28,9 @@ def rejection_sample(
     # [num_draft, vocab] q for each draft token, or None for a model-free drafter
     draft_probs: torch.Tensor | None,
     num_draft_tokens: list[int],
-    # [num_draft] u ~ U[0, 1) per draft token
+    # [num_rows] u ~ U[0, 1) per row: row j < k of a request tests its draft j, its last row
+    # samples the recovered or bonus token (one draw each, independent)
     uniform: torch.Tensor,
-    # [num_rows, vocab] Exp(1) noise per row, for sampling recovered/bonus tokens
-    noise: torch.Tensor,
 ) -> torch.Tensor:  # [batch, max_k + 1]: accepted drafts, then recovered or bonus, PAD after
     device = target_probs.device
     batch = len(num_draft_tokens)
@@ -47,7 +48,7 @@ def rejection_sample(
         q_x = torch.ones_like(p_x)
     else:
         q_x = draft_probs.gather(1, draft_token_ids[:, None])[:, 0]
-    accepted = (p_x > 0) & (q_x > 0) & (uniform * q_x <= p_x)
+    accepted = (p_x > 0) & (q_x > 0) & (uniform[draft_rows] * q_x <= p_x)
 
     # Accepted prefix length per request: the run of accepted drafts before the first reject.
     acc = torch.zeros(batch, max_k, dtype=torch.bool, device=device)
@@ -72,7 +73,7 @@ def rejection_sample(
         empty = residual.sum(dim=-1, keepdim=True) <= 0
         residual = torch.where(empty, p_final, residual)
         p_final = torch.where(rejected[:, None], residual, p_final)
-    final_tokens = (p_final / noise[final_rows]).argmax(dim=-1)  # recovered or bonus
+    final_tokens = sample_from(p_final, uniform[row_start + k])  # recovered or bonus
 
     out = torch.full((batch, max_k + 1), PAD, dtype=torch.long, device=device)
     keep = torch.arange(max_k, device=device)[None, :] < num_accepted[:, None]

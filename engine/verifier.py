@@ -21,8 +21,8 @@ from engine.request import Request
 from engine.sampler import (
     RowSpec,
     apply_penalties_and_masks,
-    exponential_noise,
     logits_to_probs,
+    request_uniforms,
     token_logprobs,
 )
 from engine.scheduler import SchedulerOutput
@@ -142,17 +142,8 @@ class Verifier:
         )
         # Only sampling (decoding) requests get drafts, so the probs line up with reqs.
         draft_probs = drafts.probs if drafts is not None else None
-        uniform = torch.cat(
-            [
-                torch.zeros(k, device=self.device)
-                if r.params.greedy
-                else torch.rand(k, generator=r.generator, device=self.device)
-                for r, k in zip(reqs, num_drafts, strict=True)
-            ]
-            or [torch.zeros(0, device=self.device)]
-        )
-        noise = exponential_noise(reqs, [k + 1 for k in num_drafts], probs.shape[1], self.device)
-        out = rejection_sample(probs, draft_ids, draft_probs, num_drafts, uniform, noise).tolist()
+        uniform = request_uniforms(reqs, [k + 1 for k in num_drafts], self.device)
+        out = rejection_sample(probs, draft_ids, draft_probs, num_drafts, uniform).tolist()
         self._emit(reqs, num_drafts, [[t for t in e if t != PAD] for e in out], raw, result)
 
     def _emit(

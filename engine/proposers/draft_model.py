@@ -27,8 +27,8 @@ from engine.request import Request
 from engine.sampler import (
     RowSpec,
     apply_penalties_and_masks,
-    exponential_noise,
     logits_to_probs,
+    request_uniforms,
     sample_from,
 )
 
@@ -136,8 +136,7 @@ class DraftModelProposer:
                 drafts[i].append(token)
             return
         q = logits_to_probs(logits, rows)
-        noise = exponential_noise(reqs, [1] * len(reqs), q.shape[1], q.device)
-        tokens = sample_from(q, noise).tolist()
+        tokens = sample_from(q, request_uniforms(reqs, [1] * len(reqs), q.device)).tolist()
         for (i, _, _), token, q_row in zip(drafting, tokens, q, strict=True):
             drafts[i].append(token)
             probs[i].append(q_row)
