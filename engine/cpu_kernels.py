@@ -258,4 +258,89 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr] + [i64] * 4 + [ctypes.c_float, i32]
     )
     lib.tandem_paged_attention.restype = i32
+    lib.tandem_layers.argtypes = (
+        [ptr, i64, ptr, ptr]
+        + [i64] * 6
+        + [ctypes.c_float] * 2
+        + [
+            ptr,
+            i32,
+        ]
+    )
+    lib.tandem_layers.restype = i32
     return lib
+
+
+class Weight(ctypes.Structure):
+    """A packed linear for `layers` (tandem_weight in layer.c)."""
+
+    _fields_ = [("panels", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("format", ctypes.c_int64)]
+
+
+class Layer(ctypes.Structure):
+    """One decoder layer's weights and KV cache for `layers` (tandem_layer in layer.c)."""
+
+    _fields_ = [
+        ("qkv", Weight),
+        ("o", Weight),
+        ("gate_up", Weight),
+        ("down", Weight),
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("key_cache", ctypes.c_void_p),
+        ("value_cache", ctypes.c_void_p),
+    ]
+
+
+class Batch(ctypes.Structure):
+    """The batch's positions, cache slots and attention layout (tandem_batch in layer.c)."""
+
+    _fields_ = [
+        ("positions", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("tables", ctypes.c_void_p),
+        ("width", ctypes.c_int64),
+        ("q_starts", ctypes.c_void_p),
+        ("q_lens", ctypes.c_void_p),
+        ("ctx_lens", ctypes.c_void_p),
+        ("num_seqs", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+    ]
+
+
+WEIGHT_FORMATS = {"float32": 0, "bfloat16": 1, "Q8_0": 2, "Q4_1": 3}
+"""tandem_weight.format: panels of pack_linear_weight (float32 / bfloat16) or of
+pack_quant_weight (a GGUF type)."""
+
+
+def weight(panels: torch.Tensor, bias: torch.Tensor | None, quant: str | None) -> Weight:
+    """A packed linear's panels (kept alive by the caller) as a `Weight`."""
+    kind = quant or ("bfloat16" if panels.dtype == torch.bfloat16 else "float32")
+    return Weight(panels.data_ptr(), _ptr(bias), WEIGHT_FORMATS[kind])
+
+
+def layers(
+    stack: ctypes.Array,  # of Layer, one per decoder layer in order
+    batch: Batch,
+    hidden: torch.Tensor,  # [tokens, dim] float32, contiguous: updated in place
+    shape: tuple[int, int, int, int],  # heads, kv_heads, head_dim, intermediate size
+    eps: float,
+    scale: float,
+) -> None:
+    """Every layer of a Llama-family model over `hidden` in one call (tandem_layers): the
+    per-step kernels in the order engine/models/llama.py calls them, so the same numbers."""
+    heads, kv_heads, head_dim, inter = shape
+    tokens, dim = hidden.shape
+    scratch = torch.empty(tokens * (dim + (3 * heads + 2 * kv_heads) * head_dim + 3 * inter))
+    status = _require().tandem_layers(
+        ctypes.addressof(stack), len(stack), ctypes.addressof(batch), hidden.data_ptr(),
+        tokens, dim, heads, kv_heads, head_dim, inter, eps, scale, scratch.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(
+            f"the CPU attention kernel does not take heads={heads}, kv_heads={kv_heads}, "
+            f"head_dim={head_dim}, block_size={batch.block_size}"
+        )

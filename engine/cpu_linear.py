@@ -35,8 +35,13 @@ def available() -> bool:
 class PackedLinear(nn.Module):
     """An `nn.Linear` (same parameters) computed by the packed C kernel."""
 
+    changes = 0
+    """Counts packings and switches of panels, process-wide: a cache of panel addresses
+    (engine/models/llama.py's layer stack) is stale once this moves."""
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
+        PackedLinear.changes += 1
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
@@ -53,6 +58,7 @@ class PackedLinear(nn.Module):
         """Read `panels`, GGUF blocks of exactly this layer's weights
         (cpu_kernels.pack_quant_weight), from now on."""
         self.panels, self.quant = panels, quant
+        PackedLinear.changes += 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.rows(x.reshape(-1, self.in_features))

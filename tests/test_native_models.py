@@ -74,6 +74,39 @@ def test_native_forward_on_the_cpu_kernels_matches_transformers(tiny_dirs, qwen3
         torch.testing.assert_close(native.forward(seqs), hf.forward(seqs), rtol=1e-4, atol=1e-4)
 
 
+def test_all_layers_in_one_call_give_the_per_layer_numbers(tiny_dirs):
+    """With the CPU attention kernel taking every request, the layers run as one C call
+    (cpu_kernels.layers): bit for bit what the per-layer calls give, on bfloat16-exact and on
+    float32 panels, for prefills, a decode, a verification and a chunk."""
+    from engine import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
+    hf = _runner(tiny_dirs["llama"], "transformers")
+    for bf16 in (True, False):
+        runners = []
+        for one_call in (True, False):
+            runner = ModelRunner(str(tiny_dirs["llama"]), torch.device("cpu"), torch.float32, "cpu")
+            if bf16:  # weights on the bfloat16 grid: bfloat16 panels
+                with torch.no_grad():
+                    for param in runner.model.parameters():
+                        param.copy_(param.to(torch.bfloat16))
+            runner.allocate_kv(64, BLOCK)
+            runner.use_cpu_kernels()
+            runner.native.one_call = one_call and runner.native.one_call
+            runners.append(runner)
+        fused, per_layer = runners
+        assert fused.native.one_call and not per_layer.native.one_call
+        formats = {layer.qkv.panels.dtype for layer in fused.native.layers}
+        assert formats == {torch.bfloat16 if bf16 else torch.float32}
+        for seqs in _steps(hf.vocab_size):
+            got = fused.forward(seqs)
+            assert torch.equal(got, per_layer.forward(seqs))
+            if not bf16:  # the weights transformers has
+                torch.testing.assert_close(got, hf.forward(seqs), rtol=1e-4, atol=1e-4)
+        assert fused.native._stack is not None  # the one-call path ran
+
+
 def test_native_weights_are_shared_with_transformers(tiny_dirs):
     """q/k/v and gate/up are fused without a second copy; the HF modules read the fused
     weights, so the transformers forward on the same runner still gives the same logits."""

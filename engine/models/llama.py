@@ -15,6 +15,8 @@ against transformers' on a probe batch before using it (engine/models/__init__.p
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -179,6 +181,9 @@ class LlamaForward(nn.Module):
         self.register_buffer("cos", (emb.cos() * scaling).to(device, dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(device, dtype), persistent=False)
         self.cpu_kernels = False
+        self.one_call = False
+        self._stack: tuple[tuple, ctypes.Array] | None = None
+        """(key, cpu_kernels.Layer array) for `cpu_kernels.layers`; see `_layer_stack`."""
 
     def use_cpu_kernels(self) -> bool:
         """Pack the linears and run each layer through `_Layer.forward_cpu` (float32 on the
@@ -190,6 +195,13 @@ class LlamaForward(nn.Module):
             return False
         pack_linears(self)
         self.cpu_kernels = True
+        shapes = {
+            (x.num_heads, x.num_kv_heads, x.head_dim, x.intermediate, x.scaling,
+             x.input_norm.variance_epsilon, x.post_norm.variance_epsilon)
+            for x in self.layers
+        }  # fmt: skip
+        self.one_call = len(shapes) == 1
+        """Whether `_forward_stack` may run the layers: they share shapes and norm epsilon."""
         return True
 
     def forward(
@@ -199,6 +211,9 @@ class LlamaForward(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [tokens, hidden], before the final norm
         hidden = self.embed_tokens(input_ids)
+        if self.one_call and metadata.kernel_seqs is not None and not metadata.groups:
+            # Every request is the attention kernel's: all layers in one C call.
+            return self._forward_stack(hidden, positions, metadata)
         if self.cpu_kernels:
             for layer in self.layers:
                 hidden = layer.forward_cpu(hidden, positions, self.cos, self.sin, metadata)
@@ -208,6 +223,48 @@ class LlamaForward(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, metadata)
         return hidden
+
+    def _forward_stack(
+        self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """`forward` on the C kernels as one call (cpu_kernels.layers): the steps of
+        `_Layer.forward_cpu`, same kernels in the same order, without Python between them."""
+        seqs, first = metadata.kernel_seqs, self.layers[0]
+        key_cache = metadata.kv_caches[0][0]
+        batch = cpu_kernels.Batch(
+            positions.data_ptr(), metadata.slot_mapping.data_ptr(),
+            self.cos.data_ptr(), self.sin.data_ptr(),
+            seqs.tables.data_ptr(), seqs.tables.shape[1],
+            seqs.q_starts.data_ptr(), seqs.q_lens.data_ptr(), seqs.ctx_lens.data_ptr(),
+            seqs.tables.shape[0], key_cache.shape[1],
+        )  # fmt: skip
+        hidden = hidden.contiguous()
+        shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.intermediate)
+        eps = first.input_norm.variance_epsilon
+        stack = self._layer_stack(metadata.kv_caches)
+        cpu_kernels.layers(stack, batch, hidden, shape, eps, first.scaling)
+        return hidden
+
+    def _layer_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array:
+        """The layers' weights and caches as `cpu_kernels.Layer`s, rebuilt when a cache or
+        any packed panels changed (the key: their addresses, and PackedLinear.changes)."""
+        key = (PackedLinear.changes, tuple(t.data_ptr() for pair in kv_caches for t in pair))
+        if self._stack is None or self._stack[0] != key:
+            stack = (cpu_kernels.Layer * len(self.layers))()
+            for entry, layer in zip(stack, self.layers, strict=True):
+                key_cache, value_cache = kv_caches[layer.layer_idx]
+                for name, linear in (
+                    ("qkv", layer.qkv), ("o", layer.o_proj),
+                    ("gate_up", layer.gate_up), ("down", layer.down_proj),
+                ):  # fmt: skip
+                    packed: PackedLinear = linear
+                    weight = cpu_kernels.weight(packed.panels, packed.packed_bias, packed.quant)
+                    setattr(entry, name, weight)
+                entry.input_norm = layer.input_norm.weight.data_ptr()
+                entry.post_norm = layer.post_norm.weight.data_ptr()
+                entry.key_cache, entry.value_cache = key_cache.data_ptr(), value_cache.data_ptr()
+            self._stack = (key, stack)
+        return self._stack[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] body output -> [rows, vocab]; rows are normalised independently, so
