@@ -15,7 +15,8 @@ configuration is measured once per --rounds, round-robin, and the median round i
 With `--llama-server PATH`, llama.cpp's own server (the binary at PATH) runs the same load as
 two more configurations: the default model's GGUF file itself, as many threads as Tandem, the
 chat template from the file, and 1 slot ("llama-server-np1", its best at concurrency 1) or 16
-slots with continuous batching ("llama-server-np16").
+slots with continuous batching ("llama-server-np16"). `bench/peers/build_llama_server.sh`
+builds it (explicit AVX-512 flags, AMX off).
 
 Each row also splits the measured wall time by where it went, from the server's
 `tandem_step_seconds_total` counters read before and after: the target's forward, the draft

@@ -46,6 +46,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.eos_token_ids = engine.eos_token_ids
+        self.cpu_isa = engine.cpu_isa
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._step_lock = threading.Lock()

@@ -52,6 +52,13 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
         return None, str(exc)
 
 
+def isa() -> str | None:
+    """The vector instruction set the kernels were compiled for (avx512f, avx2+fma, neon,
+    ...), or None when they are unavailable."""
+    lib = load()
+    return lib.tandem_isa().decode() if lib is not None else None
+
+
 def pack_linear_weight(weight: torch.Tensor, allow_bf16: bool = True) -> torch.Tensor:
     """[out, in] float32 -> the kernel's panels [ceil(out / PANEL), in, PANEL] (zero-padded).
 
@@ -268,6 +275,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         ]
     )
     lib.tandem_layers.restype = i32
+    lib.tandem_isa.argtypes = []
+    lib.tandem_isa.restype = ctypes.c_char_p
     return lib
 
 

@@ -80,6 +80,8 @@ class LLMEngine:
         self.runners = [self.runner] + ([draft] if draft is not None else [])
         if config.model.cpu_packed_linear and self.device.type == "cpu" and dtype == torch.float32:
             self._pack_linears()
+        self.cpu_isa = cpu_kernels.isa() if self.runner.kernels != "torch" else None
+        """The instruction set of the CPU kernels the target runs on, or None (/version)."""
         num_blocks = config.cache.num_blocks or num_kv_blocks(
             config, self.device, self.runners, self.max_model_len
         )
@@ -292,6 +294,7 @@ class LLMEngine:
                 cpu_kernels.unavailable_reason(),
             )
             return
+        logger.info("Tandem's CPU kernels: compiled for %s", cpu_kernels.isa())
         for runner in self.runners:
             logger.info(
                 "%s: %s", runner.name, runner.use_cpu_kernels(self.config.model.gguf_blocks)

@@ -59,8 +59,13 @@ def build_router() -> APIRouter:
         return JSONResponse({"status": Status.READY.value})
 
     @router.get("/version")
-    async def version() -> JSONResponse:
-        return JSONResponse({"version": package_version()})
+    async def version(request: Request) -> JSONResponse:
+        # cpu_kernels: the instruction set Tandem's CPU kernels were compiled for when the
+        # served model runs on them; null on the GPU, on torch's operators, or while loading.
+        engine = get_state(request).engine
+        return JSONResponse(
+            {"version": package_version(), "cpu_kernels": engine.cpu_isa if engine else None}
+        )
 
     @router.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -21,8 +21,17 @@ def test_health_models_version(served):
     models = served.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].model_extra["max_model_len"] == 256
-    version = httpx.get(f"{served.url}/version").json()["version"]
-    assert version and version != "unknown"
+    version = httpx.get(f"{served.url}/version").json()
+    assert version["version"] and version["version"] != "unknown"
+    # The served (float32, CPU) model runs on the C kernels: /version names what they were
+    # compiled for, the same name the library gives.
+    from engine import cpu_kernels
+
+    if cpu_kernels.available():
+        assert version["cpu_kernels"] == cpu_kernels.isa()
+        assert version["cpu_kernels"] in ("avx512f", "avx2+fma", "avx", "neon", "sse2", "generic")
+    else:
+        assert version["cpu_kernels"] is None
 
 
 def test_completion(served):

@@ -27,6 +27,7 @@ class ScriptedEngine:
     max_model_len = 64
     vocab_size = 320
     eos_token_ids = (0,)
+    cpu_isa = None
 
     def __init__(self, steps: list[list[int]] | None = None, fail: str | None = None) -> None:
         self.steps = steps or []

@@ -148,3 +148,22 @@ void tandem_linear_bf16(const float *x, const uint16_t *panels, const float *bia
                         int nthreads) {
   linear(1, x, panels, bias, residual, y, M, N, K, nthreads);
 }
+
+/* The vector instructions the compiler chose for these kernels (cc -march=native picks the
+ * machine's own): the 16-lane float32 vectors of the GGUF kernels and the 8-lane ones of the
+ * others run as one AVX-512 or AVX2 register each, or as pairs or quads of narrower ones. */
+const char *tandem_isa(void) {
+#if defined(__AVX512F__)
+  return "avx512f";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2+fma";
+#elif defined(__AVX__)
+  return "avx";
+#elif defined(__ARM_NEON)
+  return "neon";
+#elif defined(__SSE2__)
+  return "sse2";
+#else
+  return "generic";
+#endif
+}

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's own server, `llama-server`, into .venv-peers/llama.cpp/bin (ignored), for
+# `python -m bench.chat_bench --llama-server .venv-peers/llama.cpp/bin/llama-server`.
+#
+# The source is the llama.cpp tree that llama-cpp-python's source distribution carries
+# (vendor/llama.cpp), fetched from PyPI like every other dependency. Built for AVX2 + FMA +
+# AVX-512 (F, VBMI, VNNI, BF16) with AMX off, not -march=native: on some virtual machines a
+# native build crashes in the AMX path. Say so beside any figure measured with it.
+# About 5 minutes on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+WORK=.venv-peers/llama.cpp
+mkdir -p "$WORK"
+if [ ! -d "$WORK/src/vendor/llama.cpp" ]; then
+  .venv/bin/pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$WORK"
+  mkdir -p "$WORK/src"
+  tar xzf "$WORK/llama_cpp_python-$VERSION.tar.gz" -C "$WORK/src" --strip-components=1
+fi
+cmake -S "$WORK/src/vendor/llama.cpp" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release \
+  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+  -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+cmake --build "$WORK/build" --target llama-server -j "$(nproc)"
+mkdir -p "$WORK/bin"
+ln -sf "$(pwd)/$WORK/build/bin/llama-server" "$WORK/bin/llama-server"
+"$WORK/bin/llama-server" --version
