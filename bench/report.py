@@ -175,10 +175,37 @@ def chat_section(data: dict, plot: Path) -> list[str]:
         f"(`bench/chat_prompts.py`), natural stops up to {data['max_tokens']} tokens, output "
         "tokens from usage; sampling requests carry no seed (with one, a request drafts "
         "K_max at every step; the command says `--seeded` when they did). Median of "
-        f"{data.get('median_of', 1)} round(s). `x off` is the speed-up over speculation off "
-        "at the same concurrency and temperature; `acc` the share of drafted tokens accepted.",
+        f"{data.get('median_of', 1)} round(s). `x off` is the speed-up over Tandem with "
+        "speculation off at the same concurrency and temperature; `acc` the share of drafted "
+        "tokens accepted.",
         "",
     ]
+    peers = [c for c in configs if c.startswith("llama-server")]
+    if peers:
+        lines += [
+            "The peer rows are llama.cpp's own `llama-server` serving the same GGUF file (its "
+            "Q4_1 and Q8_0 blocks, with llama.cpp's quantized-activation dot products) under "
+            "the same load, as many threads as Tandem, built by "
+            "`bench/peers/build_llama_server.sh` (AVX-512 flags, AMX off), with 1 slot or 16 "
+            "slots and continuous batching. Tandem's default (draft, adaptive K) against the "
+            "faster of the two at each level:",
+            "",
+        ]
+        for t in temps:
+            for c in levels:
+                ours = rows.get(("draft-adaptive", c, t))
+                best = max(
+                    (rows[(p, c, t)] for p in peers if (p, c, t) in rows),
+                    key=lambda r: r["tokens_per_s"],
+                    default=None,
+                )
+                if ours and best:
+                    lines.append(
+                        f"- c={c}, T={t:g}: {ours['tokens_per_s']:.1f} against "
+                        f"{best['tokens_per_s']:.1f} tok/s "
+                        f"(**{ours['tokens_per_s'] / best['tokens_per_s']:.2f}x**)"
+                    )
+        lines.append("")
     head = ["configuration"]
     for t in temps:
         for c in levels:
