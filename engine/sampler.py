@@ -118,12 +118,13 @@ def request_uniforms(
     """U[0, 1) draws, num_rows[i] from request i's own generator (zeros for greedy requests,
     whose rows are one-hot), request by request."""
     parts = [
-        torch.zeros(n, dtype=torch.float64)
+        torch.zeros(n, dtype=torch.float64, device=device)
         if req.params.greedy
-        else torch.rand(n, generator=req.generator, dtype=torch.float64)
+        # on the generator's own device (a request's generator lives on the engine's)
+        else torch.rand(n, generator=req.generator, dtype=torch.float64, device=device)
         for req, n in zip(requests, num_rows, strict=True)
     ]
-    return torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.float64)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
 
 
 def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

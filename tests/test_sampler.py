@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.request import Request, SamplingParams
@@ -60,3 +61,16 @@ def test_seeded_requests_draw_the_same_stream():
         return request_uniforms([req, req], [2, 1], torch.device("cpu")).tolist()
 
     assert draws(5) == draws(5) != draws(6)
+
+
+@pytest.mark.gpu
+def test_draws_and_samples_stay_on_the_engines_device():
+    """On CUDA a request's generator is a CUDA generator: its draws are made there."""
+    device = torch.device("cuda")
+    req = Request("r", [1], SamplingParams(temperature=0.7, seed=3))
+    req.generator = torch.Generator(device=device).manual_seed(3)
+    uniform = request_uniforms([req], [4], device)
+    assert uniform.device.type == "cuda" and uniform.dtype == torch.float64
+    probs = torch.softmax(torch.randn(4, 50, device=device), dim=-1)
+    tokens = sample_from(probs, uniform)
+    assert tokens.device.type == "cuda" and bool(((tokens >= 0) & (tokens < 50)).all())
