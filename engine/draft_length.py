@@ -73,7 +73,10 @@ class AdaptiveDraftLength:
 
     When speculation has been off for `probe_interval` steps, one step drafts K = 1 for every
     request: otherwise a pessimistic cost estimate or acceptance prior could never be corrected,
-    since only steps that draft measure the draft's cost and acceptance.
+    since only steps that draft measure the draft's cost and acceptance. A probe is not free
+    (the draft first catches up on every token it skipped), so while probes keep confirming
+    K = 0 the interval doubles, up to `max_probe_interval`; the policy choosing drafts on its
+    own resets it.
 
     A seeded sampling request always gets K_max: under speculative sampling the exact sample
     (not its distribution) depends on K, and a seed promises the same output every time, which
@@ -88,11 +91,14 @@ class AdaptiveDraftLength:
         prior_weight: float = 8,
         probe_interval: int = 32,
         uniform_margin: float = 0.03,
+        max_probe_interval: int = 1024,
     ) -> None:
         self.max_draft_tokens = max_draft_tokens
         self.uniform_margin = uniform_margin
         self.cost = cost
         self.probe_interval = probe_interval
+        self.max_probe_interval = max_probe_interval
+        self._probe_every = probe_interval
         self._steps_without_drafts = 0
         self.prior_weight = prior_weight
         self._accepted = prior * prior_weight  # decayed engine-wide counts
@@ -139,10 +145,12 @@ class AdaptiveDraftLength:
                 reasons.append(REASON_BATCH if k < k_solo else REASON_ACCEPTANCE)
         if ks.any():
             self._steps_without_drafts = 0
+            self._probe_every = self.probe_interval
         else:
             self._steps_without_drafts += 1
-            if self._steps_without_drafts >= self.probe_interval:
+            if self._steps_without_drafts >= self._probe_every:
                 self._steps_without_drafts = 0
+                self._probe_every = min(2 * self._probe_every, self.max_probe_interval)
                 ks[:] = 1
         return DraftLengths([int(k) for k in ks], reasons)
 

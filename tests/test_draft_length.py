@@ -63,6 +63,26 @@ def test_low_acceptance_switches_speculation_off():
     assert choice.reasons == [REASON_ACCEPTANCE] * 4
 
 
+def test_probes_back_off_while_they_confirm_k_zero_and_reset_when_drafting_pays():
+    """With speculation off, a probe step (K = 1 for all) comes after 32 steps, then 64,
+    128, ... up to the cap; once the policy drafts on its own, the interval is 32 again."""
+    policy = AdaptiveDraftLength(8, memory_then_compute_bound(), max_probe_interval=128)
+    hopeless = _requests(4, accepted=2, trials=200, temperature=0)
+
+    def probe_gaps(steps: int) -> list[int]:
+        gaps, since = [], 0
+        for _ in range(steps):
+            since += 1
+            if any(policy.choose(hopeless).ks):
+                gaps.append(since)
+                since = 0
+        return gaps
+
+    assert probe_gaps(32 + 64 + 128 + 128 + 128) == [32, 64, 128, 128, 128]
+    assert policy.choose(_requests(1, accepted=99, trials=100, temperature=0)).ks[0] > 0
+    assert probe_gaps(32) == [32]
+
+
 def test_more_acceptance_never_means_fewer_drafts():
     policy = AdaptiveDraftLength(8, memory_then_compute_bound())
     ks = [
