@@ -14,7 +14,7 @@ from torch import nn
 
 from engine import cpu_kernels, model_files
 from engine.cpu_linear import PackedLinear
-from engine.gguf_linear import use_gguf_blocks
+from engine.gguf_linear import gguf_tensors, use_gguf_blocks
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(
@@ -74,6 +74,37 @@ def test_layers_whose_rows_are_all_in_the_file_switch_and_keep_their_outputs(tmp
     assert module["stray"].quant is None and module["mixed"].quant is None
     for name, layer in module.items():
         assert torch.equal(layer(x), before[name]), name
+
+
+def test_the_tensor_table_reader_agrees_with_ggufs_own(tmp_path: Path):
+    """gguf_tensors skips the metadata (strings, arrays of strings and numbers, a custom
+    alignment) and finds every tensor's bytes where gguf's reader does."""
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_custom_alignment(64)
+    writer.add_string("general.name", "tiny")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bc", "é", ""] * 50)
+    writer.add_array("tokenizer.ggml.scores", [0.5, -1.0] * 20)
+    writer.add_uint32("llama.block_count", 1)
+    q_blocks, _ = _quantized(16, 64, "Q4_1", 4)
+    e_blocks, _ = _quantized(8, 96, "Q8_0", 5)
+    writer.add_tensor("blk.0.attn_q.weight", q_blocks, raw_shape=q_blocks.shape,
+                      raw_dtype=gguf.GGMLQuantizationType.Q4_1)  # fmt: skip
+    writer.add_tensor("output_norm.weight", np.arange(7, dtype=np.float32))
+    writer.add_tensor("token_embd.weight", e_blocks, raw_shape=e_blocks.shape,
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours = gguf_tensors(path)
+    theirs = gguf.GGUFReader(path).tensors
+    assert [(name, kind) for name, kind, _ in ours] == [
+        (t.name, int(t.tensor_type)) for t in theirs
+    ]
+    for (_, _, data), tensor in zip(ours, theirs, strict=True):
+        assert data.tobytes() == np.asarray(tensor.data).tobytes()
+    assert np.array_equal(ours[0][2], q_blocks) and np.array_equal(ours[2][2], e_blocks)
 
 
 def test_gguf_source_names_the_converted_file_while_it_exists(tmp_path: Path):
