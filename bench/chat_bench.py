@@ -93,14 +93,17 @@ STEP_PARTS = ("target_forward", "draft", "verify", "schedule")
 
 async def step_seconds(client: httpx.AsyncClient, url: str) -> dict[str, float]:
     """The server's engine-step time by part (`tandem_step_seconds_total`), in seconds."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     resp = await client.get(url + "/metrics")
-    text = resp.text if resp.status_code == 200 else ""
-    parts = {}
-    for line in text.splitlines():
-        if line.startswith('tandem_step_seconds_total{part="'):
-            label, value = line.split('"', 2)[1], line.rsplit(" ", 1)[1]
-            parts[label] = float(value)
-    return parts
+    if resp.status_code != 200:
+        return {}
+    return {
+        sample.labels["part"]: sample.value
+        for family in text_string_to_metric_families(resp.text)
+        for sample in family.samples
+        if sample.name == "tandem_step_seconds_total"
+    }
 
 
 async def run_level(

@@ -110,6 +110,19 @@ def pack_quant_weight(blocks: np.ndarray, quant: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(-1))
 
 
+_KERNELS = {
+    "float32": "tandem_linear",
+    "bfloat16": "tandem_linear_bf16",
+    "Q8_0": "tandem_linear_q8_0",
+    "Q4_1": "tandem_linear_q4_1",
+}
+
+
+def panel_format(panels: torch.Tensor, quant: str | None) -> str:
+    """What packed panels hold: a GGUF type (`quant`), else bfloat16 or float32 weights."""
+    return quant or ("bfloat16" if panels.dtype == torch.bfloat16 else "float32")
+
+
 def linear(
     x: torch.Tensor,  # [rows, in] float32, contiguous
     panels: torch.Tensor,  # pack_linear_weight(weight) or pack_quant_weight(blocks, quant)
@@ -122,12 +135,7 @@ def linear(
     x = x.contiguous()
     rows, in_features = x.shape
     out = residual if residual is not None else torch.empty(rows, out_features)
-    if quant is not None:
-        kernel = lib.tandem_linear_q4_1 if quant == "Q4_1" else lib.tandem_linear_q8_0
-    elif panels.dtype == torch.bfloat16:
-        kernel = lib.tandem_linear_bf16
-    else:
-        kernel = lib.tandem_linear
+    kernel = getattr(lib, _KERNELS[panel_format(panels, quant)])
     if rows:
         kernel(
             x.data_ptr(),
@@ -326,8 +334,7 @@ pack_quant_weight (a GGUF type)."""
 
 def weight(panels: torch.Tensor, bias: torch.Tensor | None, quant: str | None) -> Weight:
     """A packed linear's panels (kept alive by the caller) as a `Weight`."""
-    kind = quant or ("bfloat16" if panels.dtype == torch.bfloat16 else "float32")
-    return Weight(panels.data_ptr(), _ptr(bias), WEIGHT_FORMATS[kind])
+    return Weight(panels.data_ptr(), _ptr(bias), WEIGHT_FORMATS[panel_format(panels, quant)])
 
 
 def layers(

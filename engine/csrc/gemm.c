@@ -59,7 +59,7 @@ INLINE void linear_tile(const int bf16, const int np, const int m, const float *
     }
   }
   for (int p = 0; p < np; p++) {
-    const int n = cols - p * PANEL < PANEL ? cols - p * PANEL : PANEL;
+    const int n = span(cols, p * PANEL, PANEL);
     for (int r = 0; r < m; r++) {
       float row[PANEL];
       store(row, lo[p][r]);
@@ -90,7 +90,7 @@ INLINE void linear_group(const int bf16, const int np, const float *x, const voi
         const void *pp = (const char *)panel + p * pstride * (bf16 ? 2 : 4);
         const float *bp = b ? b + p * PANEL : 0;
         const float *rp = rr ? rr + p * PANEL : 0;
-        const int c = cols - p * PANEL < PANEL ? cols - p * PANEL : PANEL;
+        const int c = span(cols, p * PANEL, PANEL);
 #define TILE1(m) linear_tile(bf16, 1, m, xr, K, pp, pstride, bp, rp, yr + p * PANEL, N, c)
         switch (rows) { /* constant row counts: unrolled tiles */
           case 1: TILE1(1); break;
@@ -130,8 +130,8 @@ static void linear(const int bf16, const float *x, const void *panels, const flo
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, chunk) if (nthreads > 1)
   for (int64_t g = 0; g < num_groups; g++) {
     const int64_t p0 = g * group;
-    const int np = num_panels - p0 < group ? (int)(num_panels - p0) : group;
-    const int cols = N - p0 * PANEL < np * PANEL ? (int)(N - p0 * PANEL) : np * PANEL;
+    const int np = span(num_panels, p0, group);
+    const int cols = span(N, p0 * PANEL, np * PANEL);
     run(np, x, (const char *)panels + p0 * pstride * (bf16 ? 2 : 4), pstride,
         bias ? bias + p0 * PANEL : 0, residual ? residual + p0 * PANEL : 0, y + p0 * PANEL, M,
         N, K, cols);

@@ -33,6 +33,11 @@ INLINE float hsum(v8 v) {
   for (int i = 0; i < 8; i++) s += v[i];
   return s;
 }
+/* How many of `width` items starting at `start` exist among `total`: a panel group's panels,
+ * a group's or a panel's columns (the last ones of a matrix are short). */
+INLINE int span(int64_t total, int64_t start, int64_t width) {
+  return (int)(total - start < width ? total - start : width);
+}
 INLINE float hmax(v8 v) {
   float m = v[0];
   for (int i = 1; i < 8; i++) m = v[i] > m ? v[i] : m;
