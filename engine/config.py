@@ -16,6 +16,8 @@ DRAFT_LENGTH_POLICIES = ("adaptive", "fixed")
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 # engine/models/__init__.py MODEL_IMPLS.
 MODEL_IMPLS = ("auto", "native", "transformers")
+# engine/quantization.py METHODS.
+QUANTIZATIONS = ("none", "bf16", "int8", "int4")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -59,6 +61,11 @@ class ModelConfig:
     file's own Q8_0 / Q4_1 blocks (engine/gguf_linear.py): the same outputs from about a
     fifth of the bytes per pass. Off = the dequantized float32 weights."""
 
+    quantization: str = "none"
+    """Weight-only quantization of Hugging Face checkpoints (engine/quantization.py): none,
+    bf16, int8 (Q8_0 blocks), int4 (Q4_1 blocks, LM head int8). Changes the served model;
+    runs on the CPU in float32. A GGUF model keeps its file's weights."""
+
     cache_dir: str | None = None
     """Where GGUF files are converted to (engine/model_files.py); None = the user cache."""
     cpu_bind: bool = True
@@ -71,6 +78,12 @@ class ModelConfig:
         _check_choice("--device", self.device, DEVICES)
         _check_choice("--attention-backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("--model-impl", self.model_impl, MODEL_IMPLS)
+        _check_choice("--quantization", self.quantization, QUANTIZATIONS)
+        _check(
+            self.quantization == "none" or not self.model.endswith(".gguf"),
+            f"--quantization {self.quantization} applies to Hugging Face checkpoints: a .gguf "
+            "model is served on its own quantized weights",
+        )
         _check(
             self.max_model_len is None or self.max_model_len >= 2,
             f"--max-model-len must be at least 2 (got {self.max_model_len})",

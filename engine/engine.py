@@ -60,8 +60,19 @@ class LLMEngine:
         if self.device.type == "cpu":
             cpu_memory.keep_freed_memory()
         self.attention_backend = select_backend(config.model.attention_backend, self.device, dtype)
+        quantization = config.model.quantization
+        if quantization != "none" and (self.device.type != "cpu" or dtype != torch.float32):
+            raise ValueError(
+                f"--quantization {quantization} runs on the CPU in float32 "
+                f"(got --device {self.device.type}, --dtype {config.model.dtype})"
+            )
         self.runner = ModelRunner(
-            config.model.model, self.device, dtype, self.attention_backend, config.model.model_impl
+            config.model.model,
+            self.device,
+            dtype,
+            self.attention_backend,
+            config.model.model_impl,
+            quantization,
         )
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = _eos_token_ids(config.model.model, self.runner)
@@ -73,6 +84,7 @@ class LLMEngine:
             self.vocab_size,
             self.attention_backend,
             config.model.model_impl,
+            quantization,
         )
 
         block_size = config.cache.block_size

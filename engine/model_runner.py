@@ -29,6 +29,7 @@ from engine.attention_backends import BACKENDS
 from engine.decode_graphs import DecodeGraphs
 from engine.model_files import gguf_source
 from engine.models import MODEL_IMPLS, NativeForward, build_native
+from engine.quantization import round_weights, use_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class ModelRunner:
         dtype: torch.dtype,
         attention_backend: str = "reference",
         model_impl: str = "auto",
+        quantization: str = "none",
     ) -> None:
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}")
@@ -115,6 +117,7 @@ class ModelRunner:
             model_path, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
         )
         self.model.to(device).eval()
+        self.quantization = self._quantize(quantization)
         vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.head_tokens = restrict_head(self.model, model_path)
         text_config = self.hf_config.get_text_config()
@@ -152,6 +155,17 @@ class ModelRunner:
             self.native = self._load_native(strict=model_impl == "native")
         self.model_impl = "native" if self.native is not None else "transformers"
 
+    def _quantize(self, method: str) -> str:
+        """Round the weights to `method` (engine/quantization.py); what is then served."""
+        if method != "none" and gguf_source(self.name) is not None:
+            logger.info("%s: served on its GGUF file's weights, --quantization ignored", self.name)
+            return "none"
+        rounded = round_weights(self.model, method)
+        if rounded:
+            kinds = ", ".join(f"{n} to {kind}" for kind, n in sorted(rounded.items()))
+            logger.info("%s: --quantization %s: weights rounded: %s", self.name, method, kinds)
+        return method
+
     @property
     def forward_module(self) -> torch.nn.Module:
         """The module whose layers `forward` runs (to swap kernels into, e.g. packed linears)."""
@@ -186,6 +200,7 @@ class ModelRunner:
             else:  # e.g. q/k norms: those steps stay on torch, the linears go packed
                 done = f"native forward, {cpu_linear.pack_linears(native)} linears packed"
             done += self._use_gguf_blocks(native) if gguf_blocks else ""
+            done += self._use_quant_blocks(native)
             error = self._native_error(native)
             if error <= _NATIVE_TOLERANCE[self.dtype]:
                 return done
@@ -203,7 +218,15 @@ class ModelRunner:
             self.native, self.model_impl = None, "transformers"
         packed = cpu_linear.pack_linears(self.model)
         done = f"{packed} linear layers on packed weights"
-        return done + (self._use_gguf_blocks(self.model) if gguf_blocks else "")
+        done += self._use_gguf_blocks(self.model) if gguf_blocks else ""
+        return done + self._use_quant_blocks(self.model)
+
+    def _use_quant_blocks(self, module: torch.nn.Module) -> str:
+        """Packed linears of a `--quantization int8/int4` model onto kernel blocks holding
+        exactly their rounded weights; what was switched, for the log."""
+        switched = use_blocks(module, self.quantization)
+        kinds = ", ".join(f"{n} on {kind}" for kind, n in sorted(switched.items()))
+        return f"; {kinds} blocks (--quantization {self.quantization})" if kinds else ""
 
     def _use_gguf_blocks(self, module: torch.nn.Module) -> str:
         """Packed linears of a converted GGUF model onto the file's own quantized blocks

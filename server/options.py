@@ -17,6 +17,7 @@ from engine.config import (
     DRAFT_LENGTH_POLICIES,
     DTYPES,
     MODEL_IMPLS,
+    QUANTIZATIONS,
     SPEC_METHODS,
 )
 
@@ -142,6 +143,16 @@ OPTIONS: tuple[Option, ...] = (
         "values) and, with the native forward, every step of a layer; ignored on CUDA or "
         "without a C compiler",
         metavar="on|off",
+    ),
+    Option(
+        "model.quantization",
+        "--quantization",
+        str,
+        "weight-only quantization of Hugging Face checkpoints, a change to the served model "
+        "(both models; activations, KV and sums stay float32; CPU only): bf16 = weights rounded "
+        "to bfloat16, int8 = GGUF Q8_0 blocks (32 weights, one float16 scale), int4 = GGUF Q4_1 "
+        "blocks (LM head int8); none (default) = the checkpoint's float32 weights",
+        choices=QUANTIZATIONS,
     ),
     Option(
         "model.gguf_blocks",

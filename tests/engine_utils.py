@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from engine.engine import LLMEngine
+from engine.quantization import round_weights
 from engine.request import SamplingParams
 
 
@@ -29,6 +30,7 @@ def make_engine(
     cpu_packed_linear: bool = True,
     model_impl: str = "auto",
     cpu_bind: bool = True,
+    quantization: str = "none",
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
@@ -41,6 +43,7 @@ def make_engine(
                 cpu_packed_linear=cpu_packed_linear,
                 model_impl=model_impl,
                 cpu_bind=cpu_bind,
+                quantization=quantization,
             ),
             cache=CacheConfig(
                 block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching
@@ -76,9 +79,13 @@ def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[i
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """The reference: transformers' own generate(), greedy, no EOS stop."""
+def hf_greedy(
+    model_dir: Path, prompts: list[list[int]], max_tokens: int, quantization: str = "none"
+) -> list[list[int]]:
+    """The reference: transformers' own generate(), greedy, no EOS stop, on the weights
+    `--quantization` serves."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    round_weights(model, quantization)
     results = []
     for prompt in prompts:
         out = model.generate(

@@ -44,8 +44,9 @@ class Proposer(Protocol):
     def propose(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch: ...
 
 
-# (config, device, dtype, target vocabulary size, attention backend name, model impl) -> proposer
-ProposerFactory = Callable[[SpecConfig, torch.device, torch.dtype, int, str, str], Proposer]
+# (config, device, dtype, target vocabulary size, attention backend name, model impl,
+# weight quantization) -> proposer
+ProposerFactory = Callable[[SpecConfig, torch.device, torch.dtype, int, str, str, str], Proposer]
 PROPOSERS: dict[str, ProposerFactory] = {}
 
 
@@ -56,9 +57,10 @@ def build_proposer(
     target_vocab: int,
     attention_backend: str = "reference",
     model_impl: str = "auto",
+    quantization: str = "none",
 ) -> Proposer | None:
     if not config.enabled:
         return None
     return PROPOSERS[config.method](
-        config, device, dtype, target_vocab, attention_backend, model_impl
+        config, device, dtype, target_vocab, attention_backend, model_impl, quantization
     )

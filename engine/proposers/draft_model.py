@@ -54,9 +54,12 @@ class DraftModelProposer:
         target_vocab: int,
         attention_backend: str,
         model_impl: str,
+        quantization: str,
     ) -> DraftModelProposer:
         assert config.draft_model is not None  # SpecConfig validation guarantees it
-        runner = ModelRunner(config.draft_model, device, dtype, attention_backend, model_impl)
+        runner = ModelRunner(
+            config.draft_model, device, dtype, attention_backend, model_impl, quantization
+        )
         return cls(runner, target_vocab)
 
     def kv_bytes_per_block(self, block_size: int) -> int:

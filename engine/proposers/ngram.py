@@ -39,6 +39,7 @@ class NgramProposer:
         target_vocab: int,
         attention_backend: str,
         model_impl: str,
+        quantization: str,
     ) -> NgramProposer:
         return cls(config.ngram_max, config.ngram_min)
 

@@ -1,0 +1,102 @@
+"""--quantization (engine/quantization.py): weights rounded once at load to bf16 / int8 / int4,
+served by the CPU kernels on blocks holding exactly those weights, speculation lossless with
+respect to them, and transformers' generate() on the same rounded weights as the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from engine import cpu_kernels
+from engine.config import ModelConfig, SpecConfig
+from engine.quantization import round_weights
+from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
+
+gguf = pytest.importorskip("gguf")
+
+
+def _representable(weight: torch.Tensor, kind: str) -> bool:
+    qtype = gguf.GGMLQuantizationType[kind]
+    w = weight.detach().numpy()
+    back = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
+    return np.array_equal(back.astype(np.float32), w)
+
+
+@pytest.mark.parametrize(
+    ("method", "kind", "head_kind"),
+    [("bf16", "bfloat16", "bfloat16"), ("int8", "Q8_0", "Q8_0"), ("int4", "Q4_1", "Q8_0")],
+)
+def test_every_linear_weight_is_rounded_to_the_method_and_odd_widths_to_bf16(
+    method: str, kind: str, head_kind: str
+):
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 40), nn.Linear(40, 64))  # 40: no blocks
+    head = nn.Linear(64, 50, bias=False)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = body, head
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.head
+
+    model = Model()
+    before = [layer.weight.detach().clone() for layer in (*body, head)]
+    counts = round_weights(model, method)
+
+    expected: dict[str, int] = {}
+    wanted = (kind, kind, "bfloat16", head_kind)
+    for layer, old, want in zip((*body, head), before, wanted, strict=True):
+        w = layer.weight.detach()
+        assert not torch.equal(w, old)  # rounded ...
+        assert (w - old).abs().max() <= old.abs().max() * 0.2  # ... to nearby values
+        if want == "bfloat16":
+            assert torch.equal(w.to(torch.bfloat16).float(), w)
+        else:
+            assert _representable(w, want)
+        expected[want] = expected.get(want, 0) + 1
+    assert counts == expected
+    if method == "int4":  # the head is int8, finer than any 4-bit rounding of it
+        assert not _representable(head.weight, "Q4_1")
+
+
+def test_unknown_method_and_gguf_models_are_refused():
+    with pytest.raises(ValueError, match="--quantization must be one of"):
+        ModelConfig(model="m", quantization="fp8")
+    with pytest.raises(ValueError, match="applies to Hugging Face checkpoints"):
+        ModelConfig(model="model.Q4_1.gguf", quantization="int8")
+
+
+def test_quantization_needs_the_cpu_in_float32(tiny_dirs: dict[str, Path]):
+    with pytest.raises(ValueError, match="runs on the CPU in float32"):
+        make_engine(tiny_dirs["llama"], dtype="bfloat16", quantization="int8")
+
+
+@pytest.mark.parametrize("method", ["bf16", "int8", "int4"])
+def test_quantized_greedy_equals_generate_on_the_rounded_weights_with_speculation(
+    tiny_dirs: dict[str, Path], method: str
+):
+    prompts = random_prompts([5, 17, 9], vocab=200, seed=3)
+    want = hf_greedy(tiny_dirs["llama"], prompts, 12, quantization=method)
+    if method == "int4":  # a change this model's greedy text shows (its weights are bf16)
+        assert want != hf_greedy(tiny_dirs["llama"], prompts, 12)
+    for spec in (
+        SpecConfig(method="off"),
+        SpecConfig(method="draft", draft_model=str(tiny_dirs["llama_draft"]), draft_length="fixed"),
+        SpecConfig(method="ngram", draft_length="fixed"),
+    ):
+        engine = make_engine(tiny_dirs["llama"], spec=spec, quantization=method)
+        if cpu_kernels.available() and method != "bf16":
+            blocks = "on Q8_0" if method == "int8" else "on Q4_1, 1 on Q8_0"  # int4: head int8
+            assert f"{blocks} blocks (--quantization {method})" in engine.runner.kernels
+            draft = getattr(engine.proposer, "runner", None)
+            assert draft is None or draft.quantization == method
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, greedy(12))
+        got = drain(engine)
+        assert [got[str(i)] for i in range(len(prompts))] == want, (method, spec.method)
