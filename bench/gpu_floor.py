@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from engine.model_runner import ModelRunner, SeqInput
+from engine.model.runner import ModelRunner, SeqInput
 
 
 def sync(device: torch.device) -> None:

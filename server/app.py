@@ -23,7 +23,7 @@ from server.settings import Settings
 from server.state import ServerState, Status
 
 if TYPE_CHECKING:
-    from engine.engine import AsyncEngine
+    from engine import AsyncEngine
 
 log = logging.getLogger("tandem.server")
 
@@ -67,13 +67,13 @@ async def _load(
 ) -> None:
     settings = state.settings
     try:
-        from engine.model_files import prepare_config
+        from engine import prepare_config
 
         # GGUF files -> (cached) Hugging Face directories; directories stay as they are.
         config = await asyncio.to_thread(prepare_config, settings.engine)
         tokenizer, stop_ids = await asyncio.to_thread(_load_tokenizer, config.model.model)
         if engine is None:
-            from engine.engine import AsyncEngine  # imports torch; keep `--help` fast
+            from engine import AsyncEngine  # imports torch; keep `--help` fast
 
             engine = await asyncio.to_thread(AsyncEngine.from_config, config)
     except Exception as exc:
@@ -91,10 +91,8 @@ async def _load(
     state.token_texts = TokenTexts(tokenizer)
     state.stop_token_ids = stop_ids
     engine.start()
-    if getattr(engine, "cores", None):  # the engine thread has cores of its own: keep off them
-        from engine.cpu_affinity import others
-
-        rest = others(engine.cores)
+    rest = engine.spare_cores() if getattr(engine, "cores", None) else None
+    if rest:  # the engine thread has cores of its own: keep off them
         os.sched_setaffinity(0, rest)
         log.info("event loop bound to cores %s", sorted(rest))
     state.engine = engine

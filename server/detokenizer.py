@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from engine.outputs import TokenLogprob
+from engine import TokenLogprob
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens kept as decoding context: enough for tokenizers whose spacing depends on the

@@ -11,7 +11,7 @@ import math
 import re
 from collections.abc import Sequence
 
-from engine.outputs import TokenLogprob
+from engine import TokenLogprob
 from server.detokenizer import REPLACEMENT_CHAR, Piece
 from server.responses import ChatLogprobEntry, CompletionLogprobs, TopLogprob
 

@@ -1,7 +1,7 @@
 """Prometheus export: latency histograms measured here, engine numbers read at scrape time.
 
 Each app owns its `CollectorRegistry` (two apps in one process, as in tests, never share or
-collide). Engine statistics stay plain dataclasses in `engine.stats`; `EngineCollector`
+collide). Engine statistics stay plain dataclasses in `engine.core.stats`; `EngineCollector`
 turns the latest `EngineStats` into metric families when Prometheus scrapes.
 """
 
@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
-from engine.stats import EngineStats
+from engine import EngineStats
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 """What generate_latest() writes (the classic text format every Prometheus reads)."""

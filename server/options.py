@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from engine.config import (
+from engine import (
     ATTENTION_BACKENDS,
     DEVICES,
     DRAFT_LENGTH_POLICIES,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.request import SamplingParams
+from engine import SamplingParams
 from server.errors import APIError
 from server.protocol import ChatMessage, SamplingRequest
 from server.state import ServerState

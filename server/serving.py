@@ -16,15 +16,14 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import TYPE_CHECKING
 
-from engine.outputs import RequestOutput, TokenLogprob
-from engine.request import SamplingParams
+from engine import RequestOutput, SamplingParams, TokenLogprob
 from server.detokenizer import IncrementalDetokenizer, Piece, StopStringFilter
 from server.errors import APIError
 from server.responses import PromptTokensDetails, SpeculativeUsage, Usage
 from server.state import ServerState
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+    from engine import AsyncEngine
 
 
 @dataclass(frozen=True)
@@ -174,7 +173,7 @@ async def generate_choice(
 
 def _submit(engine: AsyncEngine, choice: ChoiceRequest) -> AsyncIterator[RequestOutput]:
     """Hand the request to the engine; its refusals become the HTTP errors they are."""
-    from engine.engine import QueueFullError  # engine.engine imports torch: load it lazily
+    from engine import QueueFullError  # imports torch: loaded when first needed
 
     try:
         return engine.generate(choice.request_id, choice.prompt_ids, choice.params)

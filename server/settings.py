@@ -15,8 +15,16 @@ from typing import Any
 
 import yaml
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
-from engine.model_files import PACKAGE_SCHEME, check_model_path, default_served_name
+from engine import (
+    PACKAGE_SCHEME,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+    check_model_path,
+    default_served_name,
+)
 from server.options import BY_KEY, CONFIG_ENV, LOG_LEVELS, OPTIONS, Option, parse_bool
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ from server.metrics import Metrics
 from server.settings import Settings
 
 if TYPE_CHECKING:
-    from engine.engine import AsyncEngine
+    from engine import AsyncEngine
     from server.logprobs import TokenTexts
 
 

@@ -8,9 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
-from engine.engine import LLMEngine
-from engine.quantization import round_weights
-from engine.request import SamplingParams
+from engine.core.engine import LLMEngine
+from engine.core.request import SamplingParams
+from engine.model.quantization import round_weights
 
 
 def make_engine(

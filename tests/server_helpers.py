@@ -18,7 +18,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from engine.engine import AsyncEngine
+from engine.core.async_engine import AsyncEngine
 from server.app import create_app
 from server.settings import Settings, load_settings
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import build_metadata, reference_attention
+from engine.attention.paged import build_metadata, reference_attention
 
 
 def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, SamplingParams
+from engine.core.request import Request, SamplingParams
+from engine.kv.block_pool import BlockPool
+from engine.kv.manager import KVCacheManager
 
 
 def test_allocate_release_roundtrip():

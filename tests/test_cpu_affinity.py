@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from engine.cpu_affinity import engine_cores, others
-from engine.engine import AsyncEngine
+from engine.core.async_engine import AsyncEngine
+from engine.cpu.affinity import engine_cores, others
 from tests.engine_utils import make_engine
 
 

@@ -1,4 +1,4 @@
-"""Tandem's CPU kernels (engine/csrc) against torch, their build, and the engine on them."""
+"""Tandem's CPU kernels (engine/cpu/csrc) against torch, their build, and the engine on them."""
 
 from __future__ import annotations
 
@@ -11,12 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels, kernel_build
-from engine.attention import REFERENCE, build_metadata, reference_attention
-from engine.attention_backends import BACKENDS, select_backend
+from engine.attention.backends import BACKENDS, select_backend
+from engine.attention.cpu import CPU, MAX_KERNEL_QUERY
+from engine.attention.paged import REFERENCE, build_metadata, reference_attention
 from engine.config import SpecConfig
-from engine.cpu_attention import CPU, MAX_KERNEL_QUERY
-from engine.model_runner import ModelRunner, SeqInput
+from engine.cpu import build as kernel_build
+from engine.cpu import kernels as cpu_kernels
+from engine.cpu import panels as cpu_panels
+from engine.model.on_cpu import use_cpu_kernels
+from engine.model.runner import ModelRunner, SeqInput
 from tests.engine_utils import drain, greedy, make_engine, random_prompts
 
 pytestmark = pytest.mark.skipif(
@@ -32,7 +35,7 @@ def test_linear_matches_torch(rows, out_features, in_features):
     b = torch.randn(out_features, generator=gen)
     x = torch.randn(rows, in_features, generator=gen)
     res = torch.randn(rows, out_features, generator=gen)
-    panels = cpu_kernels.pack_linear_weight(w)
+    panels = cpu_panels.pack_linear_weight(w)
     expected = F.linear(x, w, b)
     torch.testing.assert_close(cpu_kernels.linear(x, panels, b, out_features), expected)
     torch.testing.assert_close(
@@ -48,7 +51,7 @@ def test_bfloat16_panels_only_when_exact_and_then_bit_identical():
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(40, 24, generator=gen).bfloat16().float()
     b, x = torch.randn(40, generator=gen), torch.randn(9, 24, generator=gen)
-    narrow, wide = cpu_kernels.pack_linear_weight(w), cpu_kernels.pack_linear_weight(w, False)
+    narrow, wide = cpu_panels.pack_linear_weight(w), cpu_panels.pack_linear_weight(w, False)
     assert narrow.dtype == torch.bfloat16 and wide.dtype == torch.float32
     assert narrow.numel() == wide.numel()
     for rows in (1, 5, 9):
@@ -56,10 +59,10 @@ def test_bfloat16_panels_only_when_exact_and_then_bit_identical():
         assert torch.equal(got, cpu_kernels.linear(x[:rows], wide, b, 40))
         torch.testing.assert_close(got, F.linear(x[:rows], w, b))
     w[3, 5] += 1e-3  # no longer a bfloat16 value
-    assert cpu_kernels.pack_linear_weight(w).dtype == torch.float32
+    assert cpu_panels.pack_linear_weight(w).dtype == torch.float32
 
 
-@pytest.mark.parametrize("quant", cpu_kernels.QUANT_TYPES)
+@pytest.mark.parametrize("quant", cpu_panels.QUANT_TYPES)
 @pytest.mark.parametrize("out_features,in_features", [(16, 32), (37, 96), (300, 576)])
 def test_gguf_blocks_give_the_dequantized_weights_results_bit_for_bit(
     quant, out_features, in_features
@@ -72,8 +75,8 @@ def test_gguf_blocks_give_the_dequantized_weights_results_bit_for_bit(
     kind = gguf.GGMLQuantizationType[quant]
     blocks = gguf.quants.quantize(w.numpy(), kind)
     dequantized = torch.from_numpy(gguf.quants.dequantize(blocks, kind).astype("float32"))
-    quantized = cpu_kernels.pack_quant_weight(blocks, quant)
-    wide = cpu_kernels.pack_linear_weight(dequantized, allow_bf16=False)
+    quantized = cpu_panels.pack_quant_weight(blocks, quant)
+    wide = cpu_panels.pack_linear_weight(dequantized, allow_bf16=False)
     assert quantized.numel() < wide.numel() * 4 / 3  # 6 (Q4_1) or 9 (Q8_0) bits a weight
     b = torch.randn(out_features, generator=gen)
     for rows in range(1, 18):  # every tile shape, and tails of wider passes
@@ -88,7 +91,7 @@ def test_linear_rows_do_not_depend_on_the_batch():
     """A row's output is bit-identical whether it is computed alone or among others."""
     gen = torch.Generator().manual_seed(0)
     w, x = torch.randn(100, 48, generator=gen), torch.randn(13, 48, generator=gen)
-    panels = cpu_kernels.pack_linear_weight(w)
+    panels = cpu_panels.pack_linear_weight(w)
     together = cpu_kernels.linear(x, panels, None, 100)
     for i in range(13):
         assert torch.equal(cpu_kernels.linear(x[i : i + 1], panels, None, 100)[0], together[i])
@@ -208,16 +211,16 @@ def test_runner_falls_back_for_a_head_size_the_kernel_lacks(tmp_path, tiny_dirs)
 
 def test_native_forward_on_the_kernels_matches_transformers(tiny_dirs):
     runner = ModelRunner(str(tiny_dirs["llama"]), torch.device("cpu"), torch.float32, "cpu")
-    assert runner.use_cpu_kernels() == "native forward on the C kernels"
+    assert use_cpu_kernels(runner) == "native forward on the C kernels"
     assert runner.native.cpu_kernels
-    assert runner._native_error(runner.native) < 1e-4
+    assert runner.native_error(runner.native) < 1e-4
 
 
 def test_a_verification_pass_gives_the_decode_pass_logits(tiny_dirs):
     """On the kernels every step of the forward is computed per row, so a token's logits in
     a 1 + K verification pass equal, bit for bit, those of a plain decode of that token."""
     runner = ModelRunner(str(tiny_dirs["llama"]), torch.device("cpu"), torch.float32, "cpu")
-    runner.use_cpu_kernels()
+    use_cpu_kernels(runner)
     runner.allocate_kv(32, 4)
     prompt = random_prompts([9], vocab=runner.vocab_size, seed=5)[0]
     runner.forward([SeqInput(prompt, 0, [0, 1, 2, 3, 4], [])])
@@ -253,7 +256,7 @@ def test_without_a_compiler_the_engine_runs_on_torch(tmp_path, tiny_dirs):
         import logging, sys
         logging.basicConfig(level=logging.WARNING)
         sys.path.insert(0, {os.getcwd()!r})
-        from engine import cpu_kernels
+        from engine.cpu import kernels as cpu_kernels
         from tests.engine_utils import drain, greedy, make_engine
         assert not cpu_kernels.available()
         assert "no C compiler" in cpu_kernels.unavailable_reason()

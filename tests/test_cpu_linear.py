@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine import cpu_linear
 from engine.config import SpecConfig
+from engine.cpu import linear as cpu_linear
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 
 pytestmark = pytest.mark.skipif(

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention_backends import triton_available
+from engine.attention.backends import triton_available
 from engine.config import SpecConfig
-from engine.model_runner import ModelRunner, SeqInput
+from engine.model.runner import ModelRunner, SeqInput
 from server.settings import load_settings
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 
@@ -26,7 +26,7 @@ PROMPTS = [6, 13, 3, 21, 9]
 
 @pytest.fixture
 def interpreted():
-    from engine import triton_attention
+    from engine.attention import triton_kernel as triton_attention
 
     if not triton_attention.INTERPRETED:
         pytest.skip("the kernel is compiled for the GPU here; the gpu tests cover this path")

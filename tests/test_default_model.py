@@ -17,8 +17,8 @@ import openai
 import pytest
 import torch
 
-from engine.engine import AsyncEngine
-from engine.model_files import prepare
+from engine.core.async_engine import AsyncEngine
+from engine.model.files import prepare
 from server.settings import load_settings
 from tests.server_helpers import running
 

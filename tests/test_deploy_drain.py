@@ -22,9 +22,9 @@ import httpx
 import pytest
 import uvicorn
 
-from engine.outputs import RequestOutput
-from engine.request import SamplingParams
-from engine.stats import EngineStats
+from engine.core.outputs import RequestOutput
+from engine.core.request import SamplingParams
+from engine.core.stats import EngineStats
 from server.app import create_app
 from server.drain import DrainingServer
 from server.settings import load_settings

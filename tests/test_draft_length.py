@@ -7,21 +7,20 @@ import pytest
 import torch
 
 from engine.config import SpecConfig
-from engine.cost_model import (
+from engine.core.request import Request, SamplingParams
+from engine.spec.calibration import (
     _TABLE_CHUNK,
-    CostModel,
-    PassShape,
     _log_sizes,
     _nonneg_lstsq,
     calibrate_runners,
     table_chunks,
 )
-from engine.draft_length import (
+from engine.spec.cost_model import CostModel, PassShape
+from engine.spec.draft_length import (
     REASON_ACCEPTANCE,
     REASON_BATCH,
     AdaptiveDraftLength,
 )
-from engine.request import Request, SamplingParams
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
@@ -275,7 +274,7 @@ def test_k_falls_as_the_batch_grows_and_reaches_zero_when_compute_bound():
 
 
 def test_calibration_is_cached_per_key_and_redone_on_request(tmp_path, monkeypatch):
-    from engine.cost_model import cached_calibration, calibration_cache_dir
+    from engine.spec.calibration import cached_calibration, calibration_cache_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []

@@ -1,4 +1,4 @@
-"""engine/gguf_linear.py: packed linears switched onto a GGUF file's own Q8_0 / Q4_1 blocks
+"""engine/cpu/gguf_blocks.py: packed linears switched onto a GGUF file's own Q8_0 / Q4_1 blocks
 only where every row is found there, with unchanged outputs. (The real model runs this way in
 tests/test_default_model.py.)"""
 
@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine import cpu_kernels, model_files
-from engine.cpu_linear import PackedLinear
-from engine.gguf_linear import gguf_tensors, use_gguf_blocks
+from engine.cpu import kernels as cpu_kernels
+from engine.cpu.gguf_blocks import gguf_tensors, use_gguf_blocks
+from engine.cpu.linear import PackedLinear
+from engine.model import files as model_files
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.config import SpecConfig
-from engine.kv_budget import (
+from engine.core.kv_budget import (
     GpuMemory,
     blocks_for_budget,
     gpu_kv_budget,
@@ -14,7 +14,7 @@ from engine.kv_budget import (
     num_kv_blocks,
     profile_gpu_memory,
 )
-from engine.model_runner import ModelRunner
+from engine.model.runner import ModelRunner
 from tests.engine_utils import make_engine
 
 GiB = 2**30
@@ -103,7 +103,7 @@ def test_engine_sizes_the_pool_for_both_models(tiny_dirs, monkeypatch):
         profiled.append((runners, block_size, num_tokens, max_len))
         return GpuMemory(total=80 * GiB, free=62 * GiB, activation_peak=3 * GiB)
 
-    monkeypatch.setattr("engine.kv_budget.profile_gpu_memory", fake_profile)
+    monkeypatch.setattr("engine.core.kv_budget.profile_gpu_memory", fake_profile)
     runners, config = engine.runners, engine.config
     per_block = sum(r.kv_bytes_per_block(config.cache.block_size) for r in runners)
     assert per_block > engine.runner.kv_bytes_per_block(config.cache.block_size)

@@ -1,4 +1,4 @@
-"""engine/model_files.py without the real model: where paths point, and which GGUF files are
+"""engine/model/files.py without the real model: where paths point, and which GGUF files are
 refused at start and with what message. (The real model's conversion and serving are in
 tests/test_default_model.py.)"""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import model_files
 from engine.config import EngineConfig, ModelConfig, SpecConfig
+from engine.model import files as model_files
 
 gguf = pytest.importorskip("gguf")
 

@@ -1,4 +1,5 @@
-"""Tandem's own Llama-family forward (engine/models/) against transformers' on the same weights."""
+"""Tandem's own Llama-family forward (engine/model/native/) against transformers' on the
+same weights."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 from engine.config import SpecConfig
-from engine.model_runner import ModelRunner, SeqInput
+from engine.model.on_cpu import use_cpu_kernels
+from engine.model.runner import ModelRunner, SeqInput
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 from tests.tiny_models import build_model
 
@@ -46,7 +48,7 @@ def test_native_logits_match_transformers(tiny_dirs, qwen3_dir, family):
     model_dir = qwen3_dir if family == "qwen3" else tiny_dirs[family]
     hf, native = _runner(model_dir, "transformers"), _runner(model_dir, "native")
     assert (hf.model_impl, native.model_impl) == ("transformers", "native")
-    assert native._native_error(native.native) < 1e-5
+    assert native.native_error(native.native) < 1e-5
     for seqs in _steps(hf.vocab_size):
         expected, got = hf.forward(seqs), native.forward(seqs)
         assert got.shape == expected.shape
@@ -57,13 +59,14 @@ def test_native_logits_match_transformers(tiny_dirs, qwen3_dir, family):
 def test_native_forward_on_the_cpu_kernels_matches_transformers(tiny_dirs, qwen3_dir, family):
     """Every layer step on the C kernels (Llama, Qwen2, Mistral); Qwen3's q/k norms keep torch,
     its linears go packed. Either way the native forward still gives transformers' logits."""
-    from engine import cpu_kernels, cpu_linear
+    from engine.cpu import kernels as cpu_kernels
+    from engine.cpu import linear as cpu_linear
 
     if not cpu_kernels.available():
         pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
     model_dir = qwen3_dir if family == "qwen3" else tiny_dirs[family]
     hf, native = _runner(model_dir, "transformers"), _runner(model_dir, "native")
-    done = native.use_cpu_kernels()
+    done = use_cpu_kernels(native)
     assert native.model_impl == "native"
     if family == "qwen3":
         assert done.startswith("native forward,") and not native.native.cpu_kernels
@@ -78,7 +81,7 @@ def test_all_layers_in_one_call_give_the_per_layer_numbers(tiny_dirs):
     """With the CPU attention kernel taking every request, the layers run as one C call
     (cpu_kernels.layers): bit for bit what the per-layer calls give, on bfloat16-exact and on
     float32 panels, for prefills, a decode, a verification and a chunk."""
-    from engine import cpu_kernels
+    from engine.cpu import kernels as cpu_kernels
 
     if not cpu_kernels.available():
         pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
@@ -92,7 +95,7 @@ def test_all_layers_in_one_call_give_the_per_layer_numbers(tiny_dirs):
                     for param in runner.model.parameters():
                         param.copy_(param.to(torch.bfloat16))
             runner.allocate_kv(64, BLOCK)
-            runner.use_cpu_kernels()
+            use_cpu_kernels(runner)
             runner.native.one_call = one_call and runner.native.one_call
             runners.append(runner)
         fused, per_layer = runners
@@ -125,7 +128,7 @@ def test_native_weights_are_shared_with_transformers(tiny_dirs):
     # q/k/v share one storage per layer and gate/up another: fewer storages, none new.
     assert len(storages(runner.model)) < len(storages(fresh.model))
     assert storages(runner.native) <= storages(runner.model)
-    assert runner._native_error(runner.native) < 1e-5
+    assert runner.native_error(runner.native) < 1e-5
 
 
 def test_auto_falls_back_to_transformers_where_native_cannot_run(tiny_dirs, tmp_path):
@@ -138,7 +141,7 @@ def test_auto_falls_back_to_transformers_where_native_cannot_run(tiny_dirs, tmp_
 
 
 def test_a_native_forward_that_disagrees_is_not_used(tiny_dirs, monkeypatch):
-    from engine.models import llama
+    from engine.model.native import llama
 
     rotate = llama._rotate
     monkeypatch.setattr(llama, "_rotate", lambda x, cos, sin: rotate(x, sin, cos))  # wrong

@@ -1,6 +1,7 @@
-"""--quantization (engine/quantization.py): weights rounded once at load to bf16 / int8 / int4,
-served by the CPU kernels on blocks holding exactly those weights, speculation lossless with
-respect to them, and transformers' generate() on the same rounded weights as the reference."""
+"""--quantization (engine/model/quantization.py): weights rounded once at load to bf16, int8
+or int4, served by the CPU kernels on blocks holding exactly those weights, speculation
+lossless with respect to them, and transformers' generate() on the same rounded weights as
+the reference."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine import cpu_kernels
 from engine.config import ModelConfig, SpecConfig
-from engine.quantization import round_weights
+from engine.cpu import kernels as cpu_kernels
+from engine.model.quantization import round_weights
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 
 gguf = pytest.importorskip("gguf")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.rejection_sampler import PAD, greedy_verify, rejection_sample
+from engine.sample.rejection_sampler import PAD, greedy_verify, rejection_sample
 
 
 def _one_hot(ids: list[int], vocab: int) -> torch.Tensor:

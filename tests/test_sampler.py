@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.request import Request, SamplingParams
-from engine.sampler import RowSpec, logits_to_probs, request_uniforms, sample_from
+from engine.core.request import Request, SamplingParams
+from engine.sample.sampler import RowSpec, logits_to_probs, request_uniforms, sample_from
 
 
 def _rows(temperatures: list[float]) -> list[RowSpec]:
     return [
-        RowSpec(Request(f"r{i}", [1, 2], SamplingParams(temperature=t, seed=i)), 0)
+        RowSpec(Request(f"r{i}", [1, 2], SamplingParams(temperature=t, seed=i)))
         for i, t in enumerate(temperatures)
     ]
 

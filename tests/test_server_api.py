@@ -25,7 +25,7 @@ def test_health_models_version(served):
     assert version["version"] and version["version"] != "unknown"
     # The served (float32, CPU) model runs on the C kernels: /version names what they were
     # compiled for, the same name the library gives.
-    from engine import cpu_kernels
+    from engine.cpu import kernels as cpu_kernels
 
     if cpu_kernels.available():
         assert version["cpu_kernels"] == cpu_kernels.isa()

@@ -13,10 +13,10 @@ from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
 import server.app as app_module
-from engine.engine import QueueFullError
-from engine.outputs import RequestOutput, TokenLogprob
-from engine.request import SamplingParams
-from engine.stats import EngineStats
+from engine.core.engine import QueueFullError
+from engine.core.outputs import RequestOutput, TokenLogprob
+from engine.core.request import SamplingParams
+from engine.core.stats import EngineStats
 from server.app import create_app
 from server.settings import load_settings
 

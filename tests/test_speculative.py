@@ -13,9 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.config import SpecConfig
-from engine.draft_length import DraftLengths
-from engine.model_runner import HEAD_TOKENS_FILE
-from engine.request import Request, SamplingParams
+from engine.core.request import Request, SamplingParams
+from engine.model.runner import HEAD_TOKENS_FILE
+from engine.spec.draft_length import DraftLengths
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 from tests.tiny_models import build_model
 

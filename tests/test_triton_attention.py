@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import build_metadata
-from engine.attention_backends import BACKENDS, select_backend, triton_available
+from engine.attention.backends import BACKENDS, select_backend, triton_available
+from engine.attention.paged import build_metadata
 from engine.config import ATTENTION_BACKENDS, SpecConfig
 from server.settings import load_settings
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
@@ -24,7 +24,7 @@ needs_triton = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def kernel():
-    from engine import triton_attention
+    from engine.attention import triton_kernel as triton_attention
 
     return triton_attention
 
@@ -190,14 +190,14 @@ def test_backend_selection(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert select_backend("auto", cpu, torch.bfloat16) == "reference"  # cpu: test_cpu_kernels
     assert select_backend("reference", cuda) == "reference"
-    monkeypatch.setattr("engine.attention_backends.triton_available", lambda: True)
+    monkeypatch.setattr("engine.attention.backends.triton_available", lambda: True)
     assert select_backend("auto", cuda) == "triton"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         select_backend("triton", cpu)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert select_backend("triton", cpu) == "triton"
-    monkeypatch.setattr("engine.attention_backends.triton_available", lambda: False)
+    monkeypatch.setattr("engine.attention.backends.triton_available", lambda: False)
     assert select_backend("auto", cuda) == "reference"
     with pytest.raises(ValueError, match="needs the triton package"):
         select_backend("triton", cuda)

@@ -121,7 +121,7 @@ def run_padded(model, tokenizer, prompts: list, max_tokens: int, batch: int) -> 
     return summarize(traces, time.perf_counter() - start)
 
 
-# The schedule SPECULATIVE.md describes (and the library default before the confidence
+# The heuristic schedule (and the library default before the confidence
 # threshold): K starts at 5, +2 after a fully accepted draft, else -1.
 HEURISTIC_K = {
     "num_assistant_tokens": 5,

@@ -1,0 +1,114 @@
+"""Attention backends by name, and the choice of one for a device.
+
+`reference` (engine/attention/paged.py) runs anywhere. `cpu` (engine/attention/cpu.py) runs
+decoding and verification queries through Tandem's C kernel, reading K/V in place: the
+default on the CPU in float32 when the kernels build. `triton` (engine/attention/triton_kernel.py)
+reads K/V straight from the block tables in one kernel launch per layer: the default on CUDA
+when Triton is installed, and runnable on the CPU under TRITON_INTERPRET=1 for checking.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import torch
+
+from engine.attention.cpu import CPU
+from engine.attention.paged import REFERENCE, AttentionBackend, AttentionMetadata, BatchLayout
+from engine.cpu import kernels as cpu_kernels
+
+
+class TritonBackend:
+    """Varlen metadata (block tables, query starts, context lengths) for the Triton kernel."""
+
+    def prepare(
+        self, metadata: AttentionMetadata, layout: BatchLayout, device: torch.device
+    ) -> None:
+        block_size = layout.block_size
+        used = [
+            table[: -(-ctx // block_size)]
+            for ctx, table in zip(layout.context_lens, layout.block_tables, strict=True)
+        ]
+        width = max(1, max((len(blocks) for blocks in used), default=0))
+        tables = [blocks + [0] * (width - len(blocks)) for blocks in used]
+        metadata.block_tables = torch.tensor(tables, dtype=torch.int32, device=device).view(
+            -1, width
+        )
+        metadata.query_start_loc = torch.tensor(
+            layout.query_starts, dtype=torch.int32, device=device
+        )
+        metadata.context_lens = torch.tensor(layout.context_lens, dtype=torch.int32, device=device)
+        metadata.max_query_len = max(layout.query_lens, default=0)
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        from engine.attention.triton_kernel import paged_attention  # imports triton only when used
+
+        if metadata.block_tables is None or metadata.query_start_loc is None:
+            raise RuntimeError("triton attention needs metadata prepared by TritonBackend")
+        assert metadata.context_lens is not None  # prepared together with the two above
+        return paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            metadata.block_tables,
+            metadata.query_start_loc,
+            metadata.context_lens,
+            metadata.max_query_len,
+            scale,
+        )
+
+
+BACKENDS: Mapping[str, AttentionBackend] = MappingProxyType(
+    {"reference": REFERENCE, "cpu": CPU, "triton": TritonBackend()}
+)
+BACKEND_CHOICES = ("auto", *BACKENDS)
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def select_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """The backend a runner on `device` in `dtype` uses for the --attention-backend setting.
+
+    auto = triton on CUDA when Triton is installed; cpu on the CPU in float32 when Tandem's
+    kernels build; else reference. Raises ValueError, saying what to change, when the named
+    backend cannot run here.
+    """
+    if name == "auto":
+        if device.type == "cuda":
+            return "triton" if triton_available() else "reference"
+        return "cpu" if dtype == torch.float32 and cpu_kernels.available() else "reference"
+    if name not in BACKENDS:
+        raise ValueError(
+            f"--attention-backend must be one of {', '.join(BACKEND_CHOICES)} (got {name!r})"
+        )
+    if name == "cpu":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(
+                f"--attention-backend cpu runs float32 on the CPU (here: {dtype} on {device}); "
+                "use auto or reference"
+            )
+        if not cpu_kernels.available():
+            raise ValueError(
+                f"--attention-backend cpu: {cpu_kernels.unavailable_reason()}; install a C "
+                "compiler (gcc) or use --attention-backend reference"
+            )
+    if name == "triton" and not triton_available():
+        raise ValueError("--attention-backend triton needs the triton package (pip install triton)")
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "--attention-backend triton runs on the CPU only under Triton's interpreter: set "
+            "TRITON_INTERPRET=1 before starting, or use --attention-backend reference"
+        )
+    return name

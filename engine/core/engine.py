@@ -1,0 +1,333 @@
+"""LLMEngine: one synchronous step at a time. AsyncEngine (async_engine.py) runs it on a thread.
+
+A step: the scheduler picks the batch and K per request; the proposer drafts; the target
+verifies every request's last token + drafts (and any prefill chunks) in one packed forward;
+the rejection sampler keeps an accepted prefix plus one recovered/bonus token; the scheduler
+advances counters, rolls back rejected drafts and releases the blocks that held only them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from engine.attention.backends import select_backend
+from engine.config import EngineConfig
+from engine.core.kv_budget import num_kv_blocks
+from engine.core.outputs import RequestOutput
+from engine.core.request import Request, SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerOutput, make_output
+from engine.core.stats import EngineStats
+from engine.cpu import kernels as cpu_kernels
+from engine.cpu import memory as cpu_memory
+from engine.kv.manager import KVCacheManager
+from engine.model import files as model_files
+from engine.model.decode_graphs import BATCH_BUCKETS
+from engine.model.on_cpu import use_cpu_kernels
+from engine.model.runner import ModelRunner, resolve_device, resolve_dtype
+from engine.spec.calibration import calibrate
+from engine.spec.cost_model import CostModel, PassShape
+from engine.spec.draft_length import policy_for
+from engine.spec.proposers import build_proposer
+from engine.spec.proposers.base import DraftBatch
+from engine.spec.speed_of_light import SpeedOfLight
+from engine.spec.verifier import Verifier
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the caller should retry later."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config = model_files.prepare_config(config)  # GGUF files -> (cached) HF directories
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        dtype = resolve_dtype(config.model.dtype, self.device)
+        if self.device.type == "cpu":
+            cpu_memory.keep_freed_memory()
+        self.attention_backend = select_backend(config.model.attention_backend, self.device, dtype)
+        quantization = config.model.quantization
+        if quantization != "none" and (self.device.type != "cpu" or dtype != torch.float32):
+            raise ValueError(
+                f"--quantization {quantization} runs on the CPU in float32 "
+                f"(got --device {self.device.type}, --dtype {config.model.dtype})"
+            )
+        self.runner = ModelRunner(
+            config.model.model,
+            self.device,
+            dtype,
+            self.attention_backend,
+            config.model.model_impl,
+            quantization,
+        )
+        self.vocab_size = self.runner.vocab_size
+        self.eos_token_ids = model_files.eos_token_ids(config.model.model, self.runner.hf_config)
+        self.max_model_len = self._max_model_len()
+        self.proposer = build_proposer(
+            config.spec,
+            self.device,
+            dtype,
+            self.vocab_size,
+            self.attention_backend,
+            config.model.model_impl,
+            quantization,
+        )
+
+        block_size = config.cache.block_size
+        draft = getattr(self.proposer, "runner", None)  # a proposer with a model of its own
+        self.runners = [self.runner] + ([draft] if draft is not None else [])
+        if config.model.cpu_packed_linear and self.device.type == "cpu" and dtype == torch.float32:
+            self._pack_linears()
+        self.cpu_isa = cpu_kernels.isa() if self.runner.kernels != "torch" else None
+        """The instruction set of the CPU kernels the target runs on, or None (/version)."""
+        num_blocks = config.cache.num_blocks or num_kv_blocks(
+            config, self.device, self.runners, self.max_model_len
+        )
+        self.runner.allocate_kv(num_blocks, block_size)
+        if self.proposer is not None:
+            self.proposer.allocate_kv(num_blocks, block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        pool_tokens = num_blocks * block_size
+        if pool_tokens < self.max_model_len:
+            logger.warning(
+                "the KV pool holds %d tokens, less than max_model_len %d: capping it",
+                pool_tokens,
+                self.max_model_len,
+            )
+            self.max_model_len = pool_tokens
+        self.decode_graphs = config.model.cuda_graphs and self._enable_decode_graphs()
+        self.cost_model: CostModel | None = None
+        if config.spec.enabled and config.spec.draft_length == "adaptive":
+            max_tokens = min(config.scheduler.max_num_batched_tokens, num_blocks * block_size)
+            self.cost_model = calibrate(
+                self.runners,
+                fresh=config.spec.recalibrate,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                max_tokens=max_tokens,
+                max_batch=config.scheduler.max_num_seqs,
+                max_context=self.max_model_len,
+            )
+        self.policy = policy_for(config.spec, self.cost_model)
+        self.speed_of_light = SpeedOfLight()
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv,
+            self.max_model_len,
+            self.policy,
+            has_draft_model=self.proposer is not None and self.proposer.keeps_kv,
+        )
+        self.verifier = Verifier(self.vocab_size, self.device, self.speed_of_light)
+        self.totals = EngineStats()
+        self._seeds = itertools.count(config.model.seed)
+        logger.info(
+            "engine ready: %s on %s/%s (%s forward, %s attention, decode graphs %s), %d KV "
+            "blocks of %d tokens, max_model_len %d, spec %s",
+            config.model.model,
+            self.device,
+            dtype,
+            self.runner.model_impl,
+            self.attention_backend,
+            "on" if self.decode_graphs else "off",
+            num_blocks,
+            block_size,
+            self.max_model_len,
+            config.spec.method if config.spec.enabled else "off",
+        )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        """Validate and queue a request; raise ValueError (bad input) or QueueFullError."""
+        self.validate(prompt_token_ids, params)
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
+        return self.enqueue(request_id, prompt_token_ids, params)
+
+    def enqueue(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        """Queue a request that was validated and admitted already (AsyncEngine admits on the
+        caller's side, where the client can still be told 503; preempted requests may have
+        refilled the queue since, and they must not turn an admitted request into a failure).
+        """
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
+        seed = params.seed if params.seed is not None else next(self._seeds)
+        req.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.scheduler.add(req)
+        return req
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of range [0, {self.vocab_size})")
+        # The sampler indexes logits with stop ids (min_tokens): one bad id would fail the step.
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop token id {bad} is out of range [0, {self.vocab_size})")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context length of {self.max_model_len} tokens"
+            )
+        if self.kv.blocks_needed(n + params.max_tokens) > self.kv.num_blocks:
+            raise ValueError(
+                f"the request needs {n + params.max_tokens} tokens of KV cache but the pool "
+                f"holds only {self.kv.num_blocks * self.kv.block_size}"
+            )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort(request_id)
+        return make_output(req, [], None) if req is not None else None
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        step_start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        self.totals.steps += 1
+        if not sched.scheduled:
+            return []
+        try:
+            tables = [self.kv.block_table(s.request.request_id) for s in sched.scheduled]
+            start = time.perf_counter()
+            drafts = self.proposer.propose(sched, tables) if self.proposer else None
+            drafted = time.perf_counter()
+            results = self.verifier.run(self.runner, sched, tables, drafts)
+            verified = time.perf_counter()  # run() ends with a host copy, so the GPU is done
+        except Exception as exc:  # a failed forward fails this step's requests, not the engine
+            logger.exception("engine step failed")
+            return self._fail(sched, f"internal error in the engine step: {exc}")
+        self._observe_timing(sched, drafts, drafted - start, verified - drafted)
+        self.totals.forward_seconds += results.forward_seconds
+        outputs = self.scheduler.update(sched, results.tokens)
+        for out in outputs:
+            out.prompt_logprobs = results.prompt_logprobs.pop(out.request_id, None)
+        self._count(sched, outputs)
+        self.totals.step_seconds += time.perf_counter() - step_start
+        return outputs
+
+    def stats(self) -> EngineStats:
+        s = self.totals
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.num_blocks_total = self.kv.num_blocks
+        s.num_blocks_free = self.kv.num_free_blocks
+        s.preemptions = self.scheduler.num_preemptions
+        s.prefix_cache_hit_tokens = self.scheduler.num_prefix_hit_tokens
+        s.spec_blocks_released = self.scheduler.num_blocks_released
+        spec = self.scheduler.spec_totals
+        s.spec_verify_passes = spec.verify_passes
+        s.spec_drafted_tokens = spec.drafted
+        s.spec_accepted_tokens = spec.accepted
+        s.spec_drafted_by_position = list(spec.drafted_by_position)
+        s.spec_accepted_by_position = list(spec.accepted_by_position)
+        s.draft_length_reasons = dict(self.scheduler.draft_length_reasons)
+        capacity = (
+            self.cost_model.capacity() if self.cost_model else 1 + self.policy.max_draft_tokens
+        )
+        s.speed_of_light = self.speed_of_light.snapshot(capacity)
+        return s
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        if not self.scheduler.has_work():
+            assert self.kv.num_free_blocks == self.kv.num_blocks, "idle engine holds KV blocks"
+
+    def _observe_timing(
+        self,
+        sched: SchedulerOutput,
+        drafts: DraftBatch | None,
+        draft_seconds: float,
+        target_seconds: float,
+    ) -> None:
+        num_drafts = [len(d) for d in drafts.token_ids] if drafts else [0] * len(sched.scheduled)
+        self.totals.draft_seconds += draft_seconds
+        self.totals.target_seconds += target_seconds
+        self.totals.draft_passes += max(num_drafts, default=0)
+        if self.cost_model is None:
+            return
+        # Called before the scheduler's update, so num_computed_tokens is still this step's start.
+        query_lens, context_lens = [], []
+        for item, k in zip(sched.scheduled, num_drafts, strict=True):
+            query_lens.append(item.num_new_tokens + k)
+            context_lens.append(item.request.num_computed_tokens + item.num_new_tokens + k)
+        if any(num_drafts) and drafts is not None:
+            # Charged for every token the draft model ran, prefill chunks included: counting
+            # only the drafts would read a step with a prefill chunk as a slow draft.
+            self.cost_model.observe_draft(
+                max(num_drafts), drafts.fed_tokens, drafts.fed_pairs, draft_seconds
+            )
+        self.cost_model.observe_target(PassShape.of(query_lens, context_lens), target_seconds)
+
+    def _count(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+        t = self.totals
+        for item in sched.scheduled:
+            req = item.request
+            # Prompt tokens computed this step (recomputation after preemption counts again).
+            t.prompt_tokens += max(0, min(item.num_new_tokens, req.num_prompt_tokens))
+        t.generation_tokens += sum(len(o.new_token_ids) for o in outputs)
+        drafted = sum(item.num_draft_tokens for item in sched.scheduled)
+        t.mean_draft_length = drafted / max(sched.num_decodes, 1)
+        t.decode_request_steps += sched.num_decodes
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Finish every unfinished request with an error (shutdown)."""
+        reqs = list(self.scheduler.requests.values())
+        for req in reqs:
+            self.scheduler.fail(req, message)
+        return [make_output(req, [], None) for req in reqs]
+
+    def _fail(self, sched: SchedulerOutput, message: str) -> list[RequestOutput]:
+        outputs = []
+        for item in sched.scheduled:
+            req = item.request
+            if not req.status.finished:
+                self.scheduler.fail(req, message)
+                outputs.append(make_output(req, [], None))
+        return outputs
+
+    def _pack_linears(self) -> None:
+        if not cpu_kernels.available():
+            logger.warning(
+                "--cpu-packed-linear ignored: Tandem's CPU kernels did not build (%s)",
+                cpu_kernels.unavailable_reason(),
+            )
+            return
+        logger.info("Tandem's CPU kernels: compiled for %s", cpu_kernels.isa())
+        for runner in self.runners:
+            logger.info(
+                "%s: %s", runner.name, use_cpu_kernels(runner, self.config.model.gguf_blocks)
+            )
+
+    def _max_model_len(self) -> int:
+        limit = self.runner.max_positions
+        if self.runner.sliding_window:  # the reference path attends to the full context
+            limit = min(limit, self.runner.sliding_window)
+        wanted = self.config.model.max_model_len
+        if wanted is not None and wanted > limit:
+            raise ValueError(f"--max-model-len {wanted} exceeds the model's limit of {limit}")
+        return wanted or limit
+
+    def _enable_decode_graphs(self) -> bool:
+        spec = self.config.spec
+        max_query_len = 1 + (spec.max_draft_tokens if spec.enabled else 0)
+        max_batch = min(self.config.scheduler.max_num_seqs, BATCH_BUCKETS[-1])
+        enabled = [
+            runner.enable_decode_graphs(max_batch, max_query_len, self.max_model_len)
+            for runner in self.runners
+        ]
+        return all(enabled)

@@ -1,0 +1,105 @@
+"""Compiles engine/cpu/csrc into one shared library for this machine, once, and caches it.
+
+The sources are compiled by the system's C compiler (`$CC`, else cc, gcc or clang) with
+`-O3 -march=native -fopenmp` into a cache directory (`$TANDEM_KERNEL_CACHE`, else
+`$XDG_CACHE_HOME/tandem/kernels` or `~/.cache/tandem/kernels`; a per-user directory under
+the system's temp dir when that is not writable), keyed by the sources, the compiler, the
+flags and this CPU's model and feature flags, so a shared home directory or a copied cache
+never hands one CPU a library built for another. The first start on a machine compiles
+(about a second); later starts find the cached library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+LIBRARY = "libtandem_cpu.so"
+_BASE_FLAGS = ["-std=gnu11", "-O3", "-ffp-contract=fast", "-shared", "-fPIC"]
+# Tried in order; the first that compiles is used. Without OpenMP the kernels run on one
+# thread whatever torch's thread count.
+_FLAG_SETS = (["-march=native", "-fopenmp"], ["-march=native"], ["-fopenmp"], [])
+
+
+def build() -> Path:
+    """The library's path, compiled first if this machine has no copy yet; raises
+    RuntimeError saying why when it cannot be built."""
+    cc = _compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    sources = sorted(CSRC.glob("*.c"))
+    contents = b"\0".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))
+    errors = []
+    for extra in _FLAG_SETS:
+        flags = _BASE_FLAGS + extra
+        parts = [contents, version.encode(), " ".join(flags).encode(), cpu_identity().encode()]
+        key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+        found = next((p for p in (d / key / LIBRARY for d in _cache_dirs()) if p.exists()), None)
+        if found is not None:
+            return found
+        target = _writable_dir(key) / LIBRARY
+        # Compile beside the target, then rename: two processes building at once both finish.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        cmd = [cc, *flags, *map(str, sources), "-o", tmp, "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode == 0:
+            os.replace(tmp, target)
+            logger.info("built Tandem's CPU kernels (%s) into %s", " ".join(flags), target)
+            return target
+        os.unlink(tmp)
+        errors.append(f"{' '.join(extra) or 'no extra flags'}: {proc.stderr.strip()[-300:]}")
+    raise RuntimeError(f"{cc} could not build {CSRC}: " + " | ".join(errors))
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    raise RuntimeError("no C compiler found (set $CC, or install gcc)")
+
+
+def _cache_dirs() -> list[Path]:
+    """Where the library may be built, in order: the configured cache, then a per-user
+    directory under the system's temp dir (for a read-only home, e.g. in a container)."""
+    if os.environ.get("TANDEM_KERNEL_CACHE"):
+        first = Path(os.environ["TANDEM_KERNEL_CACHE"])
+    else:
+        first = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem"
+        first /= "kernels"
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    return [first, Path(tempfile.gettempdir()) / f"tandem-kernels-{user}"]
+
+
+def _writable_dir(name: str) -> Path:
+    for root in _cache_dirs():
+        try:
+            (root / name).mkdir(parents=True, exist_ok=True)
+            if os.access(root / name, os.W_OK):
+                return root / name
+        except OSError:
+            continue
+    raise RuntimeError(f"no writable cache directory for the kernels (tried {_cache_dirs()})")
+
+
+def cpu_identity() -> str:
+    """What -march=native depends on: the CPU's model name and feature flags."""
+    wanted = ("model name", "flags", "Features", "CPU part")
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    seen = {}
+    for line in lines:
+        key = line.split(":", 1)[0].strip()
+        if key in wanted and key not in seen:
+            seen[key] = line
+    return platform.machine() + "\n" + "\n".join(seen[k] for k in sorted(seen))

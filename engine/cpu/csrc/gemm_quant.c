@@ -1,0 +1,242 @@
+#include "vec.h"
+
+/* ---------------------------------------------------------------------------------------
+ * Linear on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) (+ residual),
+ * W kept in its GGUF quantization, each weight dequantized in registers to exactly the
+ * float32 value gguf's own dequantizer gives it, and the products summed in float32.
+ *
+ * GGUF stores W row by row in blocks of 32 consecutive weights with their own scale:
+ *   Q8_0: w = d * q,      q an int8, d a float16;
+ *   Q4_1: w = d * q + m,  q a 4-bit unsigned, d and m float16.
+ * engine/cpu/kernels.py repacks the blocks once into panels of QPANEL output rows, so a
+ * vector lane is an output column (as in gemm.c) and one unpacked vector of weights serves
+ * every row of x:
+ *   Q8_0 panel block: d[16] float32, then for k = 0..31: q[16] int8 (column c at byte c);
+ *   Q4_1 panel block: d[16], m[16] float32, then for k = 0..31: 8 bytes, even columns in
+ *                     the low 32-bit word, odd ones in the high (column c's nibble at bits
+ *                     32 * (c % 2) + 4 * (c / 2)), so one 64-bit broadcast and one shift
+ *                     per lane unpack all 16.
+ * The scales are widened to float32 at packing (exact), so the kernel reads 6 (Q4_1) or
+ * 9 (Q8_0) bits per weight instead of float32's 32.
+ *
+ * d * q + m is a multiply and an add in gguf, and the compiler may fuse them here into one
+ * FMA: the same value either way, because d * q is exact in float32 (d, a widened float16,
+ * has 11 significant bits, q at most 8), so only the add rounds.
+ */
+#define QPANEL 16
+#define QBLOCK 32
+/* Rows of x per tile: each tile unpacks the panel's weights once. 8 rows' accumulators fit
+ * AVX-512's 32 vector registers; AVX2 (16 registers, two per 16-lane vector) takes 4. */
+#if defined(__AVX512F__)
+#define QROWS 8
+#else
+#define QROWS 4
+#endif
+/* A tile takes several panels side by side: with few rows, one accumulator per row would be
+ * one chain of dependent adds, each waiting for the one before (4 cycles), and the panels'
+ * chains are independent. With AVX-512, tiles of up to 4 rows take QGROUP panels and wider
+ * ones 2; AVX2's 16 registers hold QGROUP panels of one row, 2 of two. Each output is still
+ * summed over k in the same order. */
+#define QGROUP 4
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
+typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
+typedef uint64_t v8q __attribute__((vector_size(64), aligned(8)));
+
+INLINE v16 load16(const float *p) { return *(const v16 *)p; }
+INLINE void store16(float *p, v16 v) { *(v16 *)p = v; }
+INLINE v16 splat16(float x) {
+  return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+
+enum { Q8_0 = 0, Q4_1 = 1 };
+
+INLINE int64_t block_bytes(const int type) {
+  return type == Q4_1 ? 2 * QPANEL * 4 + QBLOCK * 8 : QPANEL * 4 + QBLOCK * QPANEL;
+}
+
+INLINE int64_t scale_bytes(const int type) { return (type == Q4_1 ? 2 : 1) * QPANEL * 4; }
+
+/* out[i] = all[idx[i]]: one permute instruction. */
+INLINE v16u spread(v16u all, v16u idx) {
+#if defined(__clang__)
+  v16u out;
+  for (int i = 0; i < 16; i++) out[i] = all[idx[i]];
+  return out;
+#else
+  return __builtin_shuffle(all, idx);
+#endif
+}
+
+/* Q8_0: the 16 weights of quant row j of a 64-byte load (rows j0..j0+3), one per output
+ * column, as float32. Row j is words 4j..4j+3; column c's int8 is byte c % 4 of word
+ * 4j + c / 4: one permute, then a shift to the top and back (arithmetic) sign-extends.
+ * (GCC 12 turns a plain int8 -> int32 vector conversion into a chain of inserts.) */
+INLINE v16 q8_weights(v16u all, int j, v16 d) {
+  const uint32_t a = 4 * j, b = a + 1, c = a + 2, e = a + 3;
+  const v16u word = spread(all, (v16u){a, a, a, a, b, b, b, b, c, c, c, c, e, e, e, e});
+  const v16u up = {24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0};
+  const v16i q = (v16i)(word << up) >> 24;
+  return __builtin_convertvector(q, v16) * d;
+}
+
+/* Q4_1: the 16 weights of quant row k (8 bytes: a nibble per column) as float32. */
+INLINE v16 q4_1_weights(const uint8_t *quants, int k, v16 d, v16 m) {
+  uint64_t bytes;
+  memcpy(&bytes, quants + k * 8, 8);
+  const v16u word = (v16u)(v8q){bytes, bytes, bytes, bytes, bytes, bytes, bytes, bytes};
+  const v16u shift = {0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28};
+  const v16i q = (v16i)((word >> shift) & 15);
+  return __builtin_convertvector(q, v16) * d + m;
+}
+
+/* y[rows, the columns of np panels], the panels `pstride` bytes apart. */
+INLINE void quant_tile(const int type, const int np, const int rows, const float *x, int64_t K,
+                       const uint8_t *panel, int64_t pstride, const float *bias,
+                       const float *res, float *y, int64_t N, int cols) {
+  v16 acc[QGROUP][QROWS];
+  for (int p = 0; p < np; p++)
+    for (int r = 0; r < rows; r++) acc[p][r] = (v16){0};
+  const int64_t stride = block_bytes(type);
+  for (int64_t b = 0; b < K / QBLOCK; b++) {
+    const uint8_t *quants[QGROUP];
+    v16 d[QGROUP], m[QGROUP];
+    for (int p = 0; p < np; p++) {
+      const uint8_t *blk = panel + p * pstride + b * stride;
+      d[p] = load16((const float *)blk);
+      m[p] = type == Q4_1 ? load16((const float *)blk + QPANEL) : (v16){0};
+      quants[p] = blk + scale_bytes(type);
+    }
+    const float *xb = x + b * QBLOCK;
+    if (type == Q4_1) {
+      for (int k = 0; k < QBLOCK; k++)
+        for (int p = 0; p < np; p++) {
+          const v16 w = q4_1_weights(quants[p], k, d[p], m[p]);
+          for (int r = 0; r < rows; r++) acc[p][r] += splat16(xb[r * K + k]) * w;
+        }
+    } else {
+      for (int k0 = 0; k0 < QBLOCK; k0 += 4) {
+        v16u all[QGROUP];
+        for (int p = 0; p < np; p++) all[p] = *(const v16u *)(quants[p] + k0 * QPANEL);
+        for (int j = 0; j < 4; j++)
+          for (int p = 0; p < np; p++) {
+            const v16 w = q8_weights(all[p], j, d[p]);
+            for (int r = 0; r < rows; r++) acc[p][r] += splat16(xb[r * K + k0 + j]) * w;
+          }
+      }
+    }
+  }
+  for (int p = 0; p < np; p++) {
+    const int n = span(cols, p * QPANEL, QPANEL);
+    for (int r = 0; r < rows; r++) {
+      float row[QPANEL];
+      store16(row, acc[p][r]);
+      if (bias)
+        for (int c = 0; c < n; c++) row[c] += bias[p * QPANEL + c];
+      if (res)
+        for (int c = 0; c < n; c++) row[c] += res[r * N + p * QPANEL + c];
+      memcpy(y + r * N + p * QPANEL, row, (size_t)n * sizeof(float));
+    }
+  }
+}
+
+/* One group of np panels (all rows of x): the unrolled tiles. */
+INLINE void quant_group(const int type, const int np, const int group, const float *x,
+                        const uint8_t *panel, int64_t panel_bytes, const float *b,
+                        const float *residual, float *y, int64_t M, int64_t N, int64_t K,
+                        int cols) {
+  for (int64_t r = 0; r < M; r += QROWS) {
+    const float *xr = x + r * K;
+    const float *rr = residual ? residual + r * N : 0;
+    float *yr = y + r * N;
+    const int rows = M - r < QROWS ? (int)(M - r) : QROWS;
+#define TILE(g, n) quant_tile(type, g, n, xr, K, panel, panel_bytes, b, rr, yr, N, cols)
+    /* constant panel and row counts: unrolled tiles */
+    if (np == 4 && rows == 1) TILE(4, 1);
+    else if (np == 2 && rows == 2) TILE(2, 2);
+    else if (np == 4 && rows == 2) TILE(4, 2);
+    else if (np == 4 && rows == 3) TILE(4, 3);
+    else if (np == 4 && rows == 4) TILE(4, 4);
+#if QROWS == 8
+    else if (np == 2 && rows == 5) TILE(2, 5);
+    else if (np == 2 && rows == 6) TILE(2, 6);
+    else if (np == 2 && rows == 7) TILE(2, 7);
+    else if (np == 2 && rows == 8) TILE(2, 8);
+#endif
+    else
+      for (int p = 0; p < np; p++) { /* one panel at a time (and a group's last panels) */
+        const uint8_t *pp = panel + p * panel_bytes;
+        const float *bp = b ? b + p * QPANEL : 0;
+        const float *rp = rr ? rr + p * QPANEL : 0;
+        const int c = span(cols, p * QPANEL, QPANEL);
+#define TILE1(n) quant_tile(type, 1, n, xr, K, pp, panel_bytes, bp, rp, yr + p * QPANEL, N, c)
+        switch (rows) {
+          case 1: TILE1(1); break;
+          case 2: TILE1(2); break;
+          case 3: TILE1(3); break;
+#if QROWS == 8
+          case 4: TILE1(4); break;
+          case 5: TILE1(5); break;
+          case 6: TILE1(6); break;
+          case 7: TILE1(7); break;
+          default: TILE1(8); break;
+#else
+          default: TILE1(4); break;
+#endif
+        }
+#undef TILE1
+      }
+#undef TILE
+  }
+  (void)group;
+}
+
+/* The group kernels, each compiled for its type (outside the OpenMP region, which GCC
+ * outlines before inlining, so a type passed into it would stay a run-time value). */
+#define GROUP_ARGS                                                                          \
+  const int np, const int group, const float *x, const uint8_t *panel, int64_t panel_bytes, \
+      const float *b, const float *residual, float *y, int64_t M, int64_t N, int64_t K,     \
+      int cols
+#define GROUP_PASS np, group, x, panel, panel_bytes, b, residual, y, M, N, K, cols
+static void group_q8_0(GROUP_ARGS) { quant_group(Q8_0, GROUP_PASS); }
+static void group_q4_1(GROUP_ARGS) { quant_group(Q4_1, GROUP_PASS); }
+
+static void quant_linear(const int type, const float *x, const uint8_t *panels,
+                         const float *bias, const float *residual, float *y, int64_t M,
+                         int64_t N, int64_t K, int nthreads) {
+  const int64_t num_panels = (N + QPANEL - 1) / QPANEL;
+  const int64_t panel_bytes = (K / QBLOCK) * block_bytes(type);
+#if QROWS == 8 /* AVX-512: up to 4 rows x 4 panels, or 8 rows x 2, of accumulators */
+  const int group = M <= 4 ? QGROUP : 2; /* panels per tile */
+#else /* AVX2: 16 registers, two per accumulator */
+  const int group = M == 1 ? QGROUP : M == 2 ? 2 : 1;
+#endif
+  const int64_t num_groups = (num_panels + group - 1) / group;
+  void (*const run)(GROUP_ARGS) = type == Q4_1 ? group_q4_1 : group_q8_0;
+  /* Panels handed out a few at a time (a group, or 4 single panels): a worker the OS
+   * preempts (the server's event loop shares these cores) holds the call up for one chunk,
+   * not for half the matrix. */
+  const int chunk = group == 1 ? 4 : 1;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, chunk) if (nthreads > 1)
+  for (int64_t g = 0; g < num_groups; g++) {
+    const int64_t p0 = g * group;
+    const int np = span(num_panels, p0, group);
+    const int cols = span(N, p0 * QPANEL, np * QPANEL);
+    run(np, group, x, panels + p0 * panel_bytes, panel_bytes, bias ? bias + p0 * QPANEL : 0,
+        residual ? residual + p0 * QPANEL : 0, y + p0 * QPANEL, M, N, K, cols);
+  }
+}
+
+/* K must be a multiple of 32 (GGUF guarantees it for these types). */
+void tandem_linear_q8_0(const float *x, const uint8_t *panels, const float *bias,
+                        const float *residual, float *y, int64_t M, int64_t N, int64_t K,
+                        int nthreads) {
+  quant_linear(Q8_0, x, panels, bias, residual, y, M, N, K, nthreads);
+}
+
+void tandem_linear_q4_1(const float *x, const uint8_t *panels, const float *bias,
+                        const float *residual, float *y, int64_t M, int64_t N, int64_t K,
+                        int nthreads) {
+  quant_linear(Q4_1, x, panels, bias, residual, y, M, N, K, nthreads);
+}

@@ -1,0 +1,84 @@
+/* Tandem's CPU kernels (engine/cpu/csrc/*.c): what they share. Built together once per machine
+ * by engine/cpu/build.py (cc -O3 -march=native -fopenmp) into one library called through
+ * ctypes (engine/cpu/kernels.py); plain C with GCC/Clang vector extensions, so the same
+ * source compiles to AVX2, AVX-512 or NEON code.
+ *
+ * Why: a decoding or verifying step multiplies every weight by a handful of rows and attends a
+ * handful of queries per request. torch's CPU GEMMs are built for big matrices (on the default
+ * pair, one AVX2 core, 5 rows cost 2x what 1 row costs) and its attention needs each
+ * request's keys gathered into a dense tensor first. Here a weight is streamed from memory
+ * once per call whatever the row count, and keys are read once, in place.
+ *
+ * Threads: each call takes its thread count from the caller (torch's); the OpenMP runtime is
+ * the one torch already loaded (same soname), so both share one pool of workers.
+ */
+#ifndef TANDEM_VEC_H
+#define TANDEM_VEC_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+INLINE v8 load(const float *p) { return *(const v8 *)p; }
+INLINE void store(float *p, v8 v) { *(v8 *)p = v; } /* v8 is 4-byte aligned: any float * */
+INLINE v8 select_v(v8i mask, v8 a, v8 b) { return (v8)(((v8i)a & mask) | ((v8i)b & ~mask)); }
+INLINE float hsum(v8 v) {
+  float s = 0;
+  for (int i = 0; i < 8; i++) s += v[i];
+  return s;
+}
+/* How many of `width` items starting at `start` exist among `total`: a panel group's panels,
+ * a group's or a panel's columns (the last ones of a matrix are short). */
+INLINE int span(int64_t total, int64_t start, int64_t width) {
+  return (int)(total - start < width ? total - start : width);
+}
+INLINE float hmax(v8 v) {
+  float m = v[0];
+  for (int i = 1; i < 8; i++) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+#if defined(__clang__)
+#define EVEN(a, b) __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14)
+#define ODD(a, b) __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15)
+#else
+#define EVEN(a, b) __builtin_shuffle(a, b, (v8i){0, 2, 4, 6, 8, 10, 12, 14})
+#define ODD(a, b) __builtin_shuffle(a, b, (v8i){1, 3, 5, 7, 9, 11, 13, 15})
+#endif
+
+/* r[u] = sum of the lanes of x[u]: three rounds of pairwise adds. */
+INLINE v8 reduce8(const v8 *x) {
+  const v8 a = EVEN(x[0], x[1]) + ODD(x[0], x[1]), b = EVEN(x[2], x[3]) + ODD(x[2], x[3]);
+  const v8 c = EVEN(x[4], x[5]) + ODD(x[4], x[5]), d = EVEN(x[6], x[7]) + ODD(x[6], x[7]);
+  const v8 ab = EVEN(a, b) + ODD(a, b), cd = EVEN(c, d) + ODD(c, d);
+  return EVEN(ab, cd) + ODD(ab, cd);
+}
+
+/* exp(x), Cephes' expf polynomial, within 2 ulp. Below -87 (masked keys, -inf, included)
+ * the result is exactly 0; inputs past 88 are taken as 88 (exp(88) ~ 1.7e38). */
+INLINE v8 exp_v(v8 x) {
+  const v8i dead = x < splat(-87.0f);
+  x = (v8)((v8i)x & ~dead);
+  x = select_v(x > splat(88.0f), splat(88.0f), x);
+  const v8 fx = x * splat(1.44269504088896341f) + splat(0.5f);
+  v8 n = __builtin_convertvector(__builtin_convertvector(fx, v8i), v8);
+  n -= (v8)((v8i)splat(1.0f) & (n > fx)); /* floor */
+  x = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);
+  v8 y = splat(1.9875691500e-4f);
+  y = y * x + splat(1.3981999507e-3f);
+  y = y * x + splat(8.3334519073e-3f);
+  y = y * x + splat(4.1665795894e-2f);
+  y = y * x + splat(1.6666665459e-1f);
+  y = y * x + splat(5.0000001201e-1f);
+  y = y * x * x + x + splat(1.0f);
+  const v8i scale = (__builtin_convertvector(n, v8i) + 127) << 23; /* 2^n */
+  return (v8)((v8i)(y * (v8)scale) & ~dead);
+}
+
+#endif

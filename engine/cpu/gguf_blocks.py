@@ -1,0 +1,164 @@
+"""A GGUF model's linear layers on its own quantized blocks (the CPU kernels, float32).
+
+A `.gguf` model is served from float32 weights dequantized from the file
+(engine/model/files.py). On the CPU those weights are also what a pass reads from memory:
+540 MB per pass for SmolLM2-135M, against 96 MB for the file's own Q4_1/Q8_0 blocks. Here
+each packed linear layer (engine/cpu/linear.py) whose every weight row is a row of a Q8_0
+or Q4_1 tensor of the file is switched to those blocks (engine/cpu/csrc/gemm_quant.c), which
+dequantizes them in registers to the very same float32 values and sums in the same order:
+the layer's output is bit for bit what it was, for a fifth of the bytes.
+
+Rows are matched by content, not by name: each row of the file's tensors is dequantized
+and hashed, and a layer takes the blocks of the rows whose bytes equal its own. That covers
+the row permutation transformers applies to Llama's q/k projections, fused projections
+(q|k|v, gate|up) and a tied LM head, and it cannot pick a wrong row: a layer whose rows are
+not all found, or come from tensors of different types, stays as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.cpu import panels as cpu_panels
+from engine.cpu.linear import PackedLinear
+
+# GGUF metadata value types (the file format's numbering) -> fixed size in bytes; 8 is a
+# string (u64 length + bytes), 9 an array (u32 element type, u64 count, elements).
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def gguf_tensors(path: Path) -> list[tuple[str, int, np.ndarray]]:
+    """(name, GGML type number, raw data [rows, bytes per row]) of every tensor in a GGUF
+    file, memory-mapped. Reads only what locating the tensors needs: the metadata is skipped
+    (gguf's own reader parses every entry, a 49K-token vocabulary included, which took 4 of a
+    default start's 15 seconds)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    view = memoryview(buf)
+    pos = 0
+
+    def take(fmt: str) -> tuple:
+        nonlocal pos
+        values = struct.unpack_from("<" + fmt, view, pos)
+        pos += struct.calcsize("<" + fmt)
+        return values
+
+    def string() -> str:
+        nonlocal pos
+        (n,) = take("Q")
+        pos += n
+        return bytes(view[pos - n : pos]).decode("utf-8", "replace")
+
+    def skip(kind: int) -> None:
+        nonlocal pos
+        if kind == _STRING:
+            (n,) = take("Q")
+            pos += n
+        elif kind == _ARRAY:
+            inner, count = take("IQ")
+            if inner in _SCALAR_BYTES:
+                pos += _SCALAR_BYTES[inner] * count
+            else:
+                for _ in range(count):
+                    skip(inner)
+        else:
+            pos += _SCALAR_BYTES[kind]
+
+    magic, version, num_tensors, num_kv = take("4sIQQ")
+    if magic != b"GGUF" or version < 2:
+        raise ValueError(f"{path}: not a GGUF file of version 2 or later")
+    alignment = 32
+    for _ in range(num_kv):
+        key = string()
+        (kind,) = take("I")
+        if key == "general.alignment" and kind in (4, 10):  # uint32 (as written) or uint64
+            (alignment,) = struct.unpack_from("<I" if kind == 4 else "<Q", view, pos)
+        skip(kind)
+    infos = []
+    for _ in range(num_tensors):
+        name = string()
+        (dims,) = take("I")
+        shape = take("Q" * dims)
+        kind, offset = take("IQ")
+        infos.append((name, shape, kind, offset))
+    start = -(-pos // alignment) * alignment
+    tensors = []
+    for name, shape, kind, offset in infos:
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        row_bytes = shape[0] // block * block_bytes
+        rows = int(np.prod(shape[1:], dtype=np.int64))
+        data = buf[start + offset : start + offset + rows * row_bytes]
+        tensors.append((name, kind, np.asarray(data).reshape(rows, row_bytes)))
+    return tensors
+
+
+def _row_keys(rows: np.ndarray) -> list[bytes]:
+    return [hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in rows]
+
+
+class _Rows:
+    """Every row of the file's Q8_0 / Q4_1 tensors, by the hash of its dequantized bytes."""
+
+    def __init__(self, gguf_path: Path) -> None:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        self.tensors: list[tuple[str, np.ndarray]] = []  # (type, raw blocks [rows, bytes])
+        self.index: dict[bytes, tuple[int, int]] = {}  # row hash -> (tensor, row)
+        for _, number, raw in gguf_tensors(gguf_path):
+            qtype = GGMLQuantizationType(number)
+            kind = qtype.name
+            if kind not in cpu_panels.QUANT_TYPES:
+                continue
+            values = dequantize(raw, qtype).astype(np.float32, copy=False)
+            t = len(self.tensors)
+            self.tensors.append((kind, raw))
+            for r, key in enumerate(_row_keys(values)):
+                self.index.setdefault(key, (t, r))
+
+    def blocks_for(self, weight: torch.Tensor) -> tuple[str, np.ndarray] | None:
+        """(type, blocks [rows, bytes]) whose dequantized values are exactly `weight`'s rows,
+        or None when some row is missing or the rows mix types."""
+        values = weight.detach().float().contiguous().numpy()
+        if values.shape[1] % cpu_panels.QBLOCK:
+            return None
+        found = [self.index.get(key) for key in _row_keys(values)]
+        if any(f is None for f in found):
+            return None
+        kinds = {self.tensors[t][0] for t, _ in found}
+        widths = {self.tensors[t][1].shape[1] for t, _ in found}
+        if len(kinds) != 1 or len(widths) != 1:
+            return None
+        blocks = np.stack([self.tensors[t][1][r] for t, r in found])
+        return kinds.pop(), blocks
+
+
+def use_gguf_blocks(module: nn.Module, gguf_path: Path) -> dict[str, int]:
+    """Switch every `PackedLinear` of `module` whose weights are rows of `gguf_path`'s Q8_0 /
+    Q4_1 tensors to those blocks; returns how many layers went to each type."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rows = _Rows(gguf_path)
+    switched: dict[str, int] = {}
+    for layer in module.modules():
+        if not isinstance(layer, PackedLinear) or layer.quant is not None:
+            continue
+        match = rows.blocks_for(layer.weight)
+        if match is None:
+            continue
+        kind, blocks = match
+        check = dequantize(blocks, GGMLQuantizationType[kind]).astype(np.float32, copy=False)
+        if not np.array_equal(check, layer.weight.detach().numpy()):  # a hash collision
+            continue
+        layer.use_quantized(cpu_panels.pack_quant_weight(blocks, kind), kind)
+        switched[kind] = switched.get(kind, 0) + 1
+    return switched

@@ -1,0 +1,301 @@
+"""Tandem's CPU kernels (engine/cpu/csrc): loaded once per process, called through ctypes.
+
+engine/cpu/build.py compiles the C sources for this machine (once, cached); this module
+loads the library, declares its functions and wraps each call. Without a C compiler the
+kernels are unavailable and the engine keeps torch's paths (`unavailable_reason()` says why).
+
+All of them are float32 only, and each call runs on torch's thread count (the library links
+the OpenMP runtime torch already loaded). ctypes releases the GIL for the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+from engine.cpu import build as kernel_build
+from engine.cpu.panels import panel_format
+
+logger = logging.getLogger(__name__)
+
+MAX_BLOCK = 256  # longest KV block the attention kernel takes: MAX_BLOCK in attention.c
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def unavailable_reason() -> str | None:
+    return _loaded()[1]
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built and loaded on first use; None when it cannot be."""
+    return _loaded()[0]
+
+
+@functools.cache
+def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
+    """(library, None) or (None, why not): once per process."""
+    try:
+        return _declare(ctypes.CDLL(str(kernel_build.build()))), None
+    except (OSError, RuntimeError) as exc:
+        logger.warning("Tandem's CPU kernels are unavailable, using torch's: %s", exc)
+        return None, str(exc)
+
+
+def isa() -> str | None:
+    """The vector instruction set the kernels were compiled for (avx512f, avx2+fma, neon,
+    ...), or None when they are unavailable."""
+    lib = load()
+    return lib.tandem_isa().decode() if lib is not None else None
+
+
+_KERNELS = {
+    "float32": "tandem_linear",
+    "bfloat16": "tandem_linear_bf16",
+    "Q8_0": "tandem_linear_q8_0",
+    "Q4_1": "tandem_linear_q4_1",
+}
+
+
+def linear(
+    x: torch.Tensor,  # [rows, in] float32, contiguous
+    panels: torch.Tensor,  # pack_linear_weight(weight) or pack_quant_weight(blocks, quant)
+    bias: torch.Tensor | None,  # [out] float32, contiguous
+    out_features: int,
+    residual: torch.Tensor | None = None,  # [rows, out] float32, contiguous: added, in place
+    quant: str | None = None,  # the GGUF type of quantized panels
+) -> torch.Tensor:  # [rows, out]: x @ weight.T + bias (+ residual, which is then returned)
+    lib = _require()
+    x = x.contiguous()
+    rows, in_features = x.shape
+    out = residual if residual is not None else torch.empty(rows, out_features)
+    kernel = getattr(lib, _KERNELS[panel_format(panels, quant)])
+    if rows:
+        kernel(
+            x.data_ptr(),
+            panels.data_ptr(),
+            _ptr(bias),
+            _ptr(residual),
+            out.data_ptr(),
+            rows,
+            out_features,
+            in_features,
+            torch.get_num_threads(),
+        )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [rows, dim] float32 -> RMSNorm(x) * weight, a new tensor."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _require().tandem_rms_norm(
+        x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps
+    )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[rows, 2 * inter] fused gate/up output -> silu(gate) * up [rows, inter]."""
+    gate_up = gate_up.contiguous()
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter)
+    _require().tandem_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter)
+    return out
+
+
+def rotary_cache(
+    qkv: torch.Tensor,  # [tokens, (heads + 2 kv_heads) * head_dim] float32, contiguous
+    positions: torch.Tensor,  # [tokens] int64
+    slots: torch.Tensor,  # [tokens] int64 cache slots
+    cos: torch.Tensor,  # [positions, head_dim] float32
+    sin: torch.Tensor,
+    heads: int,
+    key_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim] float32
+    value_cache: torch.Tensor,
+) -> torch.Tensor:  # q [tokens, heads, head_dim], rotated
+    """Rotary embedding on q and k (rotate-half); k and v written to their cache slots."""
+    kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    tokens = qkv.shape[0]
+    q = torch.empty(tokens, heads, head_dim)
+    _require().tandem_rotary_cache(
+        qkv.data_ptr(),
+        positions.data_ptr(),
+        slots.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        tokens,
+        heads,
+        kv_heads,
+        head_dim,
+        q.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+    )
+    return q
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+def attention_supports(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether `paged_attention` takes these shapes (head_dim 32/64/128, blocks <= 256)."""
+    return bool(_require().tandem_attention_supports(heads, kv_heads, head_dim, block_size))
+
+
+def paged_attention(
+    query: torch.Tensor,  # [tokens, heads, head_dim] float32, contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] float32
+    value_cache: torch.Tensor,
+    tables: torch.Tensor,  # [num_seqs, width] int64 block ids
+    q_starts: torch.Tensor,  # [num_seqs] int64: first row of each request in query
+    q_lens: torch.Tensor,  # [num_seqs] int64
+    ctx_lens: torch.Tensor,  # [num_seqs] int64: keys each request attends (new ones included)
+    scale: float,
+    out: torch.Tensor,  # [tokens, heads, head_dim]: the requests' rows are written
+) -> None:
+    lib = _require()
+    _, block_size, kv_heads, head_dim = key_cache.shape
+    status = lib.tandem_paged_attention(
+        query.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        q_starts.data_ptr(),
+        q_lens.data_ptr(),
+        ctx_lens.data_ptr(),
+        tables.shape[0],
+        out.data_ptr(),
+        query.shape[1],
+        kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(
+            f"the CPU attention kernel does not take heads={query.shape[1]}, "
+            f"kv_heads={kv_heads}, head_dim={head_dim}, block_size={block_size}"
+        )
+
+
+def _require() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"Tandem's CPU kernels are unavailable: {unavailable_reason()}")
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    quant = (lib.tandem_linear_q8_0, lib.tandem_linear_q4_1)
+    for linear in (lib.tandem_linear, lib.tandem_linear_bf16, *quant):
+        linear.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
+        linear.restype = None
+    lib.tandem_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.tandem_rms_norm.restype = None
+    lib.tandem_silu_mul.argtypes = [ptr, ptr, i64, i64]
+    lib.tandem_silu_mul.restype = None
+    lib.tandem_rotary_cache.argtypes = [ptr] * 5 + [i64] * 4 + [ptr] * 3
+    lib.tandem_rotary_cache.restype = None
+    lib.tandem_attention_supports.argtypes = [i64, i64, i64, i64]
+    lib.tandem_attention_supports.restype = i32
+    lib.tandem_paged_attention.argtypes = (
+        [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr] + [i64] * 4 + [ctypes.c_float, i32]
+    )
+    lib.tandem_paged_attention.restype = i32
+    lib.tandem_layers.argtypes = (
+        [ptr, i64, ptr, ptr]
+        + [i64] * 6
+        + [ctypes.c_float] * 2
+        + [
+            ptr,
+            i32,
+        ]
+    )
+    lib.tandem_layers.restype = i32
+    lib.tandem_isa.argtypes = []
+    lib.tandem_isa.restype = ctypes.c_char_p
+    return lib
+
+
+class Weight(ctypes.Structure):
+    """A packed linear for `layers` (tandem_weight in layer.c)."""
+
+    _fields_ = [("panels", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("format", ctypes.c_int64)]
+
+
+class Layer(ctypes.Structure):
+    """One decoder layer's weights and KV cache for `layers` (tandem_layer in layer.c)."""
+
+    _fields_ = [
+        ("qkv", Weight),
+        ("o", Weight),
+        ("gate_up", Weight),
+        ("down", Weight),
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("key_cache", ctypes.c_void_p),
+        ("value_cache", ctypes.c_void_p),
+    ]
+
+
+class Batch(ctypes.Structure):
+    """The batch's positions, cache slots and attention layout (tandem_batch in layer.c)."""
+
+    _fields_ = [
+        ("positions", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("tables", ctypes.c_void_p),
+        ("width", ctypes.c_int64),
+        ("q_starts", ctypes.c_void_p),
+        ("q_lens", ctypes.c_void_p),
+        ("ctx_lens", ctypes.c_void_p),
+        ("num_seqs", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+    ]
+
+
+WEIGHT_FORMATS = {"float32": 0, "bfloat16": 1, "Q8_0": 2, "Q4_1": 3}
+"""tandem_weight.format: panels of pack_linear_weight (float32 / bfloat16) or of
+pack_quant_weight (a GGUF type)."""
+
+
+def weight(panels: torch.Tensor, bias: torch.Tensor | None, quant: str | None) -> Weight:
+    """A packed linear's panels (kept alive by the caller) as a `Weight`."""
+    return Weight(panels.data_ptr(), _ptr(bias), WEIGHT_FORMATS[panel_format(panels, quant)])
+
+
+def layers(
+    stack: ctypes.Array,  # of Layer, one per decoder layer in order
+    batch: Batch,
+    hidden: torch.Tensor,  # [tokens, dim] float32, contiguous: updated in place
+    shape: tuple[int, int, int, int],  # heads, kv_heads, head_dim, intermediate size
+    eps: float,
+    scale: float,
+) -> None:
+    """Every layer of a Llama-family model over `hidden` in one call (tandem_layers): the
+    per-step kernels in the order engine/model/native/llama.py calls them, so the same numbers."""
+    heads, kv_heads, head_dim, inter = shape
+    tokens, dim = hidden.shape
+    scratch = torch.empty(tokens * (dim + (3 * heads + 2 * kv_heads) * head_dim + 3 * inter))
+    status = _require().tandem_layers(
+        ctypes.addressof(stack), len(stack), ctypes.addressof(batch), hidden.data_ptr(),
+        tokens, dim, heads, kv_heads, head_dim, inter, eps, scale, scratch.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(
+            f"the CPU attention kernel does not take heads={heads}, kv_heads={kv_heads}, "
+            f"head_dim={head_dim}, block_size={batch.block_size}"
+        )

@@ -1,0 +1,207 @@
+"""Decode steps on fixed shapes: padded batch buckets, static buffers, CUDA graphs.
+
+A forward in which every request feeds the same number q of tokens (decode q = 1, a
+verification of 1 + K with one K, a draft pass) is padded up to the next batch bucket and
+run from buffers that never move: input ids, positions, slot mapping, block tables, context
+lengths and query starts. On CUDA the model body is captured once per (bucket, q) as a CUDA
+graph and replayed, so a small step costs one launch instead of hundreds; elsewhere the same
+padded path runs eagerly, which is how the CPU tests check it.
+
+Padding requests have no query tokens (their query_start_loc entries repeat), so the Triton
+attention kernel skips them; padding tokens write their K/V into the runner's scratch block,
+which no request owns. The LM head runs after the body on the rows wanted, so a graph keeps
+[tokens, hidden] states rather than [tokens, vocab] logits; `head_is_plain` checks once that
+the model's logits are exactly that LM head applied to the body's output.
+
+Graphs are captured the first time their shape is needed, from one memory pool per runner;
+the smallest shape is captured at start-up so that a stack that cannot capture fails there.
+Only the Triton backend reads its metadata from tensors alone, so only it can run here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.backends import BACKENDS
+from engine.attention.paged import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class StaticBatch:
+    """The buffers of one (bucket, q) shape; the metadata and graph point at them."""
+
+    batch: int
+    query_len: int
+    input_ids: torch.Tensor  # [1, batch * q]
+    positions: torch.Tensor  # [1, batch * q]
+    metadata: AttentionMetadata
+    """slot_mapping [batch * q], block_tables [batch, width], context_lens [batch],
+    query_start_loc [batch + 1], max_query_len q."""
+    hidden: torch.Tensor | None = None  # [1, batch * q, hidden] what the body last wrote
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        body: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        scratch_block: int,
+        max_blocks_per_seq: int,
+        max_query_len: int,
+        max_batch: int,
+        device: torch.device,
+    ) -> None:
+        self.body = body
+        """(input_ids [1, tokens], positions [1, tokens], metadata) -> [1, tokens, hidden]."""
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.width = max_blocks_per_seq
+        self.max_query_len = max_query_len
+        top = next((b for b in BATCH_BUCKETS if b >= max_batch), BATCH_BUCKETS[-1])
+        self.buckets = [b for b in BATCH_BUCKETS if b <= top]
+        self.device = device
+        self.capture = device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.batches: dict[tuple[int, int], StaticBatch] = {}
+        self.steps = 0
+        """Forwards that took this path (for tests and logs)."""
+        if self.capture:
+            self._batch(1, 1)
+
+    def fits(self, query_lens: list[int], context_lens: list[int]) -> bool:
+        """Whether a batch can run here: one query length, few enough requests, short enough."""
+        q = query_lens[0] if query_lens else 0
+        return (
+            0 < len(query_lens) <= self.buckets[-1]
+            and 0 < q <= self.max_query_len
+            and all(n == q for n in query_lens)
+            and max(context_lens) <= self.width * self.block_size
+        )
+
+    def run(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        logit_rows: list[int],
+    ) -> torch.Tensor:  # [len(logit_rows), hidden]
+        """The body's output at logit_rows (indices into the packed tokens) for a batch that
+        `fits`; the LM head is the caller's."""
+        n = len(context_lens)
+        q = len(token_ids) // n
+        static = self._batch(next(b for b in self.buckets if b >= n), q)
+        self._fill(static, token_ids, positions, context_lens, block_tables)
+        if static.graph is not None:
+            static.graph.replay()
+        else:
+            static.hidden = self._body(static)
+        self.steps += 1
+        assert static.hidden is not None
+        rows = torch.tensor(logit_rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return static.hidden[0, rows]
+
+    def _body(self, static: StaticBatch) -> torch.Tensor:
+        return self.body(static.input_ids, static.positions, static.metadata)
+
+    def _batch(self, bucket: int, q: int) -> StaticBatch:
+        static = self.batches.get((bucket, q))
+        if static is None:
+            static = self._new_batch(bucket, q)
+            self.batches[(bucket, q)] = static
+        return static
+
+    def _new_batch(self, bucket: int, q: int) -> StaticBatch:
+        tokens = bucket * q
+        scratch_slot = self.scratch_block * self.block_size
+        device = self.device
+        metadata = AttentionMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=torch.full((tokens,), scratch_slot, dtype=torch.long, device=device),
+            backend=BACKENDS["triton"],
+            block_tables=torch.zeros(bucket, self.width, dtype=torch.int32, device=device),
+            query_start_loc=torch.zeros(bucket + 1, dtype=torch.int32, device=device),
+            context_lens=torch.zeros(bucket, dtype=torch.int32, device=device),
+            max_query_len=q,
+        )
+        static = StaticBatch(
+            batch=bucket,
+            query_len=q,
+            input_ids=torch.zeros(1, tokens, dtype=torch.long, device=device),
+            positions=torch.zeros(1, tokens, dtype=torch.long, device=device),
+            metadata=metadata,
+        )
+        if self.capture:
+            try:
+                self._capture(static)
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"capturing a CUDA graph ({bucket} requests x {q} tokens) failed: {exc}; "
+                    "start with --cuda-graphs off to run every step eagerly"
+                ) from exc
+        return static
+
+    def _capture(self, static: StaticBatch) -> None:
+        # The buffers hold an all-padding batch: nothing is attended, only the scratch block
+        # is written. Warm-up runs first, off the graph: Triton compiles the kernel for this
+        # shape and cuBLAS picks its algorithms, neither of which may happen while capturing.
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._body(static)
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            static.hidden = self._body(static)
+        static.graph = graph
+        logger.info(
+            "captured a CUDA graph for %d requests x %d tokens", static.batch, static.query_len
+        )
+
+    def _fill(
+        self,
+        static: StaticBatch,
+        token_ids: list[int],
+        positions: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+    ) -> None:
+        """Copy the batch into the static buffers; padding stays padding."""
+        n, q, bucket = len(context_lens), static.query_len, static.batch
+        real, pad = n * q, (bucket - n) * q
+        bs = self.block_size
+        slots = [
+            table[pos // bs] * bs + pos % bs
+            for ctx, table in zip(context_lens, block_tables, strict=True)
+            for pos in range(ctx - q, ctx)
+        ]
+        scratch = self.scratch_block * bs
+        used = max(-(-ctx // bs) for ctx in context_lens)
+        tables = [(table[:used] + [0] * used)[:used] for table in block_tables]
+        md = static.metadata
+        assert md.block_tables is not None
+        assert md.context_lens is not None and md.query_start_loc is not None
+        host = [
+            (static.input_ids[0], token_ids + [0] * pad),
+            (static.positions[0], positions + [0] * pad),
+            (md.slot_mapping, slots + [scratch] * pad),
+            (md.context_lens, context_lens + [0] * (bucket - n)),
+            (md.query_start_loc, list(range(0, real + 1, q)) + [real] * (bucket - n)),
+        ]
+        for target, values in host:
+            target.copy_(torch.tensor(values, dtype=target.dtype), non_blocking=True)
+        # Rows past n and columns past `used` keep stale ids: no query reads them.
+        md.block_tables[:n, :used].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)

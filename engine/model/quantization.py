@@ -1,0 +1,100 @@
+"""Weight-only quantization of a Hugging Face checkpoint's linear layers (`--quantization`).
+
+It changes the served model, on purpose and once: at load, every float32 `nn.Linear` weight of
+both models is replaced by its rounded values, and from then on every path (the native or the
+transformers forward, the reference attention, the CPU kernels) computes that one model.
+Speculation stays lossless with respect to it: the draft proposes, the rounded target decides.
+Activations, the KV cache and the sums stay float32.
+
+- `bf16`: each weight rounded to the nearest bfloat16 (round to nearest even). The CPU
+  kernels read such weights from bfloat16 panels and widen them exactly (engine/cpu/linear.py).
+- `int8`: GGUF's Q8_0 layout: per block of 32 weights along a row, a float16 scale
+  d = max|w| / 127 and 32 int8 values round(w / d). Run on gemm_quant.c's Q8_0 kernel.
+- `int4`: GGUF's Q4_1 layout: per block of 32, a float16 scale and a float16 minimum and 32
+  4-bit values. The LM head is rounded to int8 instead, as llama.cpp's 4-bit mixes keep their
+  output layer at higher precision: a 4-bit head costs the most quality per byte saved.
+
+The blocks are computed with the reference quantizers of the `gguf` package, so an `int8`
+model holds the weights `llama-quantize` would write as Q8_0 from the same checkpoint. An
+embedding tied to the LM head takes the head's rounded values too (one tensor).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.cpu import panels as cpu_panels
+from engine.cpu.linear import PackedLinear
+
+METHODS = ("none", "bf16", "int8", "int4")
+_BLOCKS = {"int8": "Q8_0", "int4": "Q4_1"}  # method -> GGUF block type of its weights
+_HEAD_BLOCKS = {"int8": "Q8_0", "int4": "Q8_0"}
+
+
+def _round_trip(weight: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """(GGUF blocks [rows, bytes] of `kind`, the float32 weights they hold)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qtype = GGMLQuantizationType[kind]
+    blocks = quantize(weight, qtype)
+    return blocks, dequantize(blocks, qtype).astype(np.float32, copy=False)
+
+
+def _blocked(method: str, in_features: int) -> bool:
+    return method in _BLOCKS and in_features % cpu_panels.QBLOCK == 0
+
+
+@torch.no_grad()
+def round_weights(model: nn.Module, method: str) -> dict[str, int]:
+    """Replace, in place, the weight of every float32 `nn.Linear` of `model` by the values
+    `method` serves; returns how many layers went to each format. A layer whose input width
+    is not a multiple of 32 cannot take int8/int4 blocks and is rounded to bfloat16 instead."""
+    if method not in METHODS:
+        raise ValueError(f"--quantization must be one of {', '.join(METHODS)} (got {method!r})")
+    if method == "none":
+        return {}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    done: dict[str, int] = {}
+    seen: set[int] = set()
+    for layer in model.modules():
+        if type(layer) is not nn.Linear or layer.weight.dtype != torch.float32:
+            continue
+        weight = layer.weight
+        if id(weight) in seen:  # shared with another layer: rounded once
+            continue
+        seen.add(id(weight))
+        if _blocked(method, layer.in_features):
+            kind = (_HEAD_BLOCKS if layer is head else _BLOCKS)[method]
+            _, values = _round_trip(weight.detach().cpu().numpy(), kind)
+            weight.copy_(torch.from_numpy(values))
+        else:
+            kind = "bfloat16"
+            weight.copy_(weight.to(torch.bfloat16).float())
+        done[kind] = done.get(kind, 0) + 1
+    return done
+
+
+def use_blocks(module: nn.Module, method: str) -> dict[str, int]:
+    """Switch every `PackedLinear` of `module` (weights rounded by `round_weights`, possibly
+    fused since) onto the kernel blocks that hold exactly its weights; returns how many layers
+    went to each type. A layer whose weights no block type reproduces exactly stays on its
+    float panels: same outputs, more bytes."""
+    if method not in _BLOCKS:
+        return {}
+    switched: dict[str, int] = {}
+    for layer in module.modules():
+        if not isinstance(layer, PackedLinear) or layer.quant is not None:
+            continue
+        if not _blocked(method, layer.in_features):
+            continue
+        weight = layer.weight.detach().numpy()
+        for kind in dict.fromkeys((_BLOCKS[method], _HEAD_BLOCKS[method])):
+            blocks, values = _round_trip(weight, kind)
+            if np.array_equal(values, weight):
+                layer.use_quantized(cpu_panels.pack_quant_weight(blocks, kind), kind)
+                switched[kind] = switched.get(kind, 0) + 1
+                break
+    return switched

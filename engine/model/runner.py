@@ -1,0 +1,341 @@
+"""Runs one Hugging Face causal LM on the paged KV cache. No policy lives here.
+
+The runner loads any `AutoModelForCausalLM` whose attention goes through transformers'
+AttentionInterface, owns that model's KV tensors, and turns a list of `SeqInput`s (what each
+request feeds this step) into one packed forward that returns the logits asked for. Batches
+in which every request feeds the same number of tokens can run on fixed shapes (CUDA graphs
+on CUDA; engine/model/decode_graphs.py) once `enable_decode_graphs` has been called. For
+architectures registered in engine/model/native/, the pass can run Tandem's own forward on the same
+weights (`model_impl`), checked against transformers' on a probe batch first.
+
+A model directory may hold `head_tokens.json` ({"token_ids": [...]}): the runner then computes
+logits for those tokens only (a draft whose LM head covers the tokens it may ever propose, as
+in frequency-ranked drafting) and gives every other token a logit of -1e30, so callers still
+see the full vocabulary and a sampled draft's q is exactly the distribution it drew from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine.attention import cpu as cpu_attention
+from engine.attention import paged as attention
+from engine.attention.backends import BACKENDS
+from engine.model.decode_graphs import DecodeGraphs
+from engine.model.files import gguf_source
+from engine.model.native import MODEL_IMPLS, NativeForward, build_native
+from engine.model.probe import NATIVE_TOLERANCE, native_error
+from engine.model.quantization import round_weights
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HEAD_TOKENS_FILE = "head_tokens.json"
+# The logit of a token outside a restricted head: probability exactly 0 next to any real
+# logit, finite so that penalties and temperature keep it finite (no NaN even if a mask
+# removed every head token).
+_OUTSIDE_HEAD = -1e30
+
+
+def restrict_head(model: torch.nn.Module, model_path: str) -> torch.Tensor | None:
+    """Swap the LM head of `model` for one over the token ids in `model_path`'s
+    head_tokens.json, if there is one; return those ids (None: the full vocabulary)."""
+    path = Path(model_path) / HEAD_TOKENS_FILE
+    if not path.is_file():
+        return None
+    full = model.get_output_embeddings()
+    vocab = full.weight.shape[0]
+    ids = json.loads(path.read_text())["token_ids"]
+    if not ids or len(set(ids)) != len(ids) or not all(0 <= i < vocab for i in ids):
+        raise ValueError(f"{path}: token_ids must be distinct token ids below {vocab}")
+    index = torch.tensor(ids, dtype=torch.long, device=full.weight.device)
+    head = torch.nn.Linear(full.in_features, len(ids), bias=full.bias is not None)
+    with torch.no_grad():
+        head.weight = torch.nn.Parameter(full.weight.detach().index_select(0, index).clone())
+        if full.bias is not None:
+            head.bias = torch.nn.Parameter(full.bias.detach().index_select(0, index).clone())
+    model.set_output_embeddings(head)
+    return index
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass
+class SeqInput:
+    """What one request feeds a forward pass."""
+
+    token_ids: list[int]
+    start_pos: int
+    """Position of token_ids[0]; the request's keys before it are already cached."""
+    block_table: list[int]
+    logit_offsets: list[int] = field(default_factory=list)
+    """Indices into token_ids whose next-token logits are wanted."""
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        attention_backend: str = "reference",
+        model_impl: str = "auto",
+        quantization: str = "none",
+    ) -> None:
+        if model_impl not in MODEL_IMPLS:
+            raise ValueError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}")
+        attention.register()
+        self.device = device
+        self.dtype = dtype
+        self.attention_backend = BACKENDS[attention_backend]
+        self.name = model_path
+        self.hf_config = AutoConfig.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
+        )
+        self.model.to(device).eval()
+        self.quantization = self._quantize(quantization)
+        vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.head_tokens = restrict_head(self.model, model_path)
+        text_config = self.hf_config.get_text_config()
+        self.num_layers = text_config.num_hidden_layers
+        self.num_kv_heads = getattr(
+            text_config, "num_key_value_heads", text_config.num_attention_heads
+        )
+        self.head_dim = getattr(text_config, "head_dim", None) or (
+            text_config.hidden_size // text_config.num_attention_heads
+        )
+        if attention_backend == "cpu":
+            why = cpu_attention.supports(
+                text_config.num_attention_heads, self.num_kv_heads, self.head_dim, dtype
+            )
+            if why is not None:
+                logger.info("%s: reference attention, not the cpu kernel: %s", model_path, why)
+                self.attention_backend = BACKENDS["reference"]
+        self.vocab_size = vocab_size
+        """The full vocabulary: `forward`'s logits have this width, restricted head or not."""
+        self.max_positions = text_config.max_position_embeddings
+        self.sliding_window = (
+            getattr(text_config, "sliding_window", None)
+            if getattr(text_config, "use_sliding_window", True)
+            else None
+        )
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = 0
+        self.scratch_block = 0
+        self.decode_graphs: DecodeGraphs | None = None
+        self.native: NativeForward | None = None
+        self.model_impl_setting = model_impl
+        self.kernels = "torch"
+        """What runs this model's layers: torch, or what engine/model/on_cpu.py switched on."""
+        if model_impl != "transformers":
+            self.native = self._load_native(strict=model_impl == "native")
+        self.model_impl = "native" if self.native is not None else "transformers"
+
+    def _quantize(self, method: str) -> str:
+        """Round the weights to `method` (engine/model/quantization.py); what is then served."""
+        if method != "none" and gguf_source(self.name) is not None:
+            logger.info("%s: served on its GGUF file's weights, --quantization ignored", self.name)
+            return "none"
+        rounded = round_weights(self.model, method)
+        if rounded:
+            kinds = ", ".join(f"{n} to {kind}" for kind, n in sorted(rounded.items()))
+            logger.info("%s: --quantization %s: weights rounded: %s", self.name, method, kinds)
+        return method
+
+    @property
+    def forward_module(self) -> torch.nn.Module:
+        """The module whose layers `forward` runs (to swap kernels into, e.g. packed linears)."""
+        return self.native if isinstance(self.native, torch.nn.Module) else self.model
+
+    def _load_native(self, strict: bool) -> NativeForward | None:
+        native, why = build_native(self.model)
+        if native is not None:
+            error = self.native_error(native)
+            if error > NATIVE_TOLERANCE[self.dtype]:
+                native, why = None, f"its logits differ from transformers' by {error:.2e}"
+        if native is None:
+            if strict:
+                raise ValueError(f"--model-impl native: {self.name}: {why}")
+            logger.info("%s runs through transformers: %s", self.name, why)
+        return native
+
+    def native_error(self, native: NativeForward) -> float:
+        """How far `native`'s logits are from transformers' (engine/model/probe.py)."""
+        return native_error(
+            native,
+            self.hf_logits,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.vocab_size,
+            self.dtype,
+            self.device,
+            self.attention_backend,
+        )
+
+    def hf_logits(
+        self,
+        input_ids: torch.Tensor,  # [tokens]
+        positions: torch.Tensor,  # [tokens]
+        metadata: attention.AttentionMetadata,
+        logit_index: torch.Tensor | None,  # [rows]; None = every token
+    ) -> torch.Tensor:  # [rows, vocab]
+        out = self.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            logits_to_keep=0 if logit_index is None else logit_index,
+            use_cache=False,
+            tandem_metadata=metadata,
+        )
+        return out.logits[0]
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        """Blocks 0 .. num_blocks - 1 for requests, plus a scratch block (index num_blocks)
+        that no request owns: padding tokens of fixed-shape steps write their K/V there."""
+        shape = (num_blocks + 1, block_size, self.num_kv_heads, self.head_dim)
+        self.block_size = block_size
+        self.scratch_block = num_blocks
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.num_layers)
+        ]
+
+    def free_kv(self) -> None:
+        self.kv_caches = []
+        self.decode_graphs = None
+
+    @torch.inference_mode()
+    def enable_decode_graphs(self, max_batch: int, max_query_len: int, max_model_len: int) -> bool:
+        """Run batches of up to max_batch requests that all feed the same q <= max_query_len
+        tokens on padded fixed shapes, captured as CUDA graphs on CUDA. Call after
+        allocate_kv. Needs the triton backend (its metadata is all tensors) and a model whose
+        logits are its LM head applied to its body's output; returns whether it is on."""
+        if self.attention_backend is not BACKENDS["triton"]:
+            return False
+        if self.native is None and not self._head_is_plain():
+            logger.warning("%s changes its logits after the LM head: no decode graphs", self.name)
+            return False
+        self.decode_graphs = DecodeGraphs(
+            self._graph_body,
+            self.kv_caches,
+            self.block_size,
+            self.scratch_block,
+            -(-max_model_len // self.block_size),
+            max_query_len,
+            max_batch,
+            self.device,
+        )
+        return True
+
+    def _head_is_plain(self) -> bool:
+        """One token on the scratch block, through the whole model and through body + head.
+        Not token 0: it is often the padding token, whose embedding may be zero."""
+        metadata = attention.build_metadata(
+            self.kv_caches,
+            self.block_size,
+            [1],
+            [1],
+            [[self.scratch_block]],
+            self.device,
+            self.attention_backend,
+        )
+        inputs = dict(
+            input_ids=torch.full((1, 1), self.vocab_size // 2, device=self.device),
+            position_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+            use_cache=False,
+            tandem_metadata=metadata,
+        )
+        logits = self.model(**inputs).logits
+        hidden = self.model.base_model(**inputs).last_hidden_state
+        head = self.model.get_output_embeddings()(hidden)
+        return bool(logits.abs().max() > 0) and torch.equal(head, logits)
+
+    def _graph_body(
+        self,
+        input_ids: torch.Tensor,  # [1, tokens]
+        positions: torch.Tensor,  # [1, tokens]
+        metadata: attention.AttentionMetadata,
+    ) -> torch.Tensor:  # [1, tokens, hidden], what _graph_head turns into logits
+        if self.native is not None:
+            return self.native(input_ids[0], positions[0], metadata)[None]
+        out = self.model.base_model(
+            input_ids=input_ids, position_ids=positions, use_cache=False, tandem_metadata=metadata
+        )
+        return out.last_hidden_state
+
+    def _graph_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.logits(hidden)
+        return self.model.get_output_embeddings()(hidden)
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """Run the packed batch; return float32 logits [num_logits, vocab], in the order of
+        seqs and, within a request, of its logit_offsets."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        logit_index: list[int] = []
+        for seq in seqs:
+            logit_index.extend(len(token_ids) + off for off in seq.logit_offsets)
+            token_ids.extend(seq.token_ids)
+            positions.extend(range(seq.start_pos, seq.context_len))
+        query_lens = [len(s.token_ids) for s in seqs]
+        context_lens = [s.context_len for s in seqs]
+        tables = [s.block_table for s in seqs]
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(query_lens, context_lens):
+            hidden = graphs.run(token_ids, positions, context_lens, tables, logit_index)
+            return self._widen(self._graph_head(hidden).float())  # [num_logits, vocab]
+        metadata = attention.build_metadata(
+            self.kv_caches,
+            self.block_size,
+            query_lens,
+            context_lens,
+            tables,
+            self.device,
+            self.attention_backend,
+        )
+        input_ids = torch.tensor(token_ids, device=self.device)
+        position_ids = torch.tensor(positions, device=self.device)
+        rows = torch.tensor(logit_index, dtype=torch.long, device=self.device)
+        if self.native is not None:
+            hidden = self.native(input_ids, position_ids, metadata)
+            return self._widen(self.native.logits(hidden.index_select(0, rows)).float())
+        return self._widen(self.hf_logits(input_ids, position_ids, metadata, rows).float())
+
+    def _widen(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits of a restricted head [rows, head tokens] -> [rows, vocab]."""
+        if self.head_tokens is None:
+            return logits
+        out = logits.new_full((logits.shape[0], self.vocab_size), _OUTSIDE_HEAD)
+        return out.index_copy_(1, self.head_tokens, logits)

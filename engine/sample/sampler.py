@@ -1,0 +1,158 @@
+"""From logits to the distribution a request samples from, plus logprobs.
+
+Every verified position of a request is a "row". A row's distribution is the request's own
+(penalties, min_tokens masking, temperature, top-k, top-p); greedy rows become one-hot at the
+argmax, which lets the rejection sampler treat greedy and sampled requests alike.
+
+Sampling inverts the cumulative distribution: a row's token is the first whose cumulative
+mass exceeds u times the row's total, for one u ~ U[0, 1) per row (a token of mass 0 is never
+chosen). One draw per row, not one per vocabulary entry as an exponential race needs: on a
+49K vocabulary that race's noise was most of a sampled step's cost outside the forward. The
+draws come from the request's own seeded generator, so a request's samples do not depend on
+the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.core.outputs import TokenLogprob
+from engine.core.request import Request
+
+
+@dataclass
+class RowSpec:
+    """The context of one row: which request, and the tokens generated before it."""
+
+    request: Request
+    prior_drafts: list[int] = field(default_factory=list)
+    """This step's draft tokens that precede the row (they count as generated for it)."""
+
+    @property
+    def num_generated(self) -> int:
+        return self.request.num_output_tokens + len(self.prior_drafts)
+
+
+def apply_penalties_and_masks(
+    logits: torch.Tensor,  # [num_rows, vocab], modified in place unless an inference tensor
+    rows: list[RowSpec],
+) -> torch.Tensor:
+    # Logits straight from a forward were made under torch.inference_mode and cannot be
+    # changed in place outside it (a draft model's are; the verifier's were concatenated).
+    if logits.is_inference() and any(
+        _masks_stops(r) or r.request.params.has_penalties for r in rows
+    ):
+        logits = logits.clone()
+    for i, row in enumerate(rows):
+        params = row.request.params
+        if _masks_stops(row):
+            logits[i, list(row.request.stop_token_ids)] = float("-inf")
+        if params.has_penalties:
+            generated = row.request.output_token_ids + row.prior_drafts
+            if generated:
+                counts = torch.bincount(
+                    torch.tensor(generated, device=logits.device), minlength=logits.shape[1]
+                )[: logits.shape[1]].to(logits.dtype)
+                logits[i] -= params.frequency_penalty * counts
+                logits[i] -= params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _masks_stops(row: RowSpec) -> bool:
+    return row.num_generated < row.request.params.min_tokens and bool(row.request.stop_token_ids)
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [num_rows, vocab] after penalties and masks
+    rows: list[RowSpec],
+) -> torch.Tensor:  # [num_rows, vocab]
+    """The distribution each row samples from (one-hot for greedy rows)."""
+    params = [row.request.params for row in rows]
+    if all(p.greedy for p in params):  # the common case; skips the softmax and the blend
+        return torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    temperature = torch.tensor(
+        [p.temperature if not p.greedy else 1.0 for p in params],
+        dtype=logits.dtype,
+        device=logits.device,
+    )
+    scaled = logits / temperature[:, None]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy):
+        scaled = _top_k_top_p(scaled, params)
+    probs = torch.softmax(scaled, dim=-1)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs)
+        one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def _top_k_top_p(scaled: torch.Tensor, params: list) -> torch.Tensor:
+    vocab = scaled.shape[1]
+    top_k = torch.tensor(
+        [p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=scaled.device
+    )
+    top_p = torch.tensor([p.top_p for p in params], dtype=scaled.dtype, device=scaled.device)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=scaled.device)[None, :]
+    drop = rank >= top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it
+    # already does. The first token is always kept.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+
+
+def request_uniforms(
+    requests: list[Request],
+    num_rows: list[int],
+    device: torch.device,
+) -> torch.Tensor:  # [sum(num_rows)] float64
+    """U[0, 1) draws, num_rows[i] from request i's own generator (zeros for greedy requests,
+    whose rows are one-hot), request by request."""
+    parts = [
+        torch.zeros(n, dtype=torch.float64, device=device)
+        if req.params.greedy
+        # on the generator's own device (a request's generator lives on the engine's)
+        else torch.rand(n, generator=req.generator, dtype=torch.float64, device=device)
+        for req, n in zip(requests, num_rows, strict=True)
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+
+
+def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] (any non-negative mass) x [rows] U[0, 1) -> [rows] token ids distributed
+    as probs: the first token whose cumulative mass exceeds u times the row's total."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    point = uniform.to(torch.float64)[:, None] * total
+    # Strictly below the total, so a token with mass follows (u * total may round up to it).
+    point = torch.minimum(point, total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point, right=True)[:, 0]
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # [num_rows, vocab] raw model logits
+    token_ids: list[int],  # one per row
+    num_top: int,
+) -> list[TokenLogprob]:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0]
+    chosen_list = chosen.tolist()
+    if num_top > 0:
+        top_vals, top_ids = logprobs.topk(num_top, dim=-1)
+        tops = [
+            tuple(zip(i, v, strict=True))
+            for i, v in zip(top_ids.tolist(), top_vals.tolist(), strict=True)
+        ]
+    else:
+        tops = [()] * len(token_ids)
+    return [
+        TokenLogprob(token_id=t, logprob=lp, top=top)
+        for t, lp, top in zip(token_ids, chosen_list, tops, strict=True)
+    ]

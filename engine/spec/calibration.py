@@ -1,0 +1,228 @@
+"""The cost model's start-up calibration: target and draft passes of known shapes timed
+before any request runs (`calibrate_runners`), fitted into an engine/spec/cost_model.py
+`CostModel`, and cached per machine, models and settings (`calibration_key`,
+`cached_calibration`) so later starts skip it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.model.runner import ModelRunner, SeqInput
+from engine.spec.cost_model import CostModel, PassShape
+
+logger = logging.getLogger(__name__)
+
+# Start-up calibration shapes: sequences of the table, decode batches of the attention fit.
+_TABLE_CHUNK = 16
+_CALIBRATION_CONTEXTS = (64, 256)
+
+
+def calibration_key(runners: list[ModelRunner], settings: dict) -> str:
+    """What a calibration's timings depend on: this machine (CPU model and flags, torch and
+    its thread count), the engine's code, each model's config and weight files, and the
+    settings that shape the timed passes. Any change gives another key."""
+    from engine.cpu.build import cpu_identity
+
+    h = hashlib.sha256()
+    h.update(cpu_identity().encode())
+    h.update(f"{platform.python_version()} {torch.__version__} {torch.get_num_threads()}".encode())
+    if torch.cuda.is_available():
+        h.update(torch.cuda.get_device_name(0).encode())
+    engine_dir = Path(__file__).resolve().parents[1]
+    for path in sorted([*engine_dir.rglob("*.py"), *engine_dir.rglob("*.[ch]")]):
+        h.update(path.read_bytes())
+    for runner in runners:
+        h.update(json.dumps(runner.hf_config.to_dict(), sort_keys=True, default=str).encode())
+        h.update(f"{runner.device} {runner.dtype} {runner.model_impl}".encode())
+        h.update(type(runner.attention_backend).__name__.encode())
+        head = runner.head_tokens
+        h.update(f"{runner.kernels} {None if head is None else head.tolist()}".encode())
+        model_dir = Path(runner.name)
+        if model_dir.is_dir():
+            for weights in sorted(model_dir.glob("*.safetensors")) + sorted(
+                model_dir.glob("*.bin")
+            ):
+                stat = weights.stat()
+                h.update(f"{weights.name} {stat.st_size} {stat.st_mtime_ns}".encode())
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    return h.hexdigest()[:24]
+
+
+def calibration_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tandem" / "calibration"
+
+
+def cached_calibration(
+    key: str, calibrate: Callable[[], CostModel], fresh: bool = False
+) -> CostModel:
+    """The calibration stored under `key`, else `calibrate()` (then stored). `fresh` skips
+    the lookup. A cache that cannot be read or written only costs a calibration."""
+    path = calibration_cache_dir() / f"{key}.json"
+    if not fresh:
+        try:
+            cost = CostModel.from_dict(json.loads(path.read_text()))
+            logger.info(
+                "cost model from %s (calibrated earlier on this machine; --recalibrate on to "
+                "redo it): target pass %.2f ms (1 token), verifier capacity P=%d",
+                path, cost.target_seconds[0] * 1e3, cost.capacity(),
+            )  # fmt: skip
+            return cost
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("ignoring the cached calibration %s: %s", path, exc)
+    cost = calibrate()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cost.to_dict()))
+        os.replace(tmp, path)
+    except OSError as exc:
+        logger.warning("could not cache the calibration in %s: %s", path, exc)
+    return cost
+
+
+def calibrate(runners: list[ModelRunner], fresh: bool, **shape: int) -> CostModel:
+    """The cost model of `runners` (the target, then the draft model if any) for passes of
+    `shape` (see `calibrate_runners`): from this machine's cache unless `fresh`, else timed."""
+    target, draft = runners[0], (runners[1] if len(runners) > 1 else None)
+    return cached_calibration(
+        calibration_key(runners, shape),
+        lambda: calibrate_runners(target, draft, **shape),
+        fresh=fresh,
+    )
+
+
+def calibrate_runners(
+    target: ModelRunner,
+    draft: ModelRunner | None,
+    block_size: int,
+    num_blocks: int,
+    max_tokens: int,
+    max_batch: int,
+    max_context: int,
+    repeats: int = 5,
+) -> CostModel:
+    """Time target and draft passes of known shapes before any request runs.
+
+    The KV written and read here is garbage in blocks nobody holds yet; real requests
+    overwrite it. Sequences get distinct blocks while the pool lasts (then they wrap), so the
+    keys a decode batch reads are as spread out as in real use.
+    """
+    device = target.device
+    started = time.perf_counter()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def batch(num_seqs: int, query_len: int, context: int) -> list[SeqInput]:
+        return sequences([query_len] * num_seqs, [context] * num_seqs)
+
+    def sequences(query_lens: list[int], contexts: list[int]) -> list[SeqInput]:
+        seqs, first = [], 0
+        for q, ctx in zip(query_lens, contexts, strict=True):
+            per_seq = -(-ctx // block_size)
+            table = [(first + b) % num_blocks for b in range(per_seq)]
+            first += per_seq
+            seqs.append(SeqInput([0] * q, ctx - q, table, [q - 1]))
+        return seqs
+
+    def timed(runner: ModelRunner, seqs: list[SeqInput], n: int = repeats) -> float:
+        return _min_time(lambda: (runner.forward(seqs), sync()), n)
+
+    # The weights' cost by token count: short sequences, so attention stays small.
+    sizes = _log_sizes(max_tokens)
+    table = []
+    for n in sizes:
+        chunks = table_chunks(n)
+        table.append(timed(target, sequences(chunks, chunks)))
+    cost = CostModel(sizes, table, 0.0, 0.0)
+
+    # Attention: decode batches over short and long contexts, one and several queries each;
+    # what the table does not explain is fitted to keys read and scores computed.
+    contexts = sorted({min(c, max_context) for c in _CALIBRATION_CONTEXTS})
+    batches = sorted({min(8, max_batch), max_batch})
+    rows, residuals = [], []
+    for b in batches:
+        for ctx in contexts:
+            for q in sorted({1, min(5, ctx)}):
+                seconds = timed(target, batch(b, q, ctx), max(2, repeats // 2))
+                shape = PassShape.of([q] * b, [ctx] * b)
+                rows.append([shape.kv_tokens, shape.qk_pairs])
+                residuals.append(seconds - float(cost._table(shape.num_tokens)))
+    cost.kv_coef, cost.qk_coef = _nonneg_lstsq(np.array(rows), np.array(residuals))
+
+    if draft is not None:
+        rows, times = [], []
+        for b in sorted({1, min(8, max_batch), max_batch}):
+            for ctx in contexts:
+                rows.append([1.0, b, b * ctx])
+                times.append(timed(draft, batch(b, 1, ctx)))
+        fixed, per_token, per_pair = _nonneg_lstsq(np.array(rows), np.array(times))
+        cost.draft_fixed, cost.draft_per_token, cost.draft_per_pair = fixed, per_token, per_pair
+
+    logger.info(
+        "cost model calibrated in %.1fs: target pass %.2f ms (1 token) .. %.2f ms (%d) "
+        "+ %.2f us/key + %.4f us/score; draft pass %.2f ms + %.3f ms/token + %.4f us/score; "
+        "verifier capacity P=%d",
+        time.perf_counter() - started, cost.target_seconds[0] * 1e3,
+        cost.target_seconds[-1] * 1e3, int(cost.sizes[-1]), cost.kv_coef * 1e6,
+        cost.qk_coef * 1e6, cost.draft_fixed * 1e3, cost.draft_per_token * 1e3,
+        cost.draft_per_pair * 1e6, cost.capacity(),
+    )  # fmt: skip
+    return cost
+
+
+def table_chunks(num_tokens: int) -> list[int]:
+    """Query lengths of the sequences that time a pass of exactly `num_tokens` tokens: as
+    few as keep each at most `_TABLE_CHUNK`, as even as they divide."""
+    count = -(-num_tokens // _TABLE_CHUNK)
+    return [num_tokens // count + (i < num_tokens % count) for i in range(count)]
+
+
+def _nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> list[float]:
+    """Least squares with every coefficient >= 0 (costs cannot be negative): refit without
+    the columns that come out negative until none does."""
+    active = list(range(a.shape[1]))
+    coef = np.zeros(a.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active = [c for c, s in zip(active, sol, strict=True) if s >= 0]
+    return [float(c) for c in coef]
+
+
+def _log_sizes(limit: int) -> list[int]:
+    """Every size up to 8 (1 + K for the usual K: interpolating there would hide whether a
+    verification pass costs what a decode does), then 1.5x and 2x steps up to `limit`."""
+    sizes = list(range(1, 9))
+    n = 8
+    while n < limit:
+        sizes += [n * 3 // 2, n * 2]
+        n *= 2
+    return sorted({s for s in sizes if s < limit} | {max(limit, 1)})
+
+
+def _min_time(fn: Callable[[], object], repeats: int) -> float:
+    """Best of `repeats`: interference on a shared machine only ever adds time."""
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)

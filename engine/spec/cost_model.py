@@ -1,0 +1,178 @@
+"""What a step costs on this machine, measured rather than assumed.
+
+A pass's cost has two parts that grow with different things, and a draft-length policy has to
+see both: speculation adds tokens to a pass but no sequences.
+
+- target pass: `table(num_tokens) + kv_coef * kv_tokens + qk_coef * qk_pairs`, where the table
+  is timed at start-up over log-spaced token counts (short sequences, so it holds the weights'
+  cost: flat while they are memory-bound, then rising), `kv_tokens` is the sum of the context
+  lengths of the pass's sequences (keys read) and `qk_pairs` the sum of query x context
+  (scores computed). The two coefficients are fitted at start-up from decode batches.
+- draft pass: `fixed * passes + per_token * drafts + per_pair * pairs`, fitted at start-up
+  over batch sizes and context lengths.
+
+The start-up fit (engine/spec/calibration.py) is cached per machine, models and settings, so
+later starts skip it; `--recalibrate on` forces a fresh one. Every real step then rescales its
+prediction by the measured/predicted ratio (a running mean at first, an EMA after that,
+one step's ratio clipped to [0.5, 2] so a pause on a shared machine moves the model a little,
+not a lot).
+
+The verifier capacity P is the number of tokens a target pass takes for about the cost of a
+single-token pass (within `CAPACITY_SLACK`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+CAPACITY_SLACK = 1.25
+_EMA = 0.05
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """What a forward pass holds, in the units the cost model charges for."""
+
+    num_tokens: int
+    kv_tokens: int = 0
+    """Sum over sequences of the context each one attends to (keys read)."""
+    qk_pairs: int = 0
+    """Sum over sequences of query tokens x context (attention scores)."""
+
+    @classmethod
+    def of(cls, query_lens: list[int], context_lens: list[int]) -> PassShape:
+        return cls(
+            sum(query_lens),
+            sum(context_lens),
+            sum(q * c for q, c in zip(query_lens, context_lens, strict=True)),
+        )
+
+
+class _Scale:
+    """Measured / predicted, averaged: a running mean over the first observations (so an
+    unlucky calibration is replaced outright), an EMA after that (so drift is followed)."""
+
+    def __init__(self) -> None:
+        self.value = 1.0
+        self.count = 0
+
+    def observe(self, measured: float, calibrated: float) -> None:
+        """`calibrated`: the start-up fit's prediction for what took `measured` seconds."""
+        if calibrated <= 0:
+            return
+        self.count += 1
+        rate = max(_EMA, 1.0 / self.count)
+        ratio = float(np.clip(measured / calibrated, 0.5 * self.value, 2.0 * self.value))
+        self.value += rate * (ratio - self.value)
+
+
+class CostModel:
+    def __init__(
+        self,
+        sizes: list[int],
+        target_seconds: list[float],
+        draft_fixed: float,
+        draft_per_token: float,
+        *,
+        kv_coef: float = 0.0,
+        qk_coef: float = 0.0,
+        draft_per_pair: float = 0.0,
+    ) -> None:
+        self.sizes = np.asarray(sizes, dtype=np.float64)
+        # A bigger pass never costs less: timing noise must not make it look that way.
+        self.target_seconds = np.maximum.accumulate(np.asarray(target_seconds, dtype=np.float64))
+        self.kv_coef = kv_coef
+        self.qk_coef = qk_coef
+        self.draft_fixed = draft_fixed
+        self.draft_per_token = draft_per_token
+        self.draft_per_pair = draft_per_pair
+        self.target_scale = _Scale()
+        self.draft_scale = _Scale()
+
+    def target_time(
+        self,
+        num_tokens: np.ndarray | float,
+        kv_tokens: np.ndarray | float = 0.0,
+        qk_pairs: np.ndarray | float = 0.0,
+    ) -> np.ndarray:
+        return self.target_scale.value * self._target_calibrated(num_tokens, kv_tokens, qk_pairs)
+
+    def draft_time(
+        self,
+        num_passes: np.ndarray | float,
+        num_drafts: np.ndarray | float,
+        qk_pairs: np.ndarray | float = 0.0,
+    ) -> np.ndarray:
+        """Seconds for `num_passes` draft passes proposing `num_drafts` tokens in total whose
+        queries attend `qk_pairs` keys in total."""
+        return self.draft_scale.value * self._draft_calibrated(num_passes, num_drafts, qk_pairs)
+
+    def _target_calibrated(
+        self,
+        num_tokens: np.ndarray | float,
+        kv_tokens: np.ndarray | float,
+        qk_pairs: np.ndarray | float,
+    ) -> np.ndarray:
+        """The start-up fit alone, before the online scale."""
+        return (
+            self._table(num_tokens)
+            + self.kv_coef * np.asarray(kv_tokens, dtype=np.float64)
+            + self.qk_coef * np.asarray(qk_pairs, dtype=np.float64)
+        )
+
+    def _draft_calibrated(
+        self,
+        num_passes: np.ndarray | float,
+        num_drafts: np.ndarray | float,
+        qk_pairs: np.ndarray | float,
+    ) -> np.ndarray:
+        return (
+            self.draft_fixed * np.asarray(num_passes, dtype=np.float64)
+            + self.draft_per_token * np.asarray(num_drafts, dtype=np.float64)
+            + self.draft_per_pair * np.asarray(qk_pairs, dtype=np.float64)
+        )
+
+    def _table(self, num_tokens: np.ndarray | float) -> np.ndarray:
+        # Linear inside the table, linear extrapolation past its end (compute-bound regime).
+        n = np.asarray(num_tokens, dtype=np.float64)
+        table = self.target_seconds
+        inside = np.interp(n, self.sizes, table)
+        if len(self.sizes) >= 2:
+            slope = (table[-1] - table[-2]) / (self.sizes[-1] - self.sizes[-2])
+            inside = np.where(n > self.sizes[-1], table[-1] + slope * (n - self.sizes[-1]), inside)
+        return inside
+
+    def capacity(self) -> int:
+        """Verifier capacity P: most tokens a pass holds within CAPACITY_SLACK x one token."""
+        limit = CAPACITY_SLACK * self.target_seconds[0]
+        ok = self.sizes[self.target_seconds <= limit]
+        return int(ok.max()) if ok.size else 1
+
+    def observe_target(self, shape: PassShape, seconds: float) -> None:
+        calibrated = self._target_calibrated(shape.num_tokens, shape.kv_tokens, shape.qk_pairs)
+        self.target_scale.observe(seconds, float(calibrated))
+
+    def observe_draft(
+        self, num_passes: int, num_drafts: int, qk_pairs: int, seconds: float
+    ) -> None:
+        calibrated = self._draft_calibrated(num_passes, num_drafts, qk_pairs)
+        self.draft_scale.observe(seconds, float(calibrated))
+
+    def to_dict(self) -> dict:
+        """The start-up fit (not the online scale), as JSON-able numbers."""
+        return {
+            "sizes": [int(s) for s in self.sizes],
+            "target_seconds": [float(t) for t in self.target_seconds],
+            "kv_coef": self.kv_coef, "qk_coef": self.qk_coef, "draft_fixed": self.draft_fixed,
+            "draft_per_token": self.draft_per_token, "draft_per_pair": self.draft_per_pair,
+        }  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostModel:
+        return cls(
+            data["sizes"], data["target_seconds"], data["draft_fixed"], data["draft_per_token"],
+            kv_coef=data["kv_coef"], qk_coef=data["qk_coef"],
+            draft_per_pair=data["draft_per_pair"],
+        )  # fmt: skip

@@ -1,0 +1,236 @@
+"""How many draft tokens (K) each decoding request gets this step.
+
+A policy sees the whole decoding batch at once because the right K depends on the batch:
+speculation that pays at batch 1 wastes compute at batch 64 (docs/ARCHITECTURE.md,
+"Speculation in brief"). `observe` feeds it the outcome of every verification so it can
+track acceptance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from engine.config import SpecConfig
+from engine.core.request import Request
+from engine.spec.cost_model import CostModel
+
+# Reasons a request got fewer than K_max drafts (exported as a metric label).
+REASON_BATCH = "batch_cost"
+REASON_ACCEPTANCE = "low_acceptance"
+REASON_BUDGET = "token_budget"
+REASON_LENGTH = "max_tokens"
+REASON_MEMORY = "kv_memory"
+
+
+@dataclass
+class DraftLengths:
+    ks: list[int]
+    reasons: list[str | None] = field(default_factory=list)
+    """Per request: why K < K_max (None when it is not)."""
+
+
+class DraftLengthPolicy(Protocol):
+    """Rules: `choose` returns one K in [0, max_draft_tokens] per request, in order; K = 0 means
+    a plain decode with no draft work for that request. It must not mutate the requests.
+    `num_other_tokens` is how many non-decode (prefill) tokens the step will also carry."""
+
+    max_draft_tokens: int
+
+    def choose(self, requests: list[Request], num_other_tokens: int = 0) -> DraftLengths: ...
+
+    def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None: ...
+
+
+class FixedDraftLength:
+    """Always K_max (the baseline the adaptive policy is measured against)."""
+
+    def __init__(self, max_draft_tokens: int) -> None:
+        self.max_draft_tokens = max_draft_tokens
+
+    def choose(self, requests: list[Request], num_other_tokens: int = 0) -> DraftLengths:
+        return DraftLengths([self.max_draft_tokens] * len(requests), [None] * len(requests))
+
+    def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+
+class AdaptiveDraftLength:
+    """Maximise expected accepted tokens per second for the whole batch.
+
+    With per-token acceptance a_i, the d-th draft of request i adds a_i^d expected tokens
+    (it counts only if drafts 1..d-1 were accepted). Every increment (i, d) is ranked by that
+    gain; the policy takes the prefix of the ranking that maximises
+        (B + sum of gains) / (T_target(n_other + B + drafts) + T_draft(passes, drafts))
+    using the measured cost model, which charges a pass for its tokens and for the context its
+    queries attend to (`PassShape`). An empty prefix is plain decoding.
+
+    Giving requests different K has costs the model leaves out: every distinct query count is
+    one more attention call per layer, and the deepest draft sets the number of draft passes
+    for all. So the best single K for the whole batch is used unless the per-request choice is
+    predicted to beat it by more than `uniform_margin` (a request whose drafts keep failing
+    still drops to K = 0 then: that difference is large).
+
+    When speculation has been off for `probe_interval` steps, one step drafts K = 1 for every
+    request: otherwise a pessimistic cost estimate or acceptance prior could never be corrected,
+    since only steps that draft measure the draft's cost and acceptance. A probe is not free
+    (the draft first catches up on every token it skipped), so while probes keep confirming
+    K = 0 the interval doubles, up to `max_probe_interval`; the policy choosing drafts on its
+    own resets it.
+
+    A seeded sampling request always asks for K_max: under speculative sampling the exact
+    sample (not its distribution) depends on K, and a K chosen from measured timings would
+    change a seed's text from run to run. The scheduler may still cut it (budget, memory).
+    """
+
+    def __init__(
+        self,
+        max_draft_tokens: int,
+        cost: CostModel,
+        prior: float = 0.6,
+        prior_weight: float = 8,
+        probe_interval: int = 32,
+        uniform_margin: float = 0.03,
+        max_probe_interval: int = 1024,
+    ) -> None:
+        self.max_draft_tokens = max_draft_tokens
+        self.uniform_margin = uniform_margin
+        self.cost = cost
+        self.probe_interval = probe_interval
+        self.max_probe_interval = max_probe_interval
+        self._probe_every = probe_interval
+        self._steps_without_drafts = 0
+        self.prior_weight = prior_weight
+        self._accepted = prior * prior_weight  # decayed engine-wide counts
+        self._trials = prior_weight
+
+    @property
+    def global_acceptance(self) -> float:
+        return self._accepted / self._trials
+
+    def acceptance(self, req: Request) -> float:
+        """Per-token acceptance: the engine-wide rate as a prior, updated by the request's own
+        verified drafts (a rejection ends a trial run, so trials = accepted + rejections)."""
+        w = self.prior_weight
+        est = (req.spec.accepted + w * self.global_acceptance) / (req.spec.trials + w)
+        return float(min(max(est, 0.0), 0.99))
+
+    def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        decay = 0.995
+        self._accepted = decay * self._accepted + num_accepted
+        self._trials = decay * self._trials + num_accepted + (num_accepted < num_drafted)
+
+    def choose(self, requests: list[Request], num_other_tokens: int = 0) -> DraftLengths:
+        batch, k_max = len(requests), self.max_draft_tokens
+        if batch == 0 or k_max == 0:
+            return DraftLengths([0] * batch, [None] * batch)
+        a = np.array([self.acceptance(r) for r in requests])
+        context = np.array([r.num_tokens for r in requests], dtype=np.float64)
+        depth = np.arange(1, k_max + 1)
+        gains = a[:, None] ** depth[None, :]  # [batch, k_max]: gain of the d-th draft
+        ks, rate = self._best_prefix(gains, context, num_other_tokens)
+        uniform_ks, uniform_rate = self._best_uniform(gains, context, num_other_tokens)
+        if rate < (1 + self.uniform_margin) * uniform_rate:
+            ks = uniform_ks
+        solo = self._best_alone(gains, context)
+        reasons: list[str | None] = []
+        for i, (k, k_solo) in enumerate(zip(ks, solo, strict=True)):
+            params = requests[i].params
+            if params.seed is not None and not params.greedy:
+                ks[i] = k_max
+                reasons.append(None)
+            elif k >= k_max:
+                reasons.append(None)
+            else:  # would it get more alone? then the batch is what cut it
+                reasons.append(REASON_BATCH if k < k_solo else REASON_ACCEPTANCE)
+        if ks.any():
+            self._steps_without_drafts = 0
+            self._probe_every = self.probe_interval
+        else:
+            self._steps_without_drafts += 1
+            if self._steps_without_drafts >= self._probe_every:
+                self._steps_without_drafts = 0
+                self._probe_every = min(2 * self._probe_every, self.max_probe_interval)
+                ks[:] = 1
+        return DraftLengths([int(k) for k in ks], reasons)
+
+    def _seconds(
+        self,
+        base_tokens: float,
+        drafts: np.ndarray,
+        passes: np.ndarray,
+        decode_pairs: float,
+        draft_pairs: np.ndarray,
+    ) -> np.ndarray:
+        """Predicted step time: the target pass holds base_tokens (prefill tokens and every
+        request's last token, each of the latter a query over its context: decode_pairs) plus
+        the drafts, each of which is one more query over its request's context."""
+        return self.cost.target_time(
+            base_tokens + drafts, decode_pairs, decode_pairs + draft_pairs
+        ) + self.cost.draft_time(passes, drafts, draft_pairs)
+
+    def _best_uniform(
+        self, gains: np.ndarray, context: np.ndarray, num_other: int
+    ) -> tuple[np.ndarray, float]:
+        """The best single K for every request, and its expected tokens per second."""
+        rows, k_max = gains.shape
+        k = np.arange(0, k_max + 1)
+        tokens = rows + np.concatenate([[0.0], np.cumsum(gains.sum(axis=0))])
+        total_context = float(context.sum())
+        seconds = self._seconds(num_other + rows, rows * k, k, total_context, k * total_context)
+        rates = tokens / seconds
+        best = int(np.argmax(rates))
+        return np.full(rows, best, dtype=np.int64), float(rates[best])
+
+    def _best_prefix(
+        self, gains: np.ndarray, context: np.ndarray, num_other: int
+    ) -> tuple[np.ndarray, float]:
+        """K per request from the best prefix of increments ranked by gain, and its expected
+        tokens per second.
+
+        Each draft adds a token to the target pass, a query over its request's context to
+        both models, and possibly a draft pass (the deepest draft sets how many there are);
+        the plain-decode part of the pass (every request's last token) is paid regardless.
+        """
+        rows, k_max = gains.shape
+        order = np.argsort(-gains, axis=None, kind="stable")
+        owner = order // k_max
+        depth = order % k_max + 1
+        m = np.arange(0, order.size + 1)  # prefix length = total draft tokens
+        tokens = rows + np.concatenate([[0.0], np.cumsum(gains.reshape(-1)[order])])
+        passes = np.concatenate([[0], np.maximum.accumulate(depth)])
+        draft_pairs = np.concatenate([[0.0], np.cumsum(context[owner])])
+        seconds = self._seconds(num_other + rows, m, passes, float(context.sum()), draft_pairs)
+        rates = tokens / seconds
+        best = int(np.argmax(rates))
+        ks = np.zeros(rows, dtype=np.int64)
+        np.add.at(ks, owner[:best], 1)
+        return ks, float(rates[best])
+
+    def _best_alone(self, gains: np.ndarray, context: np.ndarray) -> np.ndarray:
+        """K per request if it were the only one decoding (vectorised over requests)."""
+        rows, k_max = gains.shape
+        drafts = np.arange(0, k_max + 1)[None, :]  # K = 0..k_max for each request
+        tokens = 1 + np.concatenate([np.zeros((rows, 1)), np.cumsum(gains, 1)], axis=1)
+        ctx = context[:, None]
+        seconds = self.cost.target_time(1 + drafts, ctx, (1 + drafts) * ctx) + self.cost.draft_time(
+            drafts, drafts, drafts * ctx
+        )
+        return np.argmax(tokens / seconds, axis=1)
+
+
+class NoSpeculation(FixedDraftLength):
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
+def policy_for(spec: SpecConfig, cost_model: CostModel | None) -> DraftLengthPolicy:
+    """The policy `spec` asks for: none when speculation is off, adaptive on `cost_model`
+    when there is one, else a fixed K_max."""
+    if not spec.enabled:
+        return NoSpeculation()
+    if cost_model is not None:
+        return AdaptiveDraftLength(spec.max_draft_tokens, cost_model)
+    return FixedDraftLength(spec.max_draft_tokens)

@@ -1,0 +1,70 @@
+"""The Proposer protocol and its registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from engine.config import SpecConfig
+
+if TYPE_CHECKING:
+    from engine.core.scheduler import SchedulerOutput
+
+
+@dataclass
+class DraftBatch:
+    token_ids: list[list[int]]
+    """Per scheduled request (in SchedulerOutput order): at most its num_draft_tokens drafts."""
+    probs: torch.Tensor | None = None
+    """[total drafts, vocab] q for each draft, request by request; None = model-free (one-hot)."""
+    fed_tokens: int = 0
+    """Tokens a draft model processed over all its passes this step: drafts, catch-up tokens
+    and prefill chunks alike (what its measured time paid for)."""
+    fed_pairs: int = 0
+    """Sum over those tokens of the context each attended (query x key pairs)."""
+
+
+class Proposer(Protocol):
+    """Proposes draft tokens for a scheduled batch.
+
+    Rules: `propose` returns at most `num_draft_tokens` drafts for each scheduled request, and
+    none for a request whose K is 0 (that request must cost the proposer no work). It may
+    return fewer (a lookup that finds nothing). It must not change what the scheduler owns
+    (num_computed_tokens, block tables); a proposer with a KV cache of its own uses the
+    target's block ids and tracks its progress in `Request.num_draft_computed_tokens`.
+    """
+
+    keeps_kv: bool
+    """Whether it keeps a KV cache of its own in the target's blocks (a draft model): a block
+    is then shareable through the prefix cache only once the draft's KV in it is valid too."""
+
+    def kv_bytes_per_block(self, block_size: int) -> int: ...
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None: ...
+
+    def propose(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch: ...
+
+
+# (config, device, dtype, target vocabulary size, attention backend name, model impl,
+# weight quantization) -> proposer
+ProposerFactory = Callable[[SpecConfig, torch.device, torch.dtype, int, str, str, str], Proposer]
+PROPOSERS: dict[str, ProposerFactory] = {}
+
+
+def build_proposer(
+    config: SpecConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    target_vocab: int,
+    attention_backend: str = "reference",
+    model_impl: str = "auto",
+    quantization: str = "none",
+) -> Proposer | None:
+    if not config.enabled:
+        return None
+    return PROPOSERS[config.method](
+        config, device, dtype, target_vocab, attention_backend, model_impl, quantization
+    )

@@ -1,0 +1,168 @@
+"""The target pass of a step: one packed forward, then rejection sampling per request.
+
+Each scheduled request feeds its missing tokens plus its drafts. Rows (positions whose
+logits we keep) are, per request: the prompt positions when prompt logprobs were asked for,
+then, when the request samples this step, its last token and every draft (1 + k rows).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.core.outputs import StepTokens, TokenLogprob
+from engine.core.request import Request
+from engine.core.scheduler import SchedulerOutput
+from engine.model.runner import ModelRunner, SeqInput
+from engine.sample.rejection_sampler import PAD, greedy_verify, rejection_sample
+from engine.sample.sampler import (
+    RowSpec,
+    apply_penalties_and_masks,
+    logits_to_probs,
+    request_uniforms,
+    token_logprobs,
+)
+from engine.spec.proposers.base import DraftBatch
+from engine.spec.speed_of_light import SpeedOfLight
+
+
+@dataclass
+class VerifyResult:
+    tokens: dict[str, StepTokens] = field(default_factory=dict)
+    """Verified tokens of every request that sampled this step."""
+    prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
+    """Complete prompt logprobs of requests whose prefill finished this step."""
+    forward_seconds: float = 0.0
+    """Wall time of the target's forward (the rest of `run` is sampling and verification)."""
+
+
+class Verifier:
+    def __init__(
+        self, vocab_size: int, device: torch.device, speed_of_light: SpeedOfLight | None = None
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.speed_of_light = speed_of_light
+
+    def run(
+        self,
+        runner: ModelRunner,
+        sched: SchedulerOutput,
+        block_tables: list[list[int]],
+        drafts: DraftBatch | None,
+    ) -> VerifyResult:
+        seqs: list[SeqInput] = []
+        prompt_rows: list[tuple[Request, int]] = []  # (request, number of prompt rows)
+        samplers: list[tuple[Request, list[int]]] = []  # (request, its drafts)
+        for i, (item, table) in enumerate(zip(sched.scheduled, block_tables, strict=True)):
+            req = item.request
+            drafted = list(drafts.token_ids[i]) if drafts is not None else []
+            start = req.num_computed_tokens
+            tokens = req.all_token_ids[start : start + item.num_new_tokens] + drafted
+            offsets = []
+            if req.params.prompt_logprobs is not None and req.num_output_tokens == 0:
+                # Row j predicts the prompt token at position start + j + 1.
+                n = max(0, min(item.num_new_tokens, req.num_prompt_tokens - start - 1))
+                offsets.extend(range(n))
+                prompt_rows.append((req, n))
+            if item.samples:
+                offsets.extend(range(item.num_new_tokens - 1, len(tokens)))
+                samplers.append((req, drafted))
+            seqs.append(SeqInput(tokens, start, table, offsets))
+
+        start = time.perf_counter()
+        logits = runner.forward(seqs)[:, : self.vocab_size]  # [num_rows, vocab]
+        result = VerifyResult(forward_seconds=time.perf_counter() - start)
+        # Split rows back per request, in the order they were laid out.
+        cursor = 0
+        prompt_logits: dict[str, torch.Tensor] = {}
+        sample_parts: list[torch.Tensor] = []
+        prompt_iter = iter(prompt_rows)
+        next_prompt = next(prompt_iter, None)
+        sampled = iter(samplers)
+        for item in sched.scheduled:
+            req = item.request
+            if next_prompt is not None and next_prompt[0] is req:
+                n = next_prompt[1]
+                prompt_logits[req.request_id] = logits[cursor : cursor + n]
+                cursor += n
+                next_prompt = next(prompt_iter, None)
+            if item.samples:
+                n = 1 + len(next(sampled)[1])
+                sample_parts.append(logits[cursor : cursor + n])
+                cursor += n
+
+        for req, _ in prompt_rows:
+            self._add_prompt_logprobs(req, prompt_logits[req.request_id], result)
+        if samplers:
+            self._sample(samplers, torch.cat(sample_parts), drafts, result)
+        return result
+
+    def _add_prompt_logprobs(
+        self, req: Request, logits: torch.Tensor, result: VerifyResult
+    ) -> None:
+        start = req.num_computed_tokens
+        if start == 0 or req.prompt_logprobs is None:
+            req.prompt_logprobs = [None]  # the first prompt token has no logprob
+        if logits.shape[0]:
+            targets = req.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
+            req.prompt_logprobs.extend(
+                token_logprobs(logits, targets, req.params.prompt_logprobs or 0)
+            )
+        if len(req.prompt_logprobs) == req.num_prompt_tokens:
+            result.prompt_logprobs[req.request_id] = req.prompt_logprobs
+
+    def _sample(
+        self,
+        samplers: list[tuple[Request, list[int]]],  # (request, its drafts)
+        logits: torch.Tensor,  # [sum(1 + k_i), vocab]
+        drafts: DraftBatch | None,
+        result: VerifyResult,
+    ) -> None:
+        reqs = [r for r, _ in samplers]
+        drafted = [d for _, d in samplers]
+        num_drafts = [len(d) for d in drafted]
+        rows = [RowSpec(r, d[:j]) for r, d in samplers for j in range(len(d) + 1)]
+        sol = self.speed_of_light
+        if sol is not None and any(num_drafts) and sol.due():
+            first_rows = torch.tensor(
+                [0] + list(itertools.accumulate(k + 1 for k in num_drafts))[:-1]
+            )
+            self.speed_of_light.observe_distributions(logits[first_rows.to(logits.device)])
+        wants_logprobs = any(r.params.logprobs is not None for r in reqs)
+        raw = logits.clone() if wants_logprobs else logits
+        if all(r.params.greedy for r in reqs):
+            best = apply_penalties_and_masks(logits, rows).argmax(dim=-1).tolist()
+            emitted = greedy_verify(best, drafted)
+            self._emit(reqs, num_drafts, emitted, raw, result)
+            return
+        probs = logits_to_probs(apply_penalties_and_masks(logits, rows), rows)
+        draft_ids = torch.tensor(
+            [t for d in drafted for t in d], dtype=torch.long, device=self.device
+        )
+        # Only sampling (decoding) requests get drafts, so the probs line up with reqs.
+        draft_probs = drafts.probs if drafts is not None else None
+        uniform = request_uniforms(reqs, [k + 1 for k in num_drafts], self.device)
+        out = rejection_sample(probs, draft_ids, draft_probs, num_drafts, uniform).tolist()
+        self._emit(reqs, num_drafts, [[t for t in e if t != PAD] for e in out], raw, result)
+
+    def _emit(
+        self,
+        reqs: list[Request],
+        num_drafts: list[int],
+        emitted: list[list[int]],  # per request: accepted drafts + the recovered/bonus token
+        raw: torch.Tensor,  # [rows, vocab] the target's logits, for logprobs
+        result: VerifyResult,
+    ) -> None:
+        row = 0
+        for req, k, tokens in zip(reqs, num_drafts, emitted, strict=True):
+            logprobs = None
+            if req.params.logprobs is not None:
+                logprobs = token_logprobs(raw[row : row + len(tokens)], tokens, req.params.logprobs)
+            result.tokens[req.request_id] = StepTokens(tokens, logprobs, k, len(tokens) - 1)
+            if k and self.speed_of_light is not None:
+                self.speed_of_light.observe_pass(len(tokens))
+            row += k + 1

@@ -1,0 +1,123 @@
+"""The shape of the code (docs/ARCHITECTURE.md): no import circles in `engine/` or `server/`,
+every module imports on its own (`__main__` modules aside: they run), `engine/` never
+imports the server or the HTTP stack, the scheduler and the KV bookkeeping import without
+torch, and no module outgrows 350 lines."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "server")
+MAX_LINES = 350
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+def _load_time_imports(path: Path) -> list[str]:
+    """Modules imported when `path` is executed: top-level imports, outside functions and
+    `if TYPE_CHECKING:` blocks."""
+    names: list[str] = []
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                names.extend(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.extend(f"{node.module}.{alias.name}" for alias in node.names)
+                names.append(node.module)
+            elif isinstance(node, ast.If):
+                if "TYPE_CHECKING" not in ast.unparse(node.test):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+
+    visit(ast.parse(path.read_text()).body)
+    return names
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {
+        name: {n for n in _load_time_imports(path) if n in modules and n != name}
+        for name, path in modules.items()
+    }
+
+
+def test_no_import_circles():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    circles = []
+
+    def walk(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                circles.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                walk(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            walk(node, [node])
+    assert not circles, circles
+
+
+def test_the_engine_never_imports_the_server_or_the_http_stack():
+    for name, path in _modules().items():
+        if name.startswith("engine"):
+            imported = {n.split(".")[0] for n in _load_time_imports(path)}
+            assert not imported & {"server", "fastapi", "starlette", "uvicorn"}, name
+
+
+def test_the_server_imports_only_the_engines_public_api():
+    for name, path in _modules().items():
+        if name.startswith("server"):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("engine"):
+                    assert node.module == "engine", (name, node.module)
+
+
+def test_every_module_imports_on_its_own_and_the_scheduler_without_torch():
+    """One interpreter per check would take minutes; instead each module is imported after
+    every `engine`/`server` module has been dropped from sys.modules (so a circle or a
+    missing import shows), and the torch-free ones in a fresh interpreter."""
+    script = (
+        "import importlib, sys\n"
+        f"names = {sorted(n for n in _modules() if not n.endswith('__main__'))!r}\n"
+        "for name in names:\n"
+        "    for loaded in [m for m in sys.modules if m.split('.')[0] in ('engine', 'server')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    importlib.import_module(name)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    light = (
+        "engine, engine.config, engine.core.scheduler, engine.kv.manager, engine.spec.draft_length"
+    )
+    check = f"import sys, {light}; assert 'torch' not in sys.modules, sorted(sys.modules)"
+    run = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_no_module_over_350_lines():
+    long = {
+        name: n
+        for name, path in _modules().items()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, long
