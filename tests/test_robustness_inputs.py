@@ -37,6 +37,16 @@ def http(served) -> Iterator[httpx.Client]:
         yield client
 
 
+@pytest.fixture(autouse=True)
+def no_server_errors(served) -> Iterator[None]:
+    """After every test of this module, whatever order they run in: no request so far was
+    answered with a 5xx."""
+    yield
+    text = httpx.get(f"{served.url}/metrics").text
+    errors = [ln for ln in text.splitlines() if ln.startswith("tandem_request_errors_total")]
+    assert not any('status="5' in ln for ln in errors), errors
+
+
 def _completion(**fields: object) -> dict:
     return {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **fields}
 
@@ -243,11 +253,9 @@ def test_streamed_refusals_are_errors_not_streams(http, served):
     served.wait_idle()
 
 
-def test_nothing_was_a_server_error(served):
-    """Run last in this module: no request above was answered with a 5xx."""
-    text = httpx.get(f"{served.url}/metrics").text
-    errors = [ln for ln in text.splitlines() if ln.startswith("tandem_request_errors_total")]
-    assert errors and not any('status="5' in ln for ln in errors), errors
+def test_the_server_stays_ready_after_bad_input(http, served):
+    assert http.post(COMPLETIONS, json=_completion(max_tokens=-1)).status_code == 400
+    assert _raw(http, CHAT, b"{not json").status_code == 400
     served.wait_idle()
     assert json.loads(httpx.get(f"{served.url}/health").text) == {"status": "ready"}
 

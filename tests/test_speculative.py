@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import shutil
@@ -108,6 +107,31 @@ def test_greedy_speculative_equals_target_only(
         assert drafted and all(t % 3 == 0 for t in drafted)
 
 
+@pytest.mark.parametrize("drafter", ["draft_is_target", "ngram"])
+def test_greedy_with_penalties_and_min_tokens_equals_target_only(tiny_dirs, drafter):
+    """Each verified row sees the drafts before it as generated: penalties and the
+    min_tokens mask give the target-only greedy text under speculation too."""
+    target = tiny_dirs["llama"]
+    prompts = [p + p for p in random_prompts([6, 11, 4], vocab=300, seed=5)]  # for n-grams
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        presence_penalty=0.9,
+        frequency_penalty=0.7,
+        min_tokens=6,
+        stop_token_ids=tuple(range(0, 300, 7)),
+    )
+    plain = _run_with_ks(make_engine(target), prompts, params=params)
+    spec = {
+        "draft_is_target": SpecConfig("draft", str(target), 8, "fixed"),
+        "ngram": SpecConfig("ngram", max_draft_tokens=8, draft_length="fixed"),
+    }[drafter]
+    engine = make_engine(target, spec=spec)
+    assert _run_with_ks(engine, prompts, params=params) == plain
+    assert engine.stats().spec_drafted_tokens > 0
+    assert min(len(out) for out in plain) >= 6  # the stop ids were masked for six tokens
+
+
 def test_rejected_drafts_across_blocks_are_released_right_after_the_step(tiny_dirs):
     target = tiny_dirs["llama"]
     # Fixed K: the adaptive policy would (rightly) stop drafting for this hopeless draft.
@@ -156,29 +180,46 @@ NEW_TOKENS = 4
 PROMPT = [1, 2, 3]
 
 
-def _keep_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Reference top-p: the smallest set of most likely tokens whose mass reaches top_p."""
+def _processed(logits: torch.Tensor, generated: list[int], params: SamplingParams):
+    """Reference processing of one position's float64 logits, written apart from the
+    engine's: penalties on the tokens generated so far, stop tokens masked before min_tokens,
+    temperature, then top-k, then the smallest most-likely set whose mass reaches top_p."""
+    logits = logits.clone()
+    for token in set(generated):
+        logits[token] -= params.frequency_penalty * generated.count(token)
+        logits[token] -= params.presence_penalty
+    if len(generated) < params.min_tokens:
+        logits[list(params.stop_token_ids)] = float("-inf")
+    probs = torch.softmax(logits / params.temperature, dim=-1)
     sorted_p, order = probs.sort(descending=True)
-    before = sorted_p.cumsum(0) - sorted_p
-    keep_sorted = before < top_p
     keep = torch.zeros_like(probs, dtype=torch.bool)
-    keep[order[keep_sorted]] = True
+    k = params.top_k or len(probs)
+    top = sorted_p[:k] / sorted_p[:k].sum()
+    before = top.cumsum(0) - top
+    keep[order[:k][(before < params.top_p) | (torch.arange(k) == 0)]] = True
     kept = torch.where(keep, probs, 0.0)
     return kept / kept.sum()
 
 
-def _exact_distribution(model_dir: Path, top_p: float) -> dict[tuple[int, ...], float]:
+def _exact_distribution(model_dir: Path, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """Every continuation of PROMPT up to NEW_TOKENS (shorter when a stop token ends it)
+    with its probability under the target and `params`."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
-    seqs = list(itertools.product(range(VOCAB), repeat=NEW_TOKENS))
-    with torch.no_grad():
-        logits = model(torch.tensor([PROMPT + list(s) for s in seqs])).logits
-    exact = {}
-    for row, seq in enumerate(seqs):
-        prob = 1.0
-        for i, token in enumerate(seq):
-            p = torch.softmax(logits[row, len(PROMPT) - 1 + i], dim=-1)
-            prob *= _keep_top_p(p, top_p)[token].item()
-        exact[seq] = prob
+    stops = set(params.stop_token_ids)
+    exact: dict[tuple[int, ...], float] = {}
+
+    def extend(seq: tuple[int, ...], prob: float) -> None:
+        if len(seq) == NEW_TOKENS or (seq and seq[-1] in stops):
+            exact[seq] = exact.get(seq, 0.0) + prob
+            return
+        with torch.no_grad():
+            logits = model(torch.tensor([PROMPT + list(seq)])).logits[0, -1]
+        probs = _processed(logits, list(seq), params)
+        for token in range(VOCAB):
+            if probs[token] > 0:
+                extend((*seq, token), prob * probs[token].item())
+
+    extend((), 1.0)
     return exact
 
 
@@ -212,7 +253,7 @@ def tiny_vocab_pair(tmp_path_factory):
     return target, draft
 
 
-def _sample_continuations(target: Path, draft: Path, top_p: float, n: int = 4000):
+def _sample_continuations(target: Path, draft: Path, params: SamplingParams, n: int = 4000):
     """n sampled continuations of PROMPT, drafts from `draft`: (counts, stats, n)."""
     engine = make_engine(
         target,
@@ -223,7 +264,6 @@ def _sample_continuations(target: Path, draft: Path, top_p: float, n: int = 4000
         prefix_caching=False,
         max_waiting=4000,
     )
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_p=top_p, ignore_eos=True)
     for i in range(n):
         engine.add_request(f"t{i}", PROMPT, params)
     outputs = drain(engine)
@@ -233,11 +273,28 @@ def _sample_continuations(target: Path, draft: Path, top_p: float, n: int = 4000
     return counts, engine.stats(), n
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_sampled_continuations_follow_the_target_distribution(tiny_vocab_pair, top_p):
+def _params(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        _params(temperature=1.0),
+        _params(temperature=1.0, top_p=0.8),
+        _params(temperature=0.8, top_k=2),
+        _params(temperature=1.0, presence_penalty=0.8, frequency_penalty=0.6),
+        _params(temperature=1.2, top_k=3, top_p=0.7, frequency_penalty=1.0),
+        _params(temperature=1.0, min_tokens=2, stop_token_ids=(3,)),
+    ],
+    ids=["plain", "top_p", "top_k", "penalties", "all_cuts", "min_tokens"],
+)
+def test_sampled_continuations_follow_the_target_distribution(tiny_vocab_pair, params):
+    """Speculative sampling with K = 3 drafts per step against the exact distribution of
+    4-token continuations under the target and the request's processing."""
     target, draft = tiny_vocab_pair
-    exact = _exact_distribution(target, top_p)
-    counts, stats, n = _sample_continuations(target, draft, top_p)
+    exact = _exact_distribution(target, params)
+    counts, stats, n = _sample_continuations(target, draft, params)
     assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens  # both paths exercised
     stat, bound = _chi_square_test(counts, exact, n)
     assert stat < bound, f"chi-square {stat:.1f} >= {bound:.1f}"
@@ -247,8 +304,8 @@ def test_sampled_continuations_with_a_restricted_draft_head(tiny_vocab_pair, tmp
     """A draft whose head covers tokens {0, 2} only (q is 0 elsewhere) stays lossless."""
     target, draft = tiny_vocab_pair
     restricted = with_head_tokens(draft, tmp_path / "draft", [0, 2])
-    exact = _exact_distribution(target, 1.0)
-    counts, stats, n = _sample_continuations(target, restricted, 1.0)
+    exact = _exact_distribution(target, _params(temperature=1.0))
+    counts, stats, n = _sample_continuations(target, restricted, _params(temperature=1.0))
     assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens
     stat, bound = _chi_square_test(counts, exact, n)
     assert stat < bound, f"chi-square {stat:.1f} >= {bound:.1f}"
