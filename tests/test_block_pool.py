@@ -48,6 +48,27 @@ def test_cached_free_block_is_reusable_until_evicted():
     pool.check_invariants([[0], [1]])
 
 
+def test_lookahead_churn_reuses_empty_blocks_before_evicting_cached_ones():
+    """Speculation allocates lookahead blocks and gives back those holding only rejected
+    drafts after every step: those come back first, so a cached prefix is never evicted
+    while an empty block is free."""
+    pool = BlockPool(4, 2)
+    cached = pool.allocate(2)
+    for i, block in enumerate(cached):
+        pool.cache(block, bytes([i]))
+    pool.release(cached)  # a finished request's prefix: free, still findable
+    running = pool.allocate(1)  # the one empty block
+    for _ in range(10):  # each step: one lookahead block out, back unused
+        lookahead = pool.allocate(1)
+        pool.release(lookahead)
+    assert [pool.lookup(bytes([i])) for i in range(2)] == cached
+    pool.allocate(1)  # the pool's last empty block: still no eviction
+    assert [pool.lookup(bytes([i])) for i in range(2)] == cached
+    pool.allocate(1)  # only now is the least recently freed cached block taken
+    assert pool.lookup(bytes([0])) is None and pool.lookup(bytes([1])) == cached[1]
+    pool.release(running)
+
+
 def _req(rid: str, tokens: list[int]) -> Request:
     return Request(rid, tokens, SamplingParams(max_tokens=4))
 

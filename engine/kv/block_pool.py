@@ -2,8 +2,10 @@
 
 A block is either referenced (ref_cnt > 0, held by that many block tables) or free. A free
 block may still carry the hash of the verified tokens it holds: it stays findable by prefix
-lookups until it is reallocated, and the free queue hands out the least recently freed
-block first so cached prefixes survive as long as possible.
+lookups until it is reallocated. The free queue hands out blocks that hold nothing
+reusable first (never hashed, e.g. a lookahead block that held only rejected drafts, given
+back after every verification), then the least recently freed cached block, so cached
+prefixes survive as long as possible and speculation's churn never evicts one.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class BlockPool:
             self.ref_cnt[block] -= 1
             if self.ref_cnt[block] == 0:
                 self._free[block] = None
+                if self.block_hash[block] is None:  # nothing to keep: reuse it first
+                    self._free.move_to_end(block, last=False)
 
     def cache(self, block: int, block_hash: bytes) -> None:
         """Register a full block of verified tokens under its content-chain hash."""
