@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "AsyncEngine": "engine.core.async_engine",
+    "EngineClient": "engine.core.client",
     "LLMEngine": "engine.core.engine",
     "QueueFullError": "engine.core.engine",
     "SamplingParams": "engine.core.request",
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
         SpecConfig,
     )
     from engine.core.async_engine import AsyncEngine
+    from engine.core.client import EngineClient
     from engine.core.engine import LLMEngine, QueueFullError
     from engine.core.outputs import RequestOutput, TokenLogprob
     from engine.core.request import SamplingParams

@@ -23,14 +23,14 @@ from server.settings import Settings
 from server.state import ServerState, Status
 
 if TYPE_CHECKING:
-    from engine import AsyncEngine
+    from engine import EngineClient
 
 log = logging.getLogger("tandem.server")
 
 
 def create_app(
     settings: Settings,
-    engine: AsyncEngine | None = None,
+    engine: EngineClient | None = None,
     *,
     on_fatal: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
@@ -62,7 +62,7 @@ def create_app(
 
 async def _load(
     state: ServerState,
-    engine: AsyncEngine | None,
+    engine: EngineClient | None,
     on_fatal: Callable[[BaseException], None] | None,
 ) -> None:
     settings = state.settings
@@ -91,7 +91,7 @@ async def _load(
     state.token_texts = TokenTexts(tokenizer)
     state.stop_token_ids = stop_ids
     engine.start()
-    rest = engine.spare_cores() if getattr(engine, "cores", None) else None
+    rest = engine.spare_cores()
     if rest:  # the engine thread has cores of its own: keep off them
         os.sched_setaffinity(0, rest)
         log.info("event loop bound to cores %s", sorted(rest))

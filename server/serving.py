@@ -23,7 +23,7 @@ from server.responses import PromptTokensDetails, SpeculativeUsage, Usage
 from server.state import ServerState
 
 if TYPE_CHECKING:
-    from engine import AsyncEngine
+    from engine import EngineClient
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ async def generate_choice(
         metrics.requests_finished.labels(reason).inc()
 
 
-def _submit(engine: AsyncEngine, choice: ChoiceRequest) -> AsyncIterator[RequestOutput]:
+def _submit(engine: EngineClient, choice: ChoiceRequest) -> AsyncIterator[RequestOutput]:
     """Hand the request to the engine; its refusals become the HTTP errors they are."""
     from engine import QueueFullError  # imports torch: loaded when first needed
 

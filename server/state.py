@@ -11,7 +11,7 @@ from server.metrics import Metrics
 from server.settings import Settings
 
 if TYPE_CHECKING:
-    from engine import AsyncEngine
+    from engine import EngineClient
     from server.logprobs import TokenTexts
 
 
@@ -26,7 +26,7 @@ class Status(enum.Enum):
 class ServerState:
     settings: Settings
     metrics: Metrics = field(init=False)
-    engine: AsyncEngine | None = None
+    engine: EngineClient | None = None
     tokenizer: Any = None
     """A transformers tokenizer loaded from the target's directory."""
     token_texts: TokenTexts | None = None
@@ -43,7 +43,7 @@ class ServerState:
     def _engine_stats(self) -> Any:
         return self.engine.stats() if self.engine is not None else None
 
-    def ready_engine(self) -> AsyncEngine:
+    def ready_engine(self) -> EngineClient:
         """The engine, or a 503 telling the client to come back.
 
         A draining server still serves what its drain gate (server.drain) let in before the

@@ -121,3 +121,31 @@ def test_no_module_over_350_lines():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, long
+
+
+def test_every_engine_client_has_the_protocols_members_and_signatures():
+    """AsyncEngine and the tests' stand-ins implement `EngineClient` member for member, with
+    the protocol's signatures (names, kinds, annotations, defaults)."""
+    import inspect
+
+    from engine.core.async_engine import AsyncEngine
+    from engine.core.client import EngineClient
+    from tests.test_deploy_drain import GatedEngine
+    from tests.test_server_stub import ScriptedEngine
+
+    methods = {
+        name: inspect.signature(member)
+        for name, member in vars(EngineClient).items()
+        if inspect.isfunction(member) and not name.startswith("_")
+    }
+    attributes = set(EngineClient.__annotations__)
+    assert methods and attributes
+    for impl in (AsyncEngine, ScriptedEngine, GatedEngine):
+        assert EngineClient in impl.__mro__
+        for name, signature in methods.items():
+            owner = next(k for k in impl.__mro__ if name in vars(k))
+            assert owner is not EngineClient, (impl, name, "not implemented")
+            assert inspect.signature(getattr(impl, name)) == signature, (impl, name)
+        init = inspect.getsource(impl.__init__)
+        for name in attributes:
+            assert name in vars(impl) or f"self.{name} =" in init, (impl, name)

@@ -22,6 +22,7 @@ import httpx
 import pytest
 import uvicorn
 
+from engine.core.client import EngineClient
 from engine.core.outputs import RequestOutput
 from engine.core.request import SamplingParams
 from engine.core.stats import EngineStats
@@ -34,12 +35,13 @@ from tests.server_helpers import wait_healthy
 TOKENS = [40, 41, 42, 43, 44, 45]
 
 
-class GatedEngine:
-    """The AsyncEngine surface the server uses: a first token at once, the rest at the gate."""
+class GatedEngine(EngineClient):
+    """An engine for the server (`EngineClient`): a first token at once, the rest at the gate."""
 
     max_model_len = 64
     vocab_size = 320
     eos_token_ids = (0,)
+    cpu_isa = None
 
     def __init__(self) -> None:
         self.gate = threading.Event()
@@ -61,6 +63,9 @@ class GatedEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(num_blocks_total=8, num_blocks_free=8)
+
+    def spare_cores(self) -> set[int] | None:
+        return None
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

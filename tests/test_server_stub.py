@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
 import server.app as app_module
+from engine.core.client import EngineClient
 from engine.core.engine import QueueFullError
 from engine.core.outputs import RequestOutput, TokenLogprob
 from engine.core.request import SamplingParams
@@ -21,8 +22,8 @@ from server.app import create_app
 from server.settings import load_settings
 
 
-class ScriptedEngine:
-    """The AsyncEngine surface the server uses, replaying scripted token groups."""
+class ScriptedEngine(EngineClient):
+    """An engine for the server (the `EngineClient` protocol) replaying scripted token groups."""
 
     max_model_len = 64
     vocab_size = 320
@@ -50,6 +51,9 @@ class ScriptedEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(num_blocks_total=32, num_blocks_free=32)
+
+    def spare_cores(self) -> set[int] | None:
+        return None
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.core.client import EngineClient
 from engine.core.engine import LLMEngine, QueueFullError
 from engine.core.outputs import RequestOutput
 from engine.core.request import SamplingParams
@@ -41,7 +42,7 @@ STALL_SECONDS = 120.0
 """A step that has not returned after this long counts as hung (see `problem()`)."""
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.max_model_len = engine.max_model_len
