@@ -24,6 +24,13 @@ from engine.cpu import kernels as cpu_kernels
 class TritonBackend:
     """Varlen metadata (block tables, query starts, context lengths) for the Triton kernel."""
 
+    graph_safe = True
+
+    def unsupported(
+        self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> str | None:
+        return None
+
     def prepare(
         self, metadata: AttentionMetadata, layout: BatchLayout, device: torch.device
     ) -> None:

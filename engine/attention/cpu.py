@@ -45,6 +45,13 @@ def supports(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> st
 class CpuBackend:
     """Short queries through the C kernel, long ones through the reference SDPA path."""
 
+    graph_safe = False
+
+    def unsupported(
+        self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> str | None:
+        return supports(heads, kv_heads, head_dim, dtype)
+
     def prepare(
         self, metadata: AttentionMetadata, layout: BatchLayout, device: torch.device
     ) -> None:

@@ -69,6 +69,16 @@ class AttentionBackend(Protocol):
     writes the cache.
     """
 
+    graph_safe: bool
+    """Its metadata is device tensors of fixed shape (block tables, query starts, context
+    lengths), so engine/model/decode_graphs.py can pad a step to a bucket and replay it."""
+
+    def unsupported(
+        self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> str | None:
+        """Why a model of these shapes cannot use this backend, or None when it can."""
+        ...
+
     def prepare(
         self, metadata: AttentionMetadata, layout: BatchLayout, device: torch.device
     ) -> None: ...
@@ -147,6 +157,13 @@ def build_metadata(
 
 class ReferenceBackend:
     """One SDPA call per group of requests with the same query count (module docstring)."""
+
+    graph_safe = False
+
+    def unsupported(
+        self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> str | None:
+        return None
 
     def prepare(
         self, metadata: AttentionMetadata, layout: BatchLayout, device: torch.device

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.backends import BACKENDS
-from engine.attention.paged import AttentionMetadata
+from engine.attention.paged import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +59,11 @@ class DecodeGraphs:
         max_query_len: int,
         max_batch: int,
         device: torch.device,
+        backend: AttentionBackend,
     ) -> None:
+        if not backend.graph_safe:
+            raise ValueError(f"{type(backend).__name__} metadata cannot be captured in a graph")
+        self.backend = backend
         self.body = body
         """(input_ids [1, tokens], positions [1, tokens], metadata) -> [1, tokens, hidden]."""
         self.kv_caches = kv_caches
@@ -129,7 +132,7 @@ class DecodeGraphs:
         metadata = AttentionMetadata(
             kv_caches=self.kv_caches,
             slot_mapping=torch.full((tokens,), scratch_slot, dtype=torch.long, device=device),
-            backend=BACKENDS["triton"],
+            backend=self.backend,
             block_tables=torch.zeros(bucket, self.width, dtype=torch.int32, device=device),
             query_start_loc=torch.zeros(bucket + 1, dtype=torch.int32, device=device),
             context_lens=torch.zeros(bucket, dtype=torch.int32, device=device),

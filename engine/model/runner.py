@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.attention import cpu as cpu_attention
 from engine.attention import paged as attention
 from engine.attention.backends import BACKENDS
 from engine.model.decode_graphs import DecodeGraphs
@@ -127,13 +126,12 @@ class ModelRunner:
         self.head_dim = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // text_config.num_attention_heads
         )
-        if attention_backend == "cpu":
-            why = cpu_attention.supports(
-                text_config.num_attention_heads, self.num_kv_heads, self.head_dim, dtype
-            )
-            if why is not None:
-                logger.info("%s: reference attention, not the cpu kernel: %s", model_path, why)
-                self.attention_backend = BACKENDS["reference"]
+        why = self.attention_backend.unsupported(
+            text_config.num_attention_heads, self.num_kv_heads, self.head_dim, dtype
+        )
+        if why is not None:
+            logger.info("%s: reference attention, not %s: %s", model_path, attention_backend, why)
+            self.attention_backend = BACKENDS["reference"]
         self.vocab_size = vocab_size
         """The full vocabulary: `forward`'s logits have this width, restricted head or not."""
         self.max_positions = text_config.max_position_embeddings
@@ -238,9 +236,10 @@ class ModelRunner:
     def enable_decode_graphs(self, max_batch: int, max_query_len: int, max_model_len: int) -> bool:
         """Run batches of up to max_batch requests that all feed the same q <= max_query_len
         tokens on padded fixed shapes, captured as CUDA graphs on CUDA. Call after
-        allocate_kv. Needs the triton backend (its metadata is all tensors) and a model whose
-        logits are its LM head applied to its body's output; returns whether it is on."""
-        if self.attention_backend is not BACKENDS["triton"]:
+        allocate_kv. Needs a graph-safe backend (triton: its metadata is all tensors) and a
+        model whose logits are its LM head applied to its body's output; returns whether it
+        is on."""
+        if not self.attention_backend.graph_safe:
             return False
         if self.native is None and not self._head_is_plain():
             logger.warning("%s changes its logits after the LM head: no decode graphs", self.name)
@@ -254,6 +253,7 @@ class ModelRunner:
             max_query_len,
             max_batch,
             self.device,
+            self.attention_backend,
         )
         return True
 
