@@ -21,6 +21,8 @@ _EXPORTS = {
     "EngineClient": "engine.core.client",
     "LLMEngine": "engine.core.engine",
     "QueueFullError": "engine.core.engine",
+    "InvalidRequest": "engine.core.request",
+    "check_request": "engine.core.validation",
     "SamplingParams": "engine.core.request",
     "RequestOutput": "engine.core.outputs",
     "TokenLogprob": "engine.core.outputs",
@@ -63,8 +65,9 @@ if TYPE_CHECKING:
     from engine.core.client import EngineClient
     from engine.core.engine import LLMEngine, QueueFullError
     from engine.core.outputs import RequestOutput, TokenLogprob
-    from engine.core.request import SamplingParams
+    from engine.core.request import InvalidRequest, SamplingParams
     from engine.core.stats import EngineStats
+    from engine.core.validation import check_request
     from engine.model.files import (
         PACKAGE_SCHEME,
         check_model_path,

@@ -12,8 +12,8 @@ from starlette.responses import Response
 from server.errors import APIError
 from server.logprobs import chat_logprobs
 from server.prompts import (
-    check_prompt,
     check_request_tokens,
+    max_tokens_for,
     render_chat_off_loop,
     request_token_limit,
     sampling_params,
@@ -47,11 +47,10 @@ async def create_chat_completion(
     if req.top_logprobs and not req.logprobs:
         raise APIError("top_logprobs needs logprobs to be true", 400, param="top_logprobs")
     prompt = await render_chat_off_loop(state, req.messages)
-    max_tokens = check_prompt(state, prompt, req.output_limit, None, "messages")
+    max_tokens = max_tokens_for(state, prompt, req.output_limit, None)
     if req.output_limit is None:  # "as many as fit" also means: within the request budget
         share = (request_token_limit(state) - len(prompt.token_ids)) // req.n
         max_tokens = min(max_tokens, max(share, 1))
-    check_request_tokens(state, [(len(prompt.token_ids), max_tokens)], req.n)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     request_id = new_id("chatcmpl")
     choices = [
@@ -59,11 +58,20 @@ async def create_chat_completion(
             i,
             f"{request_id}-{i}",
             prompt.token_ids,
-            sampling_params(state, req, max_tokens=max_tokens, seed_offset=i, logprobs=logprobs),
+            sampling_params(
+                state,
+                req,
+                prompt,
+                max_tokens=max_tokens,
+                seed_offset=i,
+                logprobs=logprobs,
+                prompt_param="messages",
+            ),  # fmt: skip
             tuple(req.stop_strings),
         )
         for i in range(req.n)
     ]
+    check_request_tokens(state, [(len(prompt.token_ids), max_tokens)], req.n)
     view = _ChatView(state, req, len(prompt.token_ids), request_id, model)
     return await respond(
         raw,

@@ -14,9 +14,9 @@ from server.errors import APIError
 from server.logprobs import completion_logprobs, piece_offsets
 from server.prompts import (
     Prompt,
-    check_prompt,
     check_request_tokens,
     encode_prompts,
+    max_tokens_for,
     sampling_params,
 )
 from server.protocol import CompletionRequest
@@ -42,17 +42,13 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         prompt_logprobs = 0
     request_id = new_id("cmpl")
     limits = [
-        check_prompt(state, prompt, req.max_tokens, DEFAULT_MAX_TOKENS, "prompt")
-        for prompt in prompts
+        max_tokens_for(state, prompt, req.max_tokens, DEFAULT_MAX_TOKENS) for prompt in prompts
     ]
-    check_request_tokens(
-        state, [(len(p.token_ids), m) for p, m in zip(prompts, limits, strict=True)], req.n
-    )
     choices = []
     for p, (prompt, max_tokens) in enumerate(zip(prompts, limits, strict=True)):
         for i in range(req.n):
             params = sampling_params(
-                state, req, max_tokens=max_tokens, seed_offset=i, logprobs=req.logprobs,
+                state, req, prompt, max_tokens=max_tokens, seed_offset=i, logprobs=req.logprobs,
                 prompt_logprobs=prompt_logprobs,
             )  # fmt: skip
             index = p * req.n + i
@@ -65,6 +61,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
                     tuple(req.stop_strings),
                 )
             )
+    check_request_tokens(
+        state, [(len(p.token_ids), m) for p, m in zip(prompts, limits, strict=True)], req.n
+    )
     view = _CompletionView(state, req, prompts, request_id, model)
     return await respond(
         raw,

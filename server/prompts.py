@@ -69,31 +69,16 @@ def render_chat(state: ServerState, messages: Sequence[ChatMessage]) -> Prompt:
     return Prompt(tokenizer.encode(text, add_special_tokens=False))
 
 
-def check_prompt(
-    state: ServerState, prompt: Prompt, requested: int | None, default: int | None, param: str
+def max_tokens_for(
+    state: ServerState, prompt: Prompt, requested: int | None, default: int | None
 ) -> int:
-    """Validate the token ids and return max_tokens: the request's, or what fits.
-
-    `default` None = as many as the context has room for (chat); else at most `default`.
-    """
-    engine = state.ready_engine()
-    ids = prompt.token_ids
-    if not ids:
-        raise APIError("The prompt is empty after tokenization.", 400, param=param)
-    bad = [t for t in ids if not 0 <= t < engine.vocab_size]
-    if bad:
-        raise APIError(
-            f"Token ids must be in [0, {engine.vocab_size}) (got {bad[0]}).", 400, param=param
-        )
-    limit = engine.max_model_len  # already capped by the KV pool's size
-    room = limit - len(ids)
-    if requested is None:
-        if room < 1:
-            raise _too_long(limit, len(ids), 1, param)
-        return room if default is None else min(default, room)
-    if requested > room:
-        raise _too_long(limit, len(ids), requested, "max_tokens")
-    return requested
+    """The request's max_tokens, or when it gives none what the context has room for (at most
+    `default`; None = all of it). Never below 1: a prompt with no room left is then refused,
+    with the reason, by `sampling_params`' check."""
+    if requested is not None:
+        return requested
+    room = state.ready_engine().max_model_len - len(prompt.token_ids)
+    return max(1, room if default is None else min(default, room))
 
 
 REQUEST_TOKENS_PER_CONTEXT = 8
@@ -126,26 +111,20 @@ def check_request_tokens(state: ServerState, sizes: Sequence[tuple[int, int]], n
         )
 
 
-def _too_long(limit: int, prompt: int, completion: int, param: str) -> APIError:
-    return APIError(
-        f"This model's maximum context length is {limit} tokens. However, you requested "
-        f"{prompt + completion} tokens ({prompt} in the prompt, {completion} for the "
-        "completion). Please reduce the prompt or the completion length.",
-        400,
-        param=param,
-        code="context_length_exceeded",
-    )
-
-
 def sampling_params(
     state: ServerState,
     req: SamplingRequest,
+    prompt: Prompt,
     *,
     max_tokens: int,
     seed_offset: int,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    prompt_param: str = "prompt",
 ) -> SamplingParams:
+    """The engine's parameters for one choice, checked with the prompt by the engine's own
+    validation (engine/core/validation.py): what it refuses is a 400 naming the field, the
+    prompt's field being `prompt_param`."""
     stop_ids = tuple(req.stop_token_ids or ())
     if not req.ignore_eos:
         stop_ids += tuple(t for t in state.stop_token_ids if t not in stop_ids)
@@ -163,9 +142,11 @@ def sampling_params(
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
     )
+    from engine import InvalidRequest
+
     try:
-        params.validate()
-    except ValueError as exc:
-        message = str(exc)
-        raise APIError(message, 400, param=message.split(" ", 1)[0]) from exc
+        state.ready_engine().validate(prompt.token_ids, params)
+    except InvalidRequest as exc:
+        param = prompt_param if exc.param == "prompt" else exc.param
+        raise APIError(str(exc), 400, param=param, code=exc.code) from exc
     return params

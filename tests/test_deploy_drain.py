@@ -26,6 +26,7 @@ from engine.core.client import EngineClient
 from engine.core.outputs import RequestOutput
 from engine.core.request import SamplingParams
 from engine.core.stats import EngineStats
+from engine.core.validation import check_request
 from server.app import create_app
 from server.drain import DrainingServer
 from server.settings import load_settings
@@ -66,6 +67,9 @@ class GatedEngine(EngineClient):
 
     def spare_cores(self) -> set[int] | None:
         return None
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, 10**6)
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -144,6 +144,10 @@ class AsyncEngine(EngineClient):
             return f"an engine step has not returned for {time.monotonic() - started:.0f} s"
         return None
 
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        # Reads only settings fixed at start-up: safe from the caller's thread.
+        self.engine.validate(prompt_token_ids, params)
+
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:

@@ -35,6 +35,11 @@ class EngineClient(Protocol):
         """Why the engine cannot serve (a dead or stalled step loop), or None."""
         ...
 
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest (engine/core/validation.py) unless the request can be served;
+        `generate` runs the same check."""
+        ...
+
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:

@@ -21,6 +21,7 @@ from engine.core.outputs import RequestOutput
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput, make_output
 from engine.core.stats import EngineStats
+from engine.core.validation import check_request
 from engine.cpu import kernels as cpu_kernels
 from engine.cpu import memory as cpu_memory
 from engine.kv.manager import KVCacheManager
@@ -166,27 +167,9 @@ class LLMEngine:
         return req
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        params.validate()
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is out of range [0, {self.vocab_size})")
-        # The sampler indexes logits with stop ids (min_tokens): one bad id would fail the step.
-        bad = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"stop token id {bad} is out of range [0, {self.vocab_size})")
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                f"model's context length of {self.max_model_len} tokens"
-            )
-        if self.kv.blocks_needed(n + params.max_tokens) > self.kv.num_blocks:
-            raise ValueError(
-                f"the request needs {n + params.max_tokens} tokens of KV cache but the pool "
-                f"holds only {self.kv.num_blocks * self.kv.block_size}"
-            )
+        """Raise InvalidRequest (a ValueError) unless this request can be served."""
+        pool_tokens = self.kv.num_blocks * self.kv.block_size
+        check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, pool_tokens)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)

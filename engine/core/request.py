@@ -17,6 +17,15 @@ if TYPE_CHECKING:
     import torch
 
 
+class InvalidRequest(ValueError):
+    """Input the engine cannot serve; `param` names the request field, `code` the kind."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -38,24 +47,30 @@ class SamplingParams:
     frequency_penalty: float = 0.0
 
     def validate(self) -> None:
-        """Raise ValueError naming the field; the server checks first, the engine re-checks."""
+        """Raise InvalidRequest naming the field (engine/core/validation.py runs this)."""
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
-            raise ValueError(f"max_tokens must be at least 1 (got {self.max_tokens})")
+            raise InvalidRequest(
+                f"max_tokens must be at least 1 (got {self.max_tokens})", "max_tokens"
+            )
         if not 0.0 <= self.temperature <= 2.0:
-            raise ValueError(f"temperature must be in [0, 2] (got {self.temperature})")
+            raise InvalidRequest(
+                f"temperature must be in [0, 2] (got {self.temperature})", "temperature"
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+            raise InvalidRequest(f"top_p must be in (0, 1] (got {self.top_p})", "top_p")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (got {self.top_k})")
+            raise InvalidRequest(f"top_k must be >= 0 (got {self.top_k})", "top_k")
         if self.min_tokens < 0 or self.min_tokens > max(self.max_tokens, 0):
-            raise ValueError(f"min_tokens must be in [0, max_tokens] (got {self.min_tokens})")
+            raise InvalidRequest(
+                f"min_tokens must be in [0, max_tokens] (got {self.min_tokens})", "min_tokens"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 20:
-                raise ValueError(f"{name} must be in [0, 20] (got {value})")
+                raise InvalidRequest(f"{name} must be in [0, 20] (got {value})", name)
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2] (got {getattr(self, name)})")
+                raise InvalidRequest(f"{name} must be in [-2, 2] (got {getattr(self, name)})", name)
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,54 @@
+"""The one check of a request against what the engine can serve, raised as `InvalidRequest`.
+
+`SamplingParams.validate` checks the parameters' own ranges; `check_request` adds what only
+the engine knows (its vocabulary, context length and KV pool). The engine runs it on every
+request it is handed, and the server runs the same function through
+`EngineClient.validate` before it submits any choice of a request, so a bad prompt among
+several refuses the whole request and nothing starts. Messages follow the OpenAI API's
+wording where it has one; `param` names the field to change and `code` the error kind.
+"""
+
+from __future__ import annotations
+
+from engine.core.request import InvalidRequest, SamplingParams
+
+__all__ = ["InvalidRequest", "check_request"]
+
+
+def check_request(
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    pool_tokens: int,
+) -> None:
+    """Raise InvalidRequest unless the engine can serve this prompt with these parameters."""
+    params.validate()
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise InvalidRequest("The prompt is empty after tokenization.", "prompt")
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"Token id {bad} is out of range [0, {vocab_size}).", "prompt")
+    # The sampler indexes logits with stop ids (min_tokens): one bad id would fail the step.
+    bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(
+            f"Stop token id {bad} is out of range [0, {vocab_size}).", "stop_token_ids"
+        )
+    completion = params.max_tokens  # 0 only when scoring the prompt (prompt_logprobs)
+    if n + completion > max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {n + completion} tokens ({n} in the prompt, {completion} for the "
+            "completion). Please reduce the prompt or the completion length.",
+            "prompt" if n >= max_model_len else "max_tokens",
+            "context_length_exceeded",
+        )
+    if n + completion > pool_tokens:
+        raise InvalidRequest(
+            f"The request needs {n + completion} tokens of KV cache but the pool holds only "
+            f"{pool_tokens}.",
+            "max_tokens",
+            "context_length_exceeded",
+        )
