@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.config import SpecConfig
 from engine.core.request import SamplingParams
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 
@@ -170,10 +171,17 @@ def test_stop_token_and_min_tokens(tiny_dirs):
     engine.check_invariants()
 
 
-def test_logprobs_match_the_model(tiny_dirs):
+@pytest.mark.parametrize(
+    ("prompt_len", "budget", "draft"),
+    [(6, 128, False), (40, 16, False), (40, 16, True)],
+    ids=["one-chunk", "three-chunks", "three-chunks-with-a-draft"],
+)
+def test_logprobs_match_the_model(tiny_dirs, prompt_len, budget, draft):
+    """Prompt logprobs put together from every prefill chunk, and the sampled tokens'."""
     model = tiny_dirs["llama"]
-    prompt = random_prompts([6], vocab=300, seed=9)[0]
-    engine = make_engine(model)
+    prompt = random_prompts([prompt_len], vocab=300, seed=9)[0]
+    spec = SpecConfig("draft", str(tiny_dirs["llama_draft"]), 2, "fixed") if draft else None
+    engine = make_engine(model, spec=spec, max_num_batched_tokens=budget)
     engine.add_request(
         "l",
         prompt,
@@ -186,6 +194,7 @@ def test_logprobs_match_the_model(tiny_dirs):
     logprobs = [lp for o in outs for lp in (o.new_logprobs or [])]
     assert len(logprobs) == 3 and [lp.token_id for lp in logprobs] == tokens
     assert all(len(lp.top) == 2 and lp.top[0][0] == lp.token_id for lp in logprobs)  # greedy
+    assert sum(o.prompt_logprobs is not None for o in outs) == 1  # sent once, complete
     prompt_lps = outs[0].prompt_logprobs
     assert prompt_lps is not None and len(prompt_lps) == len(prompt) and prompt_lps[0] is None
     hf = torch.log_softmax(_hf_logits(model, prompt + tokens), dim=-1)

@@ -196,9 +196,7 @@ class LLMEngine:
             return self._fail(sched, f"internal error in the engine step: {exc}")
         self._observe_timing(sched, drafts, drafted - start, verified - drafted)
         self.totals.forward_seconds += results.forward_seconds
-        outputs = self.scheduler.update(sched, results.tokens)
-        for out in outputs:
-            out.prompt_logprobs = results.prompt_logprobs.pop(out.request_id, None)
+        outputs = self.scheduler.update(sched, results.tokens, results.prompt_logprobs)
         self._count(sched, outputs)
         self.totals.step_seconds += time.perf_counter() - step_start
         return outputs

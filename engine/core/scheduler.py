@@ -142,13 +142,23 @@ class Scheduler:
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
-    def update(self, sched: SchedulerOutput, results: dict[str, StepTokens]) -> list[RequestOutput]:
-        """Advance counters with the verified tokens; roll back and release rejected ones."""
+    def update(
+        self,
+        sched: SchedulerOutput,
+        results: dict[str, StepTokens],
+        prompt_logprobs: dict[str, list] | None = None,
+    ) -> list[RequestOutput]:
+        """Advance counters with the verified tokens; roll back and release rejected ones.
+        `prompt_logprobs`: this step's chunks of them, per request (the verifier's)."""
         outputs = []
         for item in sched.scheduled:
             req = item.request
             if req.status.finished:
                 continue  # aborted while the step ran
+            chunk = (prompt_logprobs or {}).get(req.request_id)
+            if chunk is not None:  # a chunk from the prompt's start (again, if preempted)
+                start_over = req.num_computed_tokens == 0 or req.prompt_logprobs is None
+                req.prompt_logprobs = chunk if start_over else req.prompt_logprobs + chunk
             result = results.get(req.request_id)
             if result is None:  # a prefill chunk that does not reach the end: nothing sampled
                 req.num_computed_tokens += item.num_new_tokens
@@ -171,7 +181,10 @@ class Scheduler:
                 self._finish(req)
             else:
                 self._cache(req)
-            outputs.append(make_output(req, new_tokens, logprobs))
+            out = make_output(req, new_tokens, logprobs)
+            if chunk is not None and len(req.prompt_logprobs or ()) == req.num_prompt_tokens:
+                out.prompt_logprobs = req.prompt_logprobs  # complete this step: sent once
+            outputs.append(out)
         return outputs
 
     def _allocate_or_preempt(

@@ -34,7 +34,9 @@ class VerifyResult:
     tokens: dict[str, StepTokens] = field(default_factory=dict)
     """Verified tokens of every request that sampled this step."""
     prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
-    """Complete prompt logprobs of requests whose prefill finished this step."""
+    """This step's prompt logprobs of requests that asked for them: one per prompt token of
+    the chunk after its first (a leading None for the prompt's first token when the chunk
+    starts the prompt). The scheduler puts them together."""
     forward_seconds: float = 0.0
     """Wall time of the target's forward (the rest of `run` is sampling and verification)."""
 
@@ -96,24 +98,12 @@ class Verifier:
                 cursor += n
 
         for req, _ in prompt_rows:
-            self._add_prompt_logprobs(req, prompt_logits[req.request_id], result)
+            result.prompt_logprobs[req.request_id] = _prompt_logprobs(
+                req, prompt_logits[req.request_id]
+            )
         if samplers:
             self._sample(samplers, torch.cat(sample_parts), drafts, result)
         return result
-
-    def _add_prompt_logprobs(
-        self, req: Request, logits: torch.Tensor, result: VerifyResult
-    ) -> None:
-        start = req.num_computed_tokens
-        if start == 0 or req.prompt_logprobs is None:
-            req.prompt_logprobs = [None]  # the first prompt token has no logprob
-        if logits.shape[0]:
-            targets = req.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
-            req.prompt_logprobs.extend(
-                token_logprobs(logits, targets, req.params.prompt_logprobs or 0)
-            )
-        if len(req.prompt_logprobs) == req.num_prompt_tokens:
-            result.prompt_logprobs[req.request_id] = req.prompt_logprobs
 
     def _sample(
         self,
@@ -166,3 +156,14 @@ class Verifier:
             if k and self.speed_of_light is not None:
                 self.speed_of_light.observe_pass(len(tokens))
             row += k + 1
+
+
+def _prompt_logprobs(req: Request, logits: torch.Tensor) -> list[TokenLogprob | None]:
+    """Logprobs of the prompt tokens this step's rows predict (row j: the token at
+    num_computed_tokens + j + 1), after a None for the first token when the chunk starts it."""
+    start = req.num_computed_tokens
+    chunk: list[TokenLogprob | None] = [None] if start == 0 else []
+    if logits.shape[0]:
+        targets = req.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
+        chunk.extend(token_logprobs(logits, targets, req.params.prompt_logprobs or 0))
+    return chunk
