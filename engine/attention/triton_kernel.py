@@ -151,7 +151,7 @@ def paged_attention(
     if query.device.type != "cuda" and not INTERPRETED:
         raise RuntimeError(
             "the Triton attention kernel got CPU tensors but is compiled for the GPU; set "
-            "TRITON_INTERPRET=1 before engine.triton_attention is imported to interpret it"
+            "TRITON_INTERPRET=1 before engine.attention.triton_kernel is imported to interpret it"
         )
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
