@@ -305,9 +305,10 @@ def main() -> None:
     chat = RESULTS / "chat.json"
     if chat.exists():
         sections += ["", *chat_section(json.loads(chat.read_text()), DOCS / "chat_cpu.png")]
-    quantization = RESULTS / "quantization_cpu.md"  # written from bench.default_engine's output
-    if quantization.exists():
-        sections += ["", quantization.read_text().rstrip()]
+    # Sections written by hand from their commands' printed output, after the chat tables.
+    for fragment in ("chat_runs_cpu.md", "quantization_cpu.md"):
+        if (RESULTS / fragment).exists():
+            sections += ["", (RESULTS / fragment).read_text().rstrip()]
     k_sweep = RESULTS / "k-sweep.json"
     if k_sweep.exists():
         sections += ["", *k_sweep_section(json.loads(k_sweep.read_text()))]
