@@ -6,6 +6,7 @@ torch, and no module outgrows 350 lines."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -149,3 +150,21 @@ def test_every_engine_client_has_the_protocols_members_and_signatures():
         init = inspect.getsource(impl.__init__)
         for name in attributes:
             assert name in vars(impl) or f"self.{name} =" in init, (impl, name)
+
+
+def test_the_engine_clients_type_check():
+    """mypy (configured in pyproject.toml) over the protocol and its implementations: an
+    implementation whose member does not fit the protocol's is an error in its own file."""
+    files = [
+        "engine/core/client.py",
+        "engine/core/async_engine.py",
+        "tests/test_server_stub.py",
+        "tests/test_deploy_drain.py",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "mypy", "--cache-dir", os.devnull, *files],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-1000:]

@@ -234,7 +234,7 @@ class AsyncEngine(EngineClient):
 
     def _drain_inbox(self) -> tuple[list[RequestOutput], int]:
         """Apply queued adds and aborts: (outputs for the clients, requests taken)."""
-        outputs = []
+        outputs: list[RequestOutput] = []
         num_taken = 0
         while True:
             try:

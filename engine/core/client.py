@@ -3,7 +3,7 @@
 `AsyncEngine` implements it; so does any stand-in (the tests' scripted engine). The server
 types its engine as an `EngineClient`, so the two stay interchangeable; tests/
 test_architecture.py checks that every implementation has every member with the protocol's
-signature.
+signature, and type-checks them with mypy.
 """
 
 from __future__ import annotations
