@@ -7,7 +7,7 @@ PORT ?= 8000
 CONFIG ?= configs/default.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev serve test lint format clean
+.PHONY: install install-dev serve test test-fast lint format clean
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV) runtime
@@ -26,6 +26,10 @@ serve: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The edit-and-rerun loop: everything but the slow tests and the benchmark tooling's.
+test-fast: $(VENV)/.installed-dev
+	$(PY) -m pytest -m "not slow and not bench" $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.peers.__main__ import median_run
 from bench.report_peers import peers_section
+
+pytestmark = pytest.mark.bench
 
 
 def _row(system, config, level, tps, errors=()):

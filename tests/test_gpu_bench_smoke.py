@@ -16,6 +16,8 @@ import pytest
 
 from bench import gpu_bench, gpu_pair, report_gpu
 
+pytestmark = pytest.mark.bench
+
 LEVELS = [1, 2]
 TANDEM_SETTINGS = ["off", "draft K=2", "draft K=4", "adaptive"]
 
