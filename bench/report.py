@@ -314,7 +314,7 @@ def main() -> None:
     if chat.exists():
         sections += ["", *chat_section(json.loads(chat.read_text()), DOCS / "chat_cpu.png")]
     # Sections written by hand from their commands' printed output, after the chat tables.
-    for fragment in ("chat_runs_cpu.md", "quantization_cpu.md"):
+    for fragment in ("chat_runs_cpu.md", "quantization_cpu.md", "peers_tiny_avx512_cpu.md"):
         if (RESULTS / fragment).exists():
             sections += ["", (RESULTS / fragment).read_text().rstrip()]
     k_sweep = RESULTS / "k-sweep.json"
