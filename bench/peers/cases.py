@@ -83,14 +83,7 @@ def vllm_cases(model: str, draft: str, threads: int, ks: list[int]) -> list[Serv
     base = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     base += ["--served-model-name", "target", "--host", "127.0.0.1", "--port", "{port}"]
     base += ["--dtype", "float32", "--max-model-len", "1024", "--seed", "0"]
-    env = {
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-        "VLLM_LOGGING_LEVEL": "WARNING",
-    }
-    preload = vllm_preload()
-    if preload:
-        env["LD_PRELOAD"] = preload
+    env = vllm_env(threads)
     cases = [ServerCase("vLLM-CPU", "speculation off", "vllm", base, "target", env)]
     for k in ks:
         config = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
@@ -116,6 +109,19 @@ def vllm_cases(model: str, draft: str, threads: int, ks: list[int]) -> list[Serv
         )
     )
     return cases
+
+
+def vllm_env(threads: int) -> dict[str, str]:
+    """vLLM-CPU's environment: 1 GiB of KV cache, OpenMP threads bound to the first
+    `threads` cores, warnings only, and the preloads its CPU guide asks for."""
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    if preload := vllm_preload():
+        env["LD_PRELOAD"] = preload
+    return env
 
 
 def vllm_preload() -> str:
