@@ -126,7 +126,7 @@ async def run_level(
                 "stream": True, "stream_options": {"include_usage": True},
             }  # fmt: skip
             if args.seeded:
-                # A seeded sampling request always drafts K_max (engine/spec/draft_length.py).
+                # Seeded requests take the coupled sampler (docs/VERIFICATION.md).
                 body["seed"] = i
             results.append(await chat_one(client, url, body))
 

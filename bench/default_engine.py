@@ -5,15 +5,20 @@ verifies, and output tokens/s of speculation settings on held-out chat prompts.
   python -m bench.default_engine speed                   # c=1: off, draft K=1..3, adaptive
   python -m bench.default_engine speed --concurrency 16 --requests 32 --configs off adaptive
   python -m bench.default_engine agreement --model DIR --quantization int8
+  python -m bench.default_engine speed --temperature 0.7 --verification token block seeded
+
+`--verification` runs every config once per verifier: token or block (sampled drafts verified
+token by token or as a block), or seeded (each request brings a seed: the coupled sampler).
 
 `--model DIR --quantization M` runs a Hugging Face checkpoint with its weights rounded by
 `--quantization` instead of the default GGUF. `agreement` measures what the rounding changes:
 the checkpoint's own greedy answers to the held-out prompts, teacher-forced through the rounded
 model, and how often its argmax is the same token (transformers' forward, float32).
 
-`speed` runs greedy requests of the held-out instructions (bench/chat_prompts.py) up to
---max-tokens each, --concurrency at a time, and prints tok/s (prefills included), the draft
-tokens accepted at each position, and the draft's share of engine time. Models as served by
+`speed` runs requests of the held-out instructions (bench/chat_prompts.py) at --temperature
+(greedy by default) up to --max-tokens each, --concurrency at a time, and prints tok/s
+(prefills included), the draft tokens accepted at each position, tokens per verifying pass and
+the draft's share of engine time. Models as served by
 default: the SmolLM2 GGUF on its own blocks, `models/draft`.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import torch
 from transformers import AutoTokenizer
@@ -88,14 +94,27 @@ def _prompts(model_dir: str, requests: int) -> list[list[int]]:
 
 
 def speed(
-    name: str, requests: int, concurrency: int, max_tokens: int, model: str, quantization: str
+    name: str,
+    requests: int,
+    concurrency: int,
+    max_tokens: int,
+    model: str,
+    quantization: str,
+    temperature: float = 0.0,
+    verification: str = "block",
 ) -> None:
-    eng = engine(CONFIGS[name], model, quantization)
+    seeded = verification == "seeded"
+    spec = replace(CONFIGS[name], verification="block" if seeded else verification)
+    eng = engine(spec, model, quantization)
     prompts = _prompts(eng.config.model.model, requests)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+    def params(i: int) -> SamplingParams:
+        seed = 1000 + i if seeded else None
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+
     queue = iter(enumerate(prompts))
     for i, prompt in zip(range(concurrency), queue, strict=False):
-        eng.add_request(str(i), prompt[1], params)
+        eng.add_request(str(i), prompt[1], params(i))
     tokens, start = 0, time.perf_counter()
     while eng.has_work():
         for out in eng.step():
@@ -103,7 +122,7 @@ def speed(
             if out.finished:
                 nxt = next(queue, None)
                 if nxt is not None:
-                    eng.add_request(str(nxt[0]), nxt[1], params)
+                    eng.add_request(str(nxt[0]), nxt[1], params(nxt[0]))
     seconds = time.perf_counter() - start
     s = eng.stats()
     accepted = " / ".join(
@@ -111,9 +130,12 @@ def speed(
         for a, d in zip(s.spec_accepted_by_position, s.spec_drafted_by_position, strict=True)
     )
     share = s.draft_seconds / max(s.step_seconds, 1e-9)
+    per_pass = (s.spec_accepted_tokens + s.spec_verify_passes) / max(s.spec_verify_passes, 1)
+    label = f"{name} {verification}" if name != "off" else name
     print(
-        f"{name:>8}  c={concurrency}: {tokens / seconds:6.1f} tok/s  accepted by position: "
-        f"{accepted or '-'}  draft {100 * share:.0f}% of engine time",
+        f"{label:>15}  c={concurrency} T={temperature}: {tokens / seconds:6.1f} tok/s  "
+        f"accepted by position: {accepted or '-'}  tokens per verifying pass {per_pass:.2f}  "
+        f"draft {100 * share:.0f}% of engine time",
         flush=True,
     )
 
@@ -155,6 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--verification", nargs="+", default=["block"], choices=["block", "token", "seeded"]
+    )
     args = p.parse_args(argv)
     with torch.inference_mode():
         if args.mode == "passes":
@@ -163,14 +189,17 @@ def main(argv: list[str] | None = None) -> None:
             agreement(args.model, args.quantization, args.requests, args.max_tokens)
         else:
             for name in args.configs:
-                speed(
-                    name,
-                    args.requests,
-                    args.concurrency,
-                    args.max_tokens,
-                    args.model,
-                    args.quantization,
-                )
+                for verification in args.verification if name != "off" else ["block"]:
+                    speed(
+                        name,
+                        args.requests,
+                        args.concurrency,
+                        args.max_tokens,
+                        args.model,
+                        args.quantization,
+                        args.temperature,
+                        verification,
+                    )
 
 
 if __name__ == "__main__":

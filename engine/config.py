@@ -12,6 +12,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 SPEC_METHODS = ("draft", "ngram", "off")
 DRAFT_LENGTH_POLICIES = ("adaptive", "fixed")
+# engine/sample/rejection_sampler.py METHODS.
+VERIFICATIONS = ("block", "token")
 # The names registered in engine/attention/backends.py, plus auto.
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 # engine/model/native/__init__.py MODEL_IMPLS.
@@ -154,10 +156,14 @@ class SpecConfig:
     """Shortest suffix n-gram it falls back to."""
     recalibrate: bool = False
     """Time the cost model afresh at start instead of reusing this machine's cached one."""
+    verification: str = "block"
+    """How sampled drafts are verified: block = the block jointly (Sun et al.), token = token
+    by token. Both are lossless; block keeps at least as many drafts in expectation."""
 
     def __post_init__(self) -> None:
         _check_choice("--speculative-method", self.method, SPEC_METHODS)
         _check_choice("--draft-length", self.draft_length, DRAFT_LENGTH_POLICIES)
+        _check_choice("--verification", self.verification, VERIFICATIONS)
         _check(
             0 <= self.max_draft_tokens <= 16,
             f"--max-draft-tokens must be between 0 and 16 (got {self.max_draft_tokens})",

@@ -19,6 +19,7 @@ from engine import (
     MODEL_IMPLS,
     QUANTIZATIONS,
     SPEC_METHODS,
+    VERIFICATIONS,
 )
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -201,6 +202,14 @@ OPTIONS: tuple[Option, ...] = (
         str,
         "adaptive = K chosen each step from a cost model, fixed = always --max-draft-tokens",
         choices=DRAFT_LENGTH_POLICIES,
+    ),
+    Option(
+        "speculative.verification",
+        "--verification",
+        str,
+        "how sampled drafts are verified: block = the draft block jointly (keeps at least as "
+        "many drafts), token = token by token; both keep the target's distribution exactly",
+        choices=VERIFICATIONS,
     ),
     Option(
         "speculative.recalibrate",

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from engine.core.request import Request, SamplingParams
-from engine.sample.sampler import RowSpec, logits_to_probs, request_uniforms, sample_from
+from engine.sample.sampler import (
+    RowSpec,
+    couple_seeded_rows,
+    coupled_tokens,
+    logits_to_probs,
+    position_uniforms,
+    request_uniforms,
+    sample_from,
+)
 
 
 def _rows(temperatures: list[float]) -> list[RowSpec]:
@@ -54,20 +63,66 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_skips_zero_mass():
     assert edges.tolist() == [1, 8]  # the first and the last token with mass
 
 
-def test_seeded_requests_draw_the_same_stream():
+def test_a_requests_generator_gives_its_stream():
     def draws(seed: int) -> list[float]:
-        req = Request("r", [1], SamplingParams(temperature=0.7, seed=seed))
+        req = Request("r", [1], SamplingParams(temperature=0.7))
         req.generator = torch.Generator().manual_seed(seed)  # as LLMEngine.enqueue seeds it
         return request_uniforms([req, req], [2, 1], torch.device("cpu")).tolist()
 
     assert draws(5) == draws(5) != draws(6)
 
 
+def test_seeded_noise_depends_on_seed_and_position_only():
+    vocab = 1000
+    alone = position_uniforms(11, [5], vocab)
+    cache: dict = {}
+    together = position_uniforms(11, [3, 5, 9], vocab, cache)
+    assert np.array_equal(alone[0], together[1])  # not on which other positions are drawn
+    assert not np.array_equal(together[0], together[1])
+    assert not np.array_equal(position_uniforms(12, [5], vocab)[0], alone[0])
+    assert bool(((alone[0] >= 0) & (alone[0] < 1)).all())
+    assert sorted(cache) == [3, 5, 9]
+    assert position_uniforms(11, [5], vocab, cache)[0] is cache[5]  # drawn once
+
+
+def test_coupled_race_equals_the_plain_race_and_follows_p():
+    """The pruned race picks argmin -log(u) / p exactly, and over seeds it samples p."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 50
+    p = torch.softmax(torch.randn(vocab, generator=gen) * 2, -1)
+    p[7] = 0.0  # a token without mass never wins
+    p /= p.sum()
+    counts = torch.zeros(vocab)
+    for seed in range(4000):
+        token = coupled_tokens(p[None], seed, [0])[0]
+        u = torch.from_numpy(position_uniforms(seed, [0], vocab)[0])
+        assert token == int((-torch.log(u) / p).argmin())
+        counts[token] += 1
+    expected = p * 4000
+    keep = expected > 0
+    assert counts[~keep].sum() == 0
+    chi2 = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    assert chi2 < 85.35  # 99.9th percentile of chi-square with 48 degrees of freedom
+
+
+def test_seeded_rows_are_one_hot_at_their_coupled_sample():
+    seeded = Request("a", [1], SamplingParams(temperature=1.0, seed=4))
+    plain = Request("b", [1], SamplingParams(temperature=1.0))
+    rows = [RowSpec(seeded), RowSpec(plain), RowSpec(seeded, [7])]
+    probs = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(0)), -1)
+    coupled = couple_seeded_rows(probs.clone(), rows)
+    assert torch.equal(coupled[1], probs[1])
+    for i, position in ((0, 0), (2, 1)):  # output positions 0 and 1 (one prior draft)
+        token = coupled_tokens(probs[i : i + 1], 4, [position])[0]
+        assert coupled[i].sum() == 1 and coupled[i, token] == 1
+    assert request_uniforms([seeded], [3], torch.device("cpu")).tolist() == [0.0] * 3
+
+
 @pytest.mark.gpu
 def test_draws_and_samples_stay_on_the_engines_device():
     """On CUDA a request's generator is a CUDA generator: its draws are made there."""
     device = torch.device("cuda")
-    req = Request("r", [1], SamplingParams(temperature=0.7, seed=3))
+    req = Request("r", [1], SamplingParams(temperature=0.7))
     req.generator = torch.Generator(device=device).manual_seed(3)
     uniform = request_uniforms([req], [4], device)
     assert uniform.device.type == "cuda" and uniform.dtype == torch.float64

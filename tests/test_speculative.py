@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,16 @@ def test_greedy_with_penalties_and_min_tokens_equals_target_only(tiny_dirs, draf
     assert min(len(out) for out in plain) >= 6  # the stop ids were masked for six tokens
 
 
+def test_a_vanishing_temperature_decodes_greedily(tiny_dirs, prompts_and_reference):
+    """A temperature the API allows but logits cannot be divided by (5e-324 overflows to
+    inf) is greedy decoding, with or without drafts; it once made NaN distributions."""
+    prompts, reference = prompts_and_reference
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=5e-324, ignore_eos=True)
+    spec = SpecConfig("draft", str(tiny_dirs["llama_draft"]), 4, "fixed")
+    for engine in (make_engine(tiny_dirs["llama"]), make_engine(tiny_dirs["llama"], spec=spec)):
+        assert _run_with_ks(engine, prompts[:4], params=params) == reference[:4]
+
+
 def test_rejected_drafts_across_blocks_are_released_right_after_the_step(tiny_dirs):
     target = tiny_dirs["llama"]
     # Fixed K: the adaptive policy would (rightly) stop drafting for this hopeless draft.
@@ -253,11 +264,22 @@ def tiny_vocab_pair(tmp_path_factory):
     return target, draft
 
 
-def _sample_continuations(target: Path, draft: Path, params: SamplingParams, n: int = 4000):
-    """n sampled continuations of PROMPT, drafts from `draft`: (counts, stats, n)."""
+def _sample_continuations(
+    target: Path,
+    draft: Path,
+    params: SamplingParams,
+    n: int = 4000,
+    verification: str = "block",
+    seeded: bool = False,
+):
+    """n sampled continuations of PROMPT, drafts from `draft`: (counts, stats, n). With
+    `seeded`, request i brings seed i (the coupled sampler: a different path to the target)."""
+    spec = SpecConfig(
+        "draft", str(draft), max_draft_tokens=3, draft_length="fixed", verification=verification
+    )
     engine = make_engine(
         target,
-        spec=SpecConfig("draft", str(draft), max_draft_tokens=3, draft_length="fixed"),
+        spec=spec,
         num_blocks=4096,
         max_num_seqs=512,
         max_num_batched_tokens=4096,
@@ -265,7 +287,7 @@ def _sample_continuations(target: Path, draft: Path, params: SamplingParams, n: 
         max_waiting=4000,
     )
     for i in range(n):
-        engine.add_request(f"t{i}", PROMPT, params)
+        engine.add_request(f"t{i}", PROMPT, replace(params, seed=i) if seeded else params)
     outputs = drain(engine)
     counts: dict[tuple[int, ...], int] = {}
     for tokens in outputs.values():
@@ -290,11 +312,32 @@ def _params(**kw) -> SamplingParams:
     ids=["plain", "top_p", "top_k", "penalties", "all_cuts", "min_tokens"],
 )
 def test_sampled_continuations_follow_the_target_distribution(tiny_vocab_pair, params):
-    """Speculative sampling with K = 3 drafts per step against the exact distribution of
-    4-token continuations under the target and the request's processing."""
+    """Speculative sampling with K = 3 drafts per step (block verification, the default)
+    against the exact distribution of 4-token continuations under the target and the
+    request's processing."""
     target, draft = tiny_vocab_pair
     exact = _exact_distribution(target, params)
     counts, stats, n = _sample_continuations(target, draft, params)
+    assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens  # both paths exercised
+    stat, bound = _chi_square_test(counts, exact, n)
+    assert stat < bound, f"chi-square {stat:.1f} >= {bound:.1f}"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [_params(temperature=1.0), _params(temperature=1.0, top_p=0.8)],
+    ids=["plain", "top_p"],
+)
+@pytest.mark.parametrize("mode", ["token", "seeded"])
+def test_token_verification_and_seeded_sampling_follow_the_target(tiny_vocab_pair, params, mode):
+    """The same test for token-by-token verification, and for seeded requests (seed i for
+    request i), whose tokens come from noise keyed by (seed, position) instead."""
+    target, draft = tiny_vocab_pair
+    exact = _exact_distribution(target, params)
+    if mode == "token":
+        counts, stats, n = _sample_continuations(target, draft, params, verification="token")
+    else:
+        counts, stats, n = _sample_continuations(target, draft, params, seeded=True)
     assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens  # both paths exercised
     stat, bound = _chi_square_test(counts, exact, n)
     assert stat < bound, f"chi-square {stat:.1f} >= {bound:.1f}"

@@ -124,7 +124,9 @@ class LLMEngine:
             self.policy,
             has_draft_model=self.proposer is not None and self.proposer.keeps_kv,
         )
-        self.verifier = Verifier(self.vocab_size, self.device, self.speed_of_light)
+        self.verifier = Verifier(
+            self.vocab_size, self.device, self.speed_of_light, config.spec.verification
+        )
         self.totals = EngineStats()
         self._seeds = itertools.count(config.model.seed)
         logger.info(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -26,11 +26,15 @@ class InvalidRequest(ValueError):
         self.code = code
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this decode greedily."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
-    """0 = greedy."""
+    """0 (or below GREEDY_BELOW) = greedy."""
     top_p: float = 1.0
     top_k: int = 0
     """0 = no top-k cut."""
@@ -74,7 +78,15 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or so close to it that dividing logits by it overflows: such a
+        request's distribution is the argmax anyway (vLLM draws the line at 1e-5 too)."""
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def coupled(self) -> bool:
+        """A seeded sampling request: its tokens come from noise keyed by (seed, position),
+        so its text does not depend on speculation or the batch (engine/sample/sampler.py)."""
+        return self.seed is not None and not self.greedy
 
     @property
     def has_penalties(self) -> bool:
@@ -140,6 +152,9 @@ class Request:
     spec: SpecStats = field(default_factory=SpecStats)
     generator: torch.Generator | None = None
     """Seeded per request so its samples do not depend on what else is in the batch."""
+    coupled_noise: dict[int, Any] = field(default_factory=dict)
+    """A seeded request's noise by output position (engine/sample/sampler.py), kept from the
+    draft's use to the target's and for positions a rejection leaves to the next step."""
     prompt_logprobs: list | None = None
     """Prompt-token logprobs gathered chunk by chunk (echo + logprobs); None until asked for."""
     error: str | None = None

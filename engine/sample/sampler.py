@@ -8,14 +8,25 @@ Sampling inverts the cumulative distribution: a row's token is the first whose c
 mass exceeds u times the row's total, for one u ~ U[0, 1) per row (a token of mass 0 is never
 chosen). One draw per row, not one per vocabulary entry as an exponential race needs: on a
 49K vocabulary that race's noise was most of a sampled step's cost outside the forward. The
-draws come from the request's own seeded generator, so a request's samples do not depend on
-the rest of the batch.
+draws come from the request's own generator, so a request's samples do not depend on the rest
+of the batch.
+
+A request with a `seed` is sampled differently, so that its text is the same whatever K, the
+drafts or the batch: its token at output position t is argmax_x p_t(x) / E_t(x), with
+E_t(x) ~ Exp(1) drawn from a generator keyed by (seed, t) alone (the exponential race, i.e.
+Gumbel-max: exactly a sample of p_t). Its rows become one-hot at that token, so verification
+treats them as greedy rows: a draft is kept iff it equals the target's own sample, and the
+emitted text is the one plain decoding with this seed produces. A draft model proposes with
+the same noise, argmax_x q_t(x) / E_t(x), which is how its drafts get accepted: where q_t is
+close to p_t the two races mostly pick the same token (the Gumbel coupling).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from engine.core.outputs import TokenLogprob
@@ -108,16 +119,94 @@ def _top_k_top_p(scaled: torch.Tensor, params: list) -> torch.Tensor:
     return torch.empty_like(scaled).scatter_(1, order, sorted_logits)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a 64-bit integer hash."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_uniforms(
+    seed: int, positions: list[int], vocab: int, cache: dict[int, Any] | None = None
+) -> list[np.ndarray]:
+    """U[0, 1) noise over the vocabulary for output positions of a seeded request, each from
+    a generator keyed by (seed, position) alone. `cache` (the request's) keeps them by
+    position, so the draft and the target, and the next step after a rejection, draw once."""
+    base = _mix64(seed & _MASK64)
+    cache = {} if cache is None else cache
+    out = []
+    for t in positions:
+        u = cache.get(t)
+        if u is None or len(u) != vocab:
+            u = np.random.Generator(np.random.PCG64(_mix64(base ^ t))).random(
+                vocab, dtype=np.float32
+            )
+            cache[t] = u
+        out.append(u)
+    return out
+
+
+def coupled_tokens(
+    probs: torch.Tensor,  # [n, vocab] rows of one seeded request
+    seed: int,
+    positions: list[int],  # each row's output position
+    cache: dict[int, Any] | None = None,
+) -> list[int]:  # argmin E / p with E = -log(u): a sample of each row, fixed by (seed, position)
+    """The exponential race without a logarithm per token: with m the race time of the most
+    likely token, a token x can only beat it if -log u(x) < m p(x), and since -log u >= 1 - u
+    that needs 1 - u(x) < m p(x). Only those few candidates get their exact race time."""
+    uniforms = position_uniforms(seed, positions, probs.shape[1], cache)
+    rows = probs.detach().to("cpu", torch.float32).numpy()
+    tokens = []
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for u, p in zip(uniforms, rows, strict=True):
+            top = int(p.argmax())
+            # u = 0 gives an infinite time: every token with mass stays a candidate. The
+            # margin keeps float rounding from dropping a token that could win (the top).
+            bound = -np.log(u[top]) / p[top] * (1 + 1e-4)
+            cand = np.flatnonzero((1 - u) < bound * p)
+            if cand.size == 0:  # every race time rounded above the bound: keep the top
+                cand = np.array([top])
+            times = -np.log(u[cand]) / p[cand]
+            tokens.append(int(cand[np.argmin(times)]))
+    return tokens
+
+
+def couple_seeded_rows(probs: torch.Tensor, rows: list[RowSpec]) -> torch.Tensor:
+    """Seeded sampling rows made one-hot at their coupled sample (the others unchanged)."""
+    by_request: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        if row.request.params.coupled:
+            by_request.setdefault(id(row.request), []).append(i)
+    if not by_request:
+        return probs
+    for idx in by_request.values():
+        req = rows[idx[0]].request
+        assert req.params.seed is not None
+        # Positions before this step's are settled: their noise is never needed again.
+        for t in [t for t in req.coupled_noise if t < req.num_output_tokens]:
+            del req.coupled_noise[t]
+        positions = [rows[i].num_generated for i in idx]
+        tokens = coupled_tokens(probs[idx], req.params.seed, positions, req.coupled_noise)
+        probs[idx] = 0.0
+        probs[idx, tokens] = 1.0
+    return probs
+
+
 def request_uniforms(
     requests: list[Request],
     num_rows: list[int],
     device: torch.device,
 ) -> torch.Tensor:  # [sum(num_rows)] float64
-    """U[0, 1) draws, num_rows[i] from request i's own generator (zeros for greedy requests,
-    whose rows are one-hot), request by request."""
+    """U[0, 1) draws, num_rows[i] from request i's own generator (zeros for greedy and seeded
+    requests, whose rows are one-hot), request by request."""
     parts = [
         torch.zeros(n, dtype=torch.float64, device=device)
-        if req.params.greedy
+        if req.params.greedy or req.params.coupled
         # on the generator's own device (a request's generator lives on the engine's)
         else torch.rand(n, generator=req.generator, dtype=torch.float64, device=device)
         for req, n in zip(requests, num_rows, strict=True)

@@ -80,9 +80,8 @@ class AdaptiveDraftLength:
     K = 0 the interval doubles, up to `max_probe_interval`; the policy choosing drafts on its
     own resets it.
 
-    A seeded sampling request always asks for K_max: under speculative sampling the exact
-    sample (not its distribution) depends on K, and a K chosen from measured timings would
-    change a seed's text from run to run. The scheduler may still cut it (budget, memory).
+    A seeded request needs nothing special: its tokens are fixed by (seed, position), not by
+    K (engine/sample/sampler.py), so any K gives it the same text.
     """
 
     def __init__(
@@ -136,12 +135,8 @@ class AdaptiveDraftLength:
             ks = uniform_ks
         solo = self._best_alone(gains, context)
         reasons: list[str | None] = []
-        for i, (k, k_solo) in enumerate(zip(ks, solo, strict=True)):
-            params = requests[i].params
-            if params.seed is not None and not params.greedy:
-                ks[i] = k_max
-                reasons.append(None)
-            elif k >= k_max:
+        for k, k_solo in zip(ks, solo, strict=True):
+            if k >= k_max:
                 reasons.append(None)
             else:  # would it get more alone? then the batch is what cut it
                 reasons.append(REASON_BATCH if k < k_solo else REASON_ACCEPTANCE)

@@ -21,6 +21,7 @@ from engine.sample.rejection_sampler import PAD, greedy_verify, rejection_sample
 from engine.sample.sampler import (
     RowSpec,
     apply_penalties_and_masks,
+    couple_seeded_rows,
     logits_to_probs,
     request_uniforms,
     token_logprobs,
@@ -43,10 +44,16 @@ class VerifyResult:
 
 class Verifier:
     def __init__(
-        self, vocab_size: int, device: torch.device, speed_of_light: SpeedOfLight | None = None
+        self,
+        vocab_size: int,
+        device: torch.device,
+        speed_of_light: SpeedOfLight | None = None,
+        method: str = "block",
     ) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.method = method
+        """token or block (engine/sample/rejection_sampler.py)."""
         self.speed_of_light = speed_of_light
 
     def run(
@@ -130,13 +137,16 @@ class Verifier:
             self._emit(reqs, num_drafts, emitted, raw, result)
             return
         probs = logits_to_probs(apply_penalties_and_masks(logits, rows), rows)
+        probs = couple_seeded_rows(probs, rows)
         draft_ids = torch.tensor(
             [t for d in drafted for t in d], dtype=torch.long, device=self.device
         )
         # Only sampling (decoding) requests get drafts, so the probs line up with reqs.
         draft_probs = drafts.probs if drafts is not None else None
         uniform = request_uniforms(reqs, [k + 1 for k in num_drafts], self.device)
-        out = rejection_sample(probs, draft_ids, draft_probs, num_drafts, uniform).tolist()
+        out = rejection_sample(
+            probs, draft_ids, draft_probs, num_drafts, uniform, self.method
+        ).tolist()
         self._emit(reqs, num_drafts, [[t for t in e if t != PAD] for e in out], raw, result)
 
     def _emit(

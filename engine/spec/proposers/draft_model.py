@@ -12,6 +12,10 @@ One step, for every request with K > 0 (others cost nothing here):
   pass i: feed x_{i-1} -> x_i, for requests with K >= i (the others drop out).
 Requests still in prefill feed the same chunk as the target in pass 1, so the draft's cache
 stays complete for prompts (and for prefix-cache hits).
+
+Greedy requests draft the argmax, sampling requests a sample of q; a seeded request drafts
+with the noise its target samples with (engine/sample/sampler.py), so its drafts are accepted
+exactly when both races pick the same token.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from engine.model.runner import ModelRunner, SeqInput
 from engine.sample.sampler import (
     RowSpec,
     apply_penalties_and_masks,
+    coupled_tokens,
     logits_to_probs,
     request_uniforms,
     sample_from,
@@ -140,6 +145,12 @@ class DraftModelProposer:
             return
         q = logits_to_probs(logits, rows)
         tokens = sample_from(q, request_uniforms(reqs, [1] * len(reqs), q.device)).tolist()
+        for j, row in enumerate(rows):
+            seed = row.request.params.seed
+            if row.request.params.coupled and seed is not None:
+                # The target's own noise for this position: the Gumbel coupling.
+                position, noise = row.num_generated, row.request.coupled_noise
+                tokens[j] = coupled_tokens(q[j : j + 1], seed, [position], noise)[0]
         for (i, _, _), token, q_row in zip(drafting, tokens, q, strict=True):
             drafts[i].append(token)
             probs[i].append(q_row)
