@@ -174,8 +174,9 @@ def chat_section(data: dict, plot: Path) -> list[str]:
         f"`{data['command']}`: one `tandem serve` per row (the shipped config plus the row's "
         "flags), streaming `/v1/chat/completions`, held-out chat instructions "
         f"(`bench/chat_prompts.py`), natural stops up to {data['max_tokens']} tokens, output "
-        "tokens from usage; sampling requests carry no seed (with one, a request drafts "
-        "K_max at every step; the command says `--seeded` when they did). Median of "
+        "tokens from usage; sampling requests carry no seed (with one, a request takes the "
+        "coupled sampler of docs/VERIFICATION.md; the command says `--seeded` when they "
+        "did). Median of "
         f"{data.get('median_of', 1)} round(s). `x off` is the speed-up over Tandem with "
         "speculation off at the same concurrency and temperature; `acc` the share of drafted "
         "tokens accepted.",
@@ -314,7 +315,12 @@ def main() -> None:
     if chat.exists():
         sections += ["", *chat_section(json.loads(chat.read_text()), DOCS / "chat_cpu.png")]
     # Sections written by hand from their commands' printed output, after the chat tables.
-    for fragment in ("chat_runs_cpu.md", "quantization_cpu.md", "peers_tiny_avx512_cpu.md"):
+    for fragment in (
+        "chat_runs_cpu.md",
+        "quantization_cpu.md",
+        "verification_cpu.md",
+        "peers_tiny_avx512_cpu.md",
+    ):
         if (RESULTS / fragment).exists():
             sections += ["", (RESULTS / fragment).read_text().rstrip()]
     k_sweep = RESULTS / "k-sweep.json"
