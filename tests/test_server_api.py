@@ -151,6 +151,43 @@ def test_seed_reproducibility(served):
     # Choice i of n uses seed + i.
     assert sample(1234, n=2) == first + sample(1235)
 
+    # Among 15 other requests (sampled without a seed, streamed or not, greedy) the seed
+    # still gives its text: it is fixed by seed and position, not by the batch or the drafts
+    # (docs/VERIFICATION.md).
+    def neighbour(i: int) -> str:
+        kw = {"temperature": 0.0 if i % 3 == 0 else 0.9, "stream": i % 2 == 0}
+        out = served.client.completions.create(
+            model=MODEL, prompt=f"{PROMPT} # {i}", max_tokens=12, **kw,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return "".join(c.choices[0].text for c in out) if kw["stream"] else out.choices[0].text
+
+    with ThreadPoolExecutor(16) as pool:
+        others = [pool.submit(neighbour, i) for i in range(15)]
+        crowded = pool.submit(sample, 1234)
+        assert crowded.result() == first
+        assert all(len(o.result()) > 0 for o in others)
+    served.wait_idle()
+
+
+def test_seeded_text_is_the_same_without_speculation(served, tiny_dirs):
+    """This module's server drafts K = 2 per step; a server without speculation gives the
+    same seeded text (with rejection sampling the draws would be consumed differently)."""
+
+    def sample(client) -> str:
+        out = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.8, seed=77,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return out.choices[0].text
+
+    with_drafts = sample(served.client)
+    plain = serve(tiny_dirs, speculative__method="off")
+    try:
+        assert sample(next(plain).client) == with_drafts
+    finally:
+        plain.close()
+
 
 def test_stop_strings(served):
     base = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, **GREEDY)
