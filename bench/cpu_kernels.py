@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.cpu import CPU
-from engine.attention.paged import REFERENCE, build_metadata
+from engine.attention.paged import build_metadata
+from engine.attention.reference import REFERENCE
 from engine.cpu import kernels as cpu_kernels
 from engine.cpu import memory as cpu_memory
 from engine.cpu import panels as cpu_panels

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.paged import build_metadata, reference_attention
+from engine.attention.paged import build_metadata
+from engine.attention.reference import REFERENCE, reference_attention
 
 
 def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -44,7 +45,13 @@ def test_mixed_query_lengths_match_dense_attention(block_size: int, kv_heads: in
         values.append(v)
     query = torch.randn(sum(query_lens), heads, head_dim)
     meta = build_metadata(
-        [(k_cache, v_cache)], block_size, query_lens, context_lens, tables, torch.device("cpu")
+        [(k_cache, v_cache)],
+        block_size,
+        query_lens,
+        context_lens,
+        tables,
+        torch.device("cpu"),
+        REFERENCE,
     )
     out = reference_attention(query, k_cache, v_cache, meta, head_dim**-0.5)
     start = 0

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from engine.attention.backends import BACKENDS, select_backend
 from engine.attention.cpu import CPU, MAX_KERNEL_QUERY
-from engine.attention.paged import REFERENCE, build_metadata, reference_attention
+from engine.attention.paged import build_metadata
+from engine.attention.reference import REFERENCE, reference_attention
 from engine.config import SpecConfig
 from engine.cpu import build as kernel_build
 from engine.cpu import kernels as cpu_kernels

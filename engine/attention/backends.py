@@ -17,7 +17,8 @@ from types import MappingProxyType
 import torch
 
 from engine.attention.cpu import CPU
-from engine.attention.paged import REFERENCE, AttentionBackend, AttentionMetadata, BatchLayout
+from engine.attention.paged import AttentionBackend, AttentionMetadata, BatchLayout, tree_bits
+from engine.attention.reference import REFERENCE
 from engine.cpu import kernels as cpu_kernels
 
 
@@ -49,6 +50,8 @@ class TritonBackend:
         )
         metadata.context_lens = torch.tensor(layout.context_lens, dtype=torch.int32, device=device)
         metadata.max_query_len = max(layout.query_lens, default=0)
+        bits = tree_bits(layout)
+        metadata.tree = None if bits is None else bits.to(device)
 
     def attend(
         self,
@@ -72,6 +75,7 @@ class TritonBackend:
             metadata.context_lens,
             metadata.max_query_len,
             scale,
+            metadata.tree,
         )
 
 

@@ -16,13 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.paged import (
-    AttentionMetadata,
-    BatchLayout,
-    KernelSeqs,
-    build_groups,
-    reference_attention,
-)
+from engine.attention.paged import AttentionMetadata, BatchLayout, KernelSeqs, tree_bits
+from engine.attention.reference import build_groups, reference_attention
 from engine.cpu import kernels as cpu_kernels
 
 MAX_KERNEL_QUERY = 32
@@ -69,6 +64,7 @@ class CpuBackend:
             q_starts=torch.tensor([layout.query_starts[i] for i in short], dtype=torch.int64),
             q_lens=torch.tensor([layout.query_lens[i] for i in short], dtype=torch.int64),
             ctx_lens=torch.tensor([layout.context_lens[i] for i in short], dtype=torch.int64),
+            tree=tree_bits(layout),
         )
 
     def attend(
@@ -94,6 +90,7 @@ class CpuBackend:
             seqs.ctx_lens,
             scale,
             out,
+            seqs.tree,
         )
         if metadata.groups:
             reference_attention(query, key_cache, value_cache, metadata, scale, out=out)

@@ -5,15 +5,9 @@ sequence `[1, num_tokens]` holding the scheduled tokens of all requests; the run
 `AttentionMetadata` as the keyword `tandem_metadata`, which transformers forwards untouched
 to `paged_attention_forward`. That function writes the new keys/values into their cache slots
 and hands the queries to the metadata's `AttentionBackend`, which attends each request's
-queries to that request's cached keys, causally. Backends are registered by name in
-engine/attention/backends.py; this module holds the contract and the reference backend.
-
-The reference path gathers each request's key blocks from the block table into a padded batch
-and runs `scaled_dot_product_attention` with a boolean mask, one call per group of requests
-with the same number of queries, so no query is ever padded (neither a decode next to a long
-prefill chunk, nor a K = 1 verification next to a K = 8 one). It runs anywhere; the Triton
-kernel (engine/attention/triton_kernel.py) reads the block tables directly and is the
-default on CUDA.
+queries to that request's cached keys, causally (or along a draft tree). Backends are
+registered by name in engine/attention/backends.py; this module holds the contract, and
+engine/attention/reference.py the reference backend.
 """
 
 from __future__ import annotations
@@ -22,11 +16,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 ATTN_IMPLEMENTATION = "tandem_paged"
+MAX_TREE_TOKENS = 63
+"""Most new tokens of a draft tree in one pass: its bitmasks are int64 (bit 63 unused)."""
 
 
 @dataclass
@@ -55,6 +50,9 @@ class BatchLayout:
     block_tables: list[list[int]]
     query_starts: list[int]
     """[num_seqs + 1]: request i's tokens are [query_starts[i], query_starts[i + 1])."""
+    trees: list[list[int] | None] | None = None
+    """Draft trees: per request, None (causal) or one bitmask per new token: new token j sees
+    new token i exactly when bit i is set (its ancestors and itself)."""
 
 
 class AttentionBackend(Protocol):
@@ -65,8 +63,9 @@ class AttentionBackend(Protocol):
     it) and builds device tensors from host lists without reading device memory. `attend` runs
     per layer after the batch's new keys/values are in the cache. Query j of request i sits at
     position context_lens[i] - query_lens[i] + j and sees request i's keys at positions <= its
-    own; the result is [num_tokens, heads, head_dim] in the query's dtype. `attend` never
-    writes the cache.
+    own; for a request with a draft tree (`BatchLayout.trees`), a new token sees the keys
+    before the new ones and, among the new ones, those its bits name. The result is
+    [num_tokens, heads, head_dim] in the query's dtype. `attend` never writes the cache.
     """
 
     graph_safe: bool
@@ -110,6 +109,8 @@ class AttentionMetadata:
     """triton: [num_seqs] int32, the keys request i attends to (its new tokens included)."""
     max_query_len: int = 0
     """triton: a bound on every request's query length (it sizes the kernel grid)."""
+    tree: torch.Tensor | None = None
+    """triton: [num_tokens] int64 draft-tree bits (`tree_bits`), or None without trees."""
     kernel_seqs: KernelSeqs | None = None
     """cpu: the requests the C kernel attends (the others, long queries, are in `groups`)."""
 
@@ -122,6 +123,8 @@ class KernelSeqs:
     q_starts: torch.Tensor  # [seqs] first row of each request's queries in the packed batch
     q_lens: torch.Tensor  # [seqs]
     ctx_lens: torch.Tensor  # [seqs] keys each request attends, its new ones included
+    tree: torch.Tensor | None = None
+    """[num_tokens] int64 draft-tree bits per token of the batch (0 = causal), or None."""
 
 
 def build_metadata(
@@ -131,12 +134,13 @@ def build_metadata(
     context_lens: list[int],
     block_tables: list[list[int]],
     device: torch.device,
-    backend: AttentionBackend | None = None,
+    backend: AttentionBackend,
+    trees: list[list[int] | None] | None = None,
 ) -> AttentionMetadata:
     """Metadata for requests with query_lens[i] new tokens ending at context_lens[i].
 
-    The new tokens of request i sit at positions [context_lens[i] - query_lens[i], context_lens[i]).
-    backend: None = the reference backend.
+    The new tokens of request i fill cache slots [context_lens[i] - query_lens[i],
+    context_lens[i]) of its table. trees: as `BatchLayout.trees`.
     """
     slots = []
     for q_len, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
@@ -148,159 +152,28 @@ def build_metadata(
     metadata = AttentionMetadata(
         kv_caches=kv_caches,
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        backend=backend or REFERENCE,
+        backend=backend,
     )
-    layout = BatchLayout(block_size, query_lens, context_lens, block_tables, starts)
+    trees = trees if trees is not None and any(t is not None for t in trees) else None
+    for q_len, tree in zip(query_lens, trees, strict=True) if trees else ():
+        if tree is not None and not 0 < len(tree) == q_len <= MAX_TREE_TOKENS:
+            raise ValueError(
+                f"a draft tree needs one bitmask per new token, at most {MAX_TREE_TOKENS} "
+                f"(got {len(tree)} for {q_len} tokens)"
+            )
+    layout = BatchLayout(block_size, query_lens, context_lens, block_tables, starts, trees)
     metadata.backend.prepare(metadata, layout, device)
     return metadata
 
 
-class ReferenceBackend:
-    """One SDPA call per group of requests with the same query count (module docstring)."""
-
-    graph_safe = False
-
-    def unsupported(
-        self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> str | None:
+def tree_bits(layout: BatchLayout) -> torch.Tensor | None:
+    """[num_tokens] int64 draft-tree bits of every token of the batch (0 = causal), or None
+    when no request has a tree."""
+    if not layout.trees:
         return None
-
-    def prepare(
-        self, metadata: AttentionMetadata, layout: BatchLayout, device: torch.device
-    ) -> None:
-        metadata.groups = build_groups(layout, device)
-
-    def attend(
-        self,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        return reference_attention(query, key_cache, value_cache, metadata, scale)
-
-
-REFERENCE = ReferenceBackend()
-
-
-def build_groups(
-    layout: BatchLayout, device: torch.device, members: list[int] | None = None
-) -> list[AttentionGroup]:
-    """Groups of `members` (default: every request) by query count."""
-    # Grouping by query count means no query is padded: a verification batch where K differs
-    # per request costs what its tokens cost, not (1 + max K) per request.
-    by_len: dict[int, list[int]] = {}
-    for i in range(len(layout.query_lens)) if members is None else members:
-        by_len.setdefault(layout.query_lens[i], []).append(i)
-    return [
-        _build_group(
-            members,
-            layout.query_starts,
-            q_len,
-            layout.context_lens,
-            layout.block_tables,
-            layout.block_size,
-            device,
-        )
-        for q_len, members in by_len.items()
-    ]
-
-
-def _build_group(
-    members: list[int],
-    starts: list[int],
-    q_len: int,
-    context_lens: list[int],
-    block_tables: list[list[int]],
-    block_size: int,
-    device: torch.device,
-) -> AttentionGroup:
-    ctx_lens = torch.tensor([context_lens[i] for i in members])
-    max_blocks = -(-int(ctx_lens.max()) // block_size)
-    tables = torch.zeros(len(members), max_blocks, dtype=torch.long)
-    for row, i in enumerate(members):
-        table = block_tables[i][:max_blocks]
-        tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
-    # Keys are gathered whole blocks at a time (a row copy per block, far cheaper than a gather
-    # per slot); the positions past a request's context are masked out.
-    kv_pos = torch.arange(max_blocks * block_size)
-    # Query j of request r sits at position ctx_r - q_len + j and sees keys up to that position.
-    q_pos = ctx_lens[:, None] - q_len + torch.arange(q_len)[None, :]
-    mask = kv_pos[None, None, :] <= q_pos[:, :, None]
-    contiguous = members == list(range(members[0], members[-1] + 1))
-    token_slice = slice(starts[members[0]], starts[members[-1] + 1]) if contiguous else None
-    token_index = (
-        None
-        if contiguous
-        else torch.cat([torch.arange(starts[i], starts[i + 1]) for i in members]).to(device)
-    )
-    return AttentionGroup(
-        token_index=token_index,
-        gather_blocks=tables.to(device),
-        mask=mask[:, None].to(device),
-        q_len=q_len,
-        token_slice=token_slice,
-    )
-
-
-def reference_attention(
-    query: torch.Tensor,  # [num_tokens, heads, head_dim]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
-    value_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:  # [num_tokens, heads, head_dim]
-    """Attend the requests in `metadata.groups`; their rows are written into `out` when given
-    (the other rows are left as they are)."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    kv_heads = key_cache.shape[2]
-    if out is None and not _covers(metadata, query):
-        out = torch.empty_like(query)
-    for g in metadata.groups:
-        num_seqs = g.gather_blocks.shape[0]
-        if g.token_slice is not None:
-            q = query[g.token_slice]
-        else:
-            q = query.index_select(0, g.token_index)
-        q = q.view(num_seqs, g.q_len, num_heads, head_dim)
-        # [seqs, max_blocks * block_size, kv_heads, head_dim]
-        # On a 2-D view each block is one row: index_select copies it with one memcpy (on the
-        # 4-D cache it walks every element, 5-8x slower on the CPU).
-        rows = g.gather_blocks.view(-1)
-        k = _rows(key_cache).index_select(0, rows).view(num_seqs, -1, kv_heads, head_dim)
-        v = _rows(value_cache).index_select(0, rows).view(num_seqs, -1, kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=g.mask,
-            scale=scale,
-            enable_gqa=kv_heads != num_heads,
-        )  # [seqs, heads, q_len, head_dim]
-        o = o.transpose(1, 2).reshape(-1, num_heads, head_dim)
-        if out is None:  # one group holding every token in order
-            return o
-        if g.token_slice is not None:
-            out[g.token_slice] = o
-        else:
-            out.index_copy_(0, g.token_index, o)
-    return out
-
-
-def _rows(cache: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, block_size, kv_heads, head_dim] -> [num_blocks, block_size * kv_heads *
-    head_dim] (a view)."""
-    return cache.view(cache.shape[0], -1)
-
-
-def _covers(metadata: AttentionMetadata, query: torch.Tensor) -> bool:
-    groups = metadata.groups
-    return (
-        len(groups) == 1
-        and groups[0].token_slice is not None
-        and groups[0].token_slice == slice(0, query.shape[0])
+    return torch.tensor(
+        [b for q, t in zip(layout.query_lens, layout.trees, strict=True) for b in t or [0] * q],
+        dtype=torch.int64,
     )
 
 

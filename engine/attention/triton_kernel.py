@@ -7,7 +7,8 @@ up to the last position any of its queries may see, looks each position's block 
 block table, and keeps an online softmax in fp32 (running max m, running sum denom,
 unnormalised output acc), flash-attention style. Query j of a request with q_len new tokens
 and context length ctx sits at position ctx - q_len + j and sees the keys at positions <= its
-own.
+own; with draft-tree bits (engine/attention/paged.py `tree_bits`), a token whose bits are not
+0 sees the keys before the request's new ones and, of the new ones, those its bits name.
 
 Any number of query tokens per request (decode 1, verification 1 + K, prefill chunks) and any
 block size work. The grid depends only on the number of requests and a bound on the query
@@ -42,6 +43,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     context_lens_ptr,  # [num_seqs] int32
+    tree_ptr,  # [num_tokens] int64 draft-tree bits (0 = causal); read only with HAS_TREE
     scale,
     stride_q_tok,
     stride_q_head,
@@ -62,6 +64,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # rows per program: a power of two >= BLOCK_Q * GROUP
     BLOCK_N: tl.constexpr,  # key positions per tile
     DOT_PRECISION: tl.constexpr,  # "ieee" keeps fp32 inputs out of TF32
+    HAS_TREE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -80,6 +83,13 @@ def _paged_attention_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
     tok = (q_start + q_idx).to(tl.int64)
+    # One past the last key position the block's last query token sees.
+    kv_end = tl.minimum(ctx_len, ctx_len - q_len + (q_block + 1) * BLOCK_Q)
+    if HAS_TREE:
+        bits = tl.load(tree_ptr + tok, mask=row_ok, other=0)
+        in_tree = bits != 0
+        q_pos = tl.where(in_tree, ctx_len - 1, q_pos)  # the new keys are masked by the bits
+        kv_end = ctx_len
 
     q_ptrs = q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
@@ -88,8 +98,6 @@ def _paged_attention_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    # One past the last key position the block's last query token sees.
-    kv_end = tl.minimum(ctx_len, ctx_len - q_len + (q_block + 1) * BLOCK_Q)
     for start in range(0, kv_end, BLOCK_N):
         kv_pos = start + tl.arange(0, BLOCK_N)
         kv_ok = kv_pos < kv_end
@@ -103,6 +111,11 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + k_off[None, :] + dims[:, None], mask=kv_mask, other=0.0)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N] fp32
         visible = row_ok[:, None] & kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        if HAS_TREE:
+            new = kv_pos - (ctx_len - q_len)  # index among the new keys (< 0: cached before)
+            shift = tl.maximum(new, 0).to(tl.int64)
+            named = ((bits[:, None] >> shift[None, :]) & 1) != 0
+            visible = visible & (~in_tree[:, None] | (new[None, :] < 0) | named)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; subtract 0 so exp gives 0, not NaN.
@@ -142,6 +155,7 @@ def paged_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32
     max_query_len: int,
     scale: float,
+    tree: torch.Tensor | None = None,  # [num_tokens] int64 draft-tree bits, or None
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
     """Attend each request's queries to its cached keys; the new keys must be cached already.
 
@@ -174,6 +188,7 @@ def paged_attention(
         block_tables,
         query_start_loc,
         context_lens,
+        tree if tree is not None else context_lens,  # not read without HAS_TREE
         scale,
         query.stride(0),
         query.stride(1),
@@ -194,5 +209,6 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_N=_KV_TILE,
         DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
+        HAS_TREE=tree is not None,
     )
     return out

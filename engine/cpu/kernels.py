@@ -159,6 +159,7 @@ def paged_attention(
     ctx_lens: torch.Tensor,  # [num_seqs] int64: keys each request attends (new ones included)
     scale: float,
     out: torch.Tensor,  # [tokens, heads, head_dim]: the requests' rows are written
+    tree: torch.Tensor | None = None,  # [tokens] int64 draft-tree bits (0 = causal) or None
 ) -> None:
     lib = _require()
     _, block_size, kv_heads, head_dim = key_cache.shape
@@ -171,6 +172,7 @@ def paged_attention(
         q_starts.data_ptr(),
         q_lens.data_ptr(),
         ctx_lens.data_ptr(),
+        None if tree is None else tree.data_ptr(),
         tables.shape[0],
         out.data_ptr(),
         query.shape[1],
@@ -209,7 +211,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tandem_attention_supports.argtypes = [i64, i64, i64, i64]
     lib.tandem_attention_supports.restype = i32
     lib.tandem_paged_attention.argtypes = (
-        [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr] + [i64] * 4 + [ctypes.c_float, i32]
+        [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr] + [i64] * 4 + [ctypes.c_float, i32]
     )
     lib.tandem_paged_attention.restype = i32
     lib.tandem_layers.argtypes = (
@@ -263,6 +265,7 @@ class Batch(ctypes.Structure):
         ("ctx_lens", ctypes.c_void_p),
         ("num_seqs", ctypes.c_int64),
         ("block_size", ctypes.c_int64),
+        ("tree", ctypes.c_void_p),
     ]
 
 

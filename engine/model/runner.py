@@ -87,6 +87,13 @@ class SeqInput:
     block_table: list[int]
     logit_offsets: list[int] = field(default_factory=list)
     """Indices into token_ids whose next-token logits are wanted."""
+    tree: list[int] | None = None
+    """A draft tree instead of a chain: per token, a bitmask of the tokens of token_ids it
+    sees (its ancestors and itself; engine/attention/paged.py). The tokens still fill the
+    cache slots start_pos.. in order; only their positions and visibility follow the tree."""
+    positions: list[int] | None = None
+    """Each token's position (rotary embedding); None = start_pos + index, a chain. A tree
+    gives a node the position start_pos + its depth."""
 
     @property
     def context_len(self) -> int:
@@ -308,12 +315,13 @@ class ModelRunner:
         for seq in seqs:
             logit_index.extend(len(token_ids) + off for off in seq.logit_offsets)
             token_ids.extend(seq.token_ids)
-            positions.extend(range(seq.start_pos, seq.context_len))
+            positions.extend(seq.positions or range(seq.start_pos, seq.context_len))
         query_lens = [len(s.token_ids) for s in seqs]
         context_lens = [s.context_len for s in seqs]
         tables = [s.block_table for s in seqs]
+        trees = [s.tree for s in seqs] if any(s.tree for s in seqs) else None
         graphs = self.decode_graphs
-        if graphs is not None and graphs.fits(query_lens, context_lens):
+        if graphs is not None and trees is None and graphs.fits(query_lens, context_lens):
             hidden = graphs.run(token_ids, positions, context_lens, tables, logit_index)
             return self._widen(self._graph_head(hidden).float())  # [num_logits, vocab]
         metadata = attention.build_metadata(
@@ -324,6 +332,7 @@ class ModelRunner:
             tables,
             self.device,
             self.attention_backend,
+            trees,
         )
         input_ids = torch.tensor(token_ids, device=self.device)
         position_ids = torch.tensor(positions, device=self.device)

@@ -8,6 +8,10 @@
  * rows q_starts[s].. of q and out; its query j sits at position ctx_lens[s] - q_lens[s] + j
  * and sees the request's keys at positions 0..that position (its new keys are in the cache).
  *
+ * Draft trees: with `tree` (or NULL), a query row whose tree[row] is not 0 sees every key
+ * before its request's new ones and, among the new ones, key i only when bit i of tree[row]
+ * is set (its ancestors and itself); tree[row] = 0 keeps the causal rule.
+ *
  * One task is (request, kv head, tile of up to QTILE query rows), a row being one query of
  * one of the kv head's query heads. Per cache block the task scores 8 keys at a time against
  * every row (8 independent FMA chains, summed across lanes by reduce8), then runs an online
@@ -28,13 +32,16 @@ INLINE v8 score8(const int NV, const v8 *q, const float *k, int64_t ks) {
 
 INLINE void attend_tile(const int NV, const float *q, const float *k_cache, const float *v_cache,
                         const int64_t *table, int64_t q_start, int64_t q_len, int64_t ctx,
-                        int64_t kv_head, int64_t row0, int rows, int64_t heads,
-                        int64_t kv_heads, int64_t block_size, float scale, float *out) {
+                        const int64_t *tree, int64_t kv_head, int64_t row0, int rows,
+                        int64_t heads, int64_t kv_heads, int64_t block_size, float scale,
+                        float *out) {
   if (rows < 1) return;
-  const int64_t D = 8 * NV, group = heads / kv_heads, ks = kv_heads * D;
+  const int64_t D = 8 * NV, group = heads / kv_heads, ks = kv_heads * D, base = ctx - q_len;
   v8 qv[QTILE][NV], acc[QTILE][NV], sc[QTILE][MAX_BLOCK / 8];
   float m[QTILE], l[QTILE];
   int64_t pos[QTILE];
+  uint64_t bits[QTILE];
+  int64_t last = 0; /* the furthest key any row sees */
   for (int i = 0; i < rows; i++) {
     const int64_t j = (row0 + i) / group, h = kv_head * group + (row0 + i) % group;
     const float *qp = q + ((q_start + j) * heads + h) * D;
@@ -42,11 +49,12 @@ INLINE void attend_tile(const int NV, const float *q, const float *k_cache, cons
       qv[i][c] = load(qp + 8 * c) * scale;
       acc[i][c] = (v8){0};
     }
-    pos[i] = ctx - q_len + j;
+    bits[i] = tree ? (uint64_t)tree[q_start + j] : 0;
+    pos[i] = bits[i] ? ctx - 1 : base + j; /* a tree row's new keys are masked below */
+    last = pos[i] > last ? pos[i] : last;
     m[i] = -INFINITY;
     l[i] = 0.0f;
   }
-  const int64_t last = pos[rows - 1]; /* rows are in query order: the furthest position */
   const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
   for (int64_t b = 0; b * block_size <= last; b++) {
     const int64_t first = b * block_size;
@@ -68,6 +76,12 @@ INLINE void attend_tile(const int NV, const float *q, const float *k_cache, cons
           s[t - full * 8] = hsum(d);
         }
         sc[i][full] = s;
+      }
+      if (bits[i]) { /* a draft-tree row: of the new keys, only its ancestors */
+        float *row = (float *)sc[i];
+        const int64_t lo = base > first ? base : first;
+        for (int64_t t = lo; t < first + n; t++)
+          if (!((bits[i] >> (t - base)) & 1)) row[t - first] = -INFINITY;
       }
       v8 mx8 = sc[i][0];
       for (int64_t g = 1; g < groups; g++) mx8 = select_v(mx8 > sc[i][g], mx8, sc[i][g]);
@@ -119,9 +133,10 @@ int tandem_attention_supports(int64_t heads, int64_t kv_heads, int64_t head_dim,
 /* Returns 0, or -1 for a shape tandem_attention_supports refuses (nothing is written). */
 int tandem_paged_attention(const float *q, const float *k_cache, const float *v_cache,
                            const int64_t *tables, int64_t table_width, const int64_t *q_starts,
-                           const int64_t *q_lens, const int64_t *ctx_lens, int64_t num_seqs,
-                           float *out, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                           int64_t block_size, float scale, int nthreads) {
+                           const int64_t *q_lens, const int64_t *ctx_lens,
+                           const int64_t *tree, int64_t num_seqs, float *out, int64_t heads,
+                           int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                           int nthreads) {
   if (!tandem_attention_supports(heads, kv_heads, head_dim, block_size)) return -1;
   const int64_t group = heads / kv_heads;
   int64_t tiles = 1;
@@ -140,7 +155,7 @@ int tandem_paged_attention(const float *q, const float *k_cache, const float *v_
 #define TILE(d)                                                                           \
   case d:                                                                                 \
     attend_tile(d / 8, q, k_cache, v_cache, table, q_starts[s], q_lens[s], ctx_lens[s],   \
-                kv_head, row0, n, heads, kv_heads, block_size, scale, out);               \
+                tree, kv_head, row0, n, heads, kv_heads, block_size, scale, out);         \
     break;
     switch (head_dim) { HEAD_DIMS(TILE) }
 #undef TILE

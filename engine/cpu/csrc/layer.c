@@ -81,9 +81,10 @@ int tandem_attention_supports(int64_t heads, int64_t kv_heads, int64_t head_dim,
                               int64_t block_size);
 int tandem_paged_attention(const float *q, const float *k_cache, const float *v_cache,
                            const int64_t *tables, int64_t table_width, const int64_t *q_starts,
-                           const int64_t *q_lens, const int64_t *ctx_lens, int64_t num_seqs,
-                           float *out, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                           int64_t block_size, float scale, int nthreads);
+                           const int64_t *q_lens, const int64_t *ctx_lens,
+                           const int64_t *tree, int64_t num_seqs, float *out, int64_t heads,
+                           int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                           int nthreads);
 
 /* A packed linear: its panels (engine/cpu/kernels.py) in one of these formats. */
 enum { W_FLOAT32 = 0, W_BFLOAT16 = 1, W_Q8_0 = 2, W_Q4_1 = 3 };
@@ -108,6 +109,7 @@ typedef struct {
   int64_t width;
   const int64_t *q_starts, *q_lens, *ctx_lens; /* [num_seqs] */
   int64_t num_seqs, block_size;
+  const int64_t *tree; /* [tokens] draft-tree visibility bits, or NULL (attention.c) */
 } tandem_batch;
 
 static void linear_any(const tandem_weight *w, const float *x, const float *residual, float *y,
@@ -141,8 +143,9 @@ int tandem_layers(const tandem_layer *layers, int64_t num_layers, const tandem_b
     tandem_rotary_cache(qkv, batch->positions, batch->slots, batch->cos, batch->sin, tokens,
                         heads, kv_heads, head_dim, q, layer->key_cache, layer->value_cache);
     tandem_paged_attention(q, layer->key_cache, layer->value_cache, batch->tables, batch->width,
-                           batch->q_starts, batch->q_lens, batch->ctx_lens, batch->num_seqs,
-                           attn, heads, kv_heads, head_dim, batch->block_size, scale, nthreads);
+                           batch->q_starts, batch->q_lens, batch->ctx_lens, batch->tree,
+                           batch->num_seqs, attn, heads, kv_heads, head_dim, batch->block_size,
+                           scale, nthreads);
     linear_any(&layer->o, attn, hidden, hidden, tokens, dim, q_width, nthreads);
     tandem_rms_norm(hidden, layer->post_norm, x, tokens, dim, eps);
     linear_any(&layer->gate_up, x, 0, gate_up, tokens, 2 * inter, dim, nthreads);
