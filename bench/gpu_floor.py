@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from engine.model.runner import ModelRunner, SeqInput
+from engine.model.inputs import SeqInput
+from engine.model.runner import ModelRunner
 
 
 def sync(device: torch.device) -> None:

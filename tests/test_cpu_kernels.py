@@ -19,8 +19,9 @@ from engine.config import SpecConfig
 from engine.cpu import build as kernel_build
 from engine.cpu import kernels as cpu_kernels
 from engine.cpu import panels as cpu_panels
+from engine.model.inputs import SeqInput
 from engine.model.on_cpu import use_cpu_kernels
-from engine.model.runner import ModelRunner, SeqInput
+from engine.model.runner import ModelRunner
 from tests.engine_utils import drain, greedy, make_engine, random_prompts
 
 pytestmark = pytest.mark.skipif(

@@ -11,7 +11,8 @@ import torch
 
 from engine.attention.backends import triton_available
 from engine.config import SpecConfig
-from engine.model.runner import ModelRunner, SeqInput
+from engine.model.inputs import SeqInput
+from engine.model.runner import ModelRunner
 from server.settings import load_settings
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 

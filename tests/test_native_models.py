@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from engine.config import SpecConfig
+from engine.model.inputs import SeqInput
 from engine.model.on_cpu import use_cpu_kernels
-from engine.model.runner import ModelRunner, SeqInput
+from engine.model.runner import ModelRunner
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 from tests.tiny_models import build_model
 

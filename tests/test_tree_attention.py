@@ -13,8 +13,9 @@ import torch
 
 from engine.attention.backends import triton_available
 from engine.cpu import kernels as cpu_kernels
+from engine.model.inputs import SeqInput
 from engine.model.on_cpu import use_cpu_kernels
-from engine.model.runner import ModelRunner, SeqInput
+from engine.model.runner import ModelRunner
 from tests.engine_utils import random_prompts
 
 BLOCK = 4
@@ -80,9 +81,47 @@ def test_a_tree_pass_gives_each_node_its_paths_logits(tiny_dirs, backend, impl):
             torch.testing.assert_close(got[index[node]], want[row], rtol=1e-4, atol=1e-4)
 
 
-def test_a_tree_bitmask_per_token_and_at_most_63_tokens(tiny_dirs):
+def test_a_tree_bitmask_per_token_and_at_most_63_slots(tiny_dirs):
     runner = _runner(tiny_dirs, "reference", "native")
     with pytest.raises(ValueError, match="one bitmask per new token"):
         runner.forward([SeqInput([5, 6], 0, [0, 1], [0], tree=[1])])
-    with pytest.raises(ValueError, match="at most 63"):
+    with pytest.raises(ValueError, match="at most 63 slots"):
         runner.forward([SeqInput([5] * 64, 0, list(range(16)), [0], tree=[1] * 64)])
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_a_tree_fed_over_two_passes(tiny_dirs, backend):
+    """A draft model grows its tree a level per pass: the second pass's nodes see the tree's
+    earlier nodes through `tree_base` (their ancestors only, though all are cached)."""
+    if backend == "cpu" and not cpu_kernels.available():
+        pytest.skip(f"the CPU kernels did not build: {cpu_kernels.unavailable_reason()}")
+    if backend == "triton" and not triton_available():
+        pytest.skip("triton is not installed")
+    runner = _runner(tiny_dirs, backend, "native")
+    prompt = random_prompts([9], vocab=runner.vocab_size, seed=63)[0]
+    r, a1, b1, a2, b2 = random_prompts([5], runner.vocab_size, seed=64)[0]
+    tables = {name: list(range(4 * i, 4 * i + 4)) for i, name in enumerate("TAB")}
+    for name in "TAB":
+        runner.forward([SeqInput(prompt, 0, tables[name], [])])
+    n = len(prompt)
+    # level 1: the root and both children (slots n, n+1, n+2)
+    first = runner.forward(
+        [
+            SeqInput(
+                [r, a1, b1], n, tables["T"], [0, 1, 2], [0b1, 0b11, 0b101], None, [n, n + 1, n + 1]
+            )
+        ]  # fmt: skip
+    )
+    # level 2 (slots n+3, n+4), bits over the slots from the root on
+    second = runner.forward(
+        [
+            SeqInput([a2, b2], n + 3, tables["T"], [0, 1], [0b1011, 0b10101], n, [n + 2, n + 2])
+        ]  # fmt: skip
+    )
+    for path, got, table in (
+        ([r, a1, a2], [first[0], first[1], second[0]], "A"),
+        ([r, b1, b2], [first[0], first[2], second[1]], "B"),
+    ):
+        want = runner.forward([SeqInput(path, n, tables[table], [0, 1, 2])])
+        for row in range(3):
+            torch.testing.assert_close(got[row], want[row], rtol=1e-4, atol=1e-4)

@@ -50,8 +50,10 @@ class TritonBackend:
         )
         metadata.context_lens = torch.tensor(layout.context_lens, dtype=torch.int32, device=device)
         metadata.max_query_len = max(layout.query_lens, default=0)
-        bits = tree_bits(layout)
-        metadata.tree = None if bits is None else bits.to(device)
+        trees = tree_bits(layout)
+        if trees is not None:
+            metadata.tree = trees[0].to(device)
+            metadata.tree_base = trees[1].to(device=device, dtype=torch.int32)
 
     def attend(
         self,
@@ -76,6 +78,7 @@ class TritonBackend:
             metadata.max_query_len,
             scale,
             metadata.tree,
+            metadata.tree_base,
         )
 
 

@@ -57,6 +57,7 @@ class CpuBackend:
         if not short:
             return
         bs = layout.block_size
+        trees = tree_bits(layout)
         used = [layout.block_tables[i][: -(-layout.context_lens[i] // bs)] for i in short]
         width = max(len(blocks) for blocks in used)
         metadata.kernel_seqs = KernelSeqs(
@@ -64,7 +65,8 @@ class CpuBackend:
             q_starts=torch.tensor([layout.query_starts[i] for i in short], dtype=torch.int64),
             q_lens=torch.tensor([layout.query_lens[i] for i in short], dtype=torch.int64),
             ctx_lens=torch.tensor([layout.context_lens[i] for i in short], dtype=torch.int64),
-            tree=tree_bits(layout),
+            tree=None if trees is None else trees[0],
+            tree_base=None if trees is None else trees[1][short],
         )
 
     def attend(
@@ -91,6 +93,7 @@ class CpuBackend:
             scale,
             out,
             seqs.tree,
+            seqs.tree_base,
         )
         if metadata.groups:
             reference_attention(query, key_cache, value_cache, metadata, scale, out=out)

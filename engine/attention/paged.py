@@ -21,7 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 ATTN_IMPLEMENTATION = "tandem_paged"
 MAX_TREE_TOKENS = 63
-"""Most new tokens of a draft tree in one pass: its bitmasks are int64 (bit 63 unused)."""
+"""Most cache slots a draft tree spans from its base: its bitmasks are int64 (bit 63 unused)."""
 
 
 @dataclass
@@ -40,6 +40,16 @@ class AttentionGroup:
 
 
 @dataclass(frozen=True)
+class Tree:
+    """A request's draft-tree visibility: its new token j sees every cache slot before `base`
+    and slot base + i exactly when bit i of bits[j] is set (its ancestors and itself). base
+    is at most the first new token's slot, so a tree can grow over several passes."""
+
+    base: int
+    bits: list[int]
+
+
+@dataclass(frozen=True)
 class BatchLayout:
     """The packed batch, per request, as host lists."""
 
@@ -50,9 +60,8 @@ class BatchLayout:
     block_tables: list[list[int]]
     query_starts: list[int]
     """[num_seqs + 1]: request i's tokens are [query_starts[i], query_starts[i + 1])."""
-    trees: list[list[int] | None] | None = None
-    """Draft trees: per request, None (causal) or one bitmask per new token: new token j sees
-    new token i exactly when bit i is set (its ancestors and itself)."""
+    trees: list[Tree | None] | None = None
+    """Draft trees, per request (None = causal)."""
 
 
 class AttentionBackend(Protocol):
@@ -63,8 +72,8 @@ class AttentionBackend(Protocol):
     it) and builds device tensors from host lists without reading device memory. `attend` runs
     per layer after the batch's new keys/values are in the cache. Query j of request i sits at
     position context_lens[i] - query_lens[i] + j and sees request i's keys at positions <= its
-    own; for a request with a draft tree (`BatchLayout.trees`), a new token sees the keys
-    before the new ones and, among the new ones, those its bits name. The result is
+    own; for a request with a draft tree (`Tree`), a new token sees the keys before the
+    tree's base slot and, from the base on, those its bits name. The result is
     [num_tokens, heads, head_dim] in the query's dtype. `attend` never writes the cache.
     """
 
@@ -111,6 +120,8 @@ class AttentionMetadata:
     """triton: a bound on every request's query length (it sizes the kernel grid)."""
     tree: torch.Tensor | None = None
     """triton: [num_tokens] int64 draft-tree bits (`tree_bits`), or None without trees."""
+    tree_base: torch.Tensor | None = None
+    """triton: [num_seqs] int32 each request's `Tree.base`, with `tree`."""
     kernel_seqs: KernelSeqs | None = None
     """cpu: the requests the C kernel attends (the others, long queries, are in `groups`)."""
 
@@ -125,6 +136,8 @@ class KernelSeqs:
     ctx_lens: torch.Tensor  # [seqs] keys each request attends, its new ones included
     tree: torch.Tensor | None = None
     """[num_tokens] int64 draft-tree bits per token of the batch (0 = causal), or None."""
+    tree_base: torch.Tensor | None = None
+    """[seqs] int64 each request's `Tree.base`, with `tree`."""
 
 
 def build_metadata(
@@ -135,7 +148,7 @@ def build_metadata(
     block_tables: list[list[int]],
     device: torch.device,
     backend: AttentionBackend,
-    trees: list[list[int] | None] | None = None,
+    trees: list[Tree | None] | None = None,
 ) -> AttentionMetadata:
     """Metadata for requests with query_lens[i] new tokens ending at context_lens[i].
 
@@ -155,26 +168,31 @@ def build_metadata(
         backend=backend,
     )
     trees = trees if trees is not None and any(t is not None for t in trees) else None
-    for q_len, tree in zip(query_lens, trees, strict=True) if trees else ():
-        if tree is not None and not 0 < len(tree) == q_len <= MAX_TREE_TOKENS:
+    for q_len, ctx, tree in zip(query_lens, context_lens, trees, strict=True) if trees else ():
+        if tree is not None and not (
+            len(tree.bits) == q_len
+            and 0 <= tree.base <= ctx - q_len
+            and ctx - tree.base <= MAX_TREE_TOKENS
+        ):
             raise ValueError(
-                f"a draft tree needs one bitmask per new token, at most {MAX_TREE_TOKENS} "
-                f"(got {len(tree)} for {q_len} tokens)"
+                f"a draft tree needs one bitmask per new token and spans at most "
+                f"{MAX_TREE_TOKENS} slots from its base (got {len(tree.bits)} masks for "
+                f"{q_len} tokens, base {tree.base}, context {ctx})"
             )
     layout = BatchLayout(block_size, query_lens, context_lens, block_tables, starts, trees)
     metadata.backend.prepare(metadata, layout, device)
     return metadata
 
 
-def tree_bits(layout: BatchLayout) -> torch.Tensor | None:
-    """[num_tokens] int64 draft-tree bits of every token of the batch (0 = causal), or None
-    when no request has a tree."""
+def tree_bits(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """([num_tokens] int64 draft-tree bits of every token of the batch, 0 = causal;
+    [num_seqs] int64 tree bases), or None when no request has a tree."""
     if not layout.trees:
         return None
-    return torch.tensor(
-        [b for q, t in zip(layout.query_lens, layout.trees, strict=True) for b in t or [0] * q],
-        dtype=torch.int64,
-    )
+    pairs = list(zip(layout.query_lens, layout.trees, strict=True))
+    bits = [b for q, t in pairs for b in (t.bits if t else [0] * q)]
+    bases = [t.base if t else 0 for _, t in pairs]
+    return torch.tensor(bits, dtype=torch.int64), torch.tensor(bases, dtype=torch.int64)
 
 
 def paged_attention_forward(

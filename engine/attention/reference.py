@@ -88,10 +88,10 @@ def _build_group(
     mask = kv_pos[None, None, :] <= q_pos[:, :, None]
     for row, i in enumerate(members):
         tree = layout.trees[i] if layout.trees else None
-        if tree is not None:  # the new keys: the bits say which
-            base = int(ctx_lens[row]) - q_len
-            bits = torch.tensor(tree)[:, None] >> torch.arange(q_len)[None, :] & 1
-            mask[row, :, base : base + q_len] = bits.bool()
+        if tree is not None:  # the keys from the tree's base on: the bits say which
+            span = int(ctx_lens[row]) - tree.base
+            bits = torch.tensor(tree.bits)[:, None] >> torch.arange(span)[None, :] & 1
+            mask[row, :, tree.base : tree.base + span] = bits.bool()
     contiguous = members == list(range(members[0], members[-1] + 1))
     token_slice = slice(starts[members[0]], starts[members[-1] + 1]) if contiguous else None
     token_index = (

@@ -7,8 +7,8 @@ up to the last position any of its queries may see, looks each position's block 
 block table, and keeps an online softmax in fp32 (running max m, running sum denom,
 unnormalised output acc), flash-attention style. Query j of a request with q_len new tokens
 and context length ctx sits at position ctx - q_len + j and sees the keys at positions <= its
-own; with draft-tree bits (engine/attention/paged.py `tree_bits`), a token whose bits are not
-0 sees the keys before the request's new ones and, of the new ones, those its bits name.
+own; with draft-tree bits (engine/attention/paged.py `Tree`), a token whose bits are not 0
+sees the keys before its request's tree base and, from there on, those its bits name.
 
 Any number of query tokens per request (decode 1, verification 1 + K, prefill chunks) and any
 block size work. The grid depends only on the number of requests and a bound on the query
@@ -44,6 +44,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     context_lens_ptr,  # [num_seqs] int32
     tree_ptr,  # [num_tokens] int64 draft-tree bits (0 = causal); read only with HAS_TREE
+    tree_base_ptr,  # [num_seqs] int32 the slot of bit 0; read only with HAS_TREE
     scale,
     stride_q_tok,
     stride_q_head,
@@ -87,6 +88,7 @@ def _paged_attention_kernel(
     kv_end = tl.minimum(ctx_len, ctx_len - q_len + (q_block + 1) * BLOCK_Q)
     if HAS_TREE:
         bits = tl.load(tree_ptr + tok, mask=row_ok, other=0)
+        base = tl.load(tree_base_ptr + seq)
         in_tree = bits != 0
         q_pos = tl.where(in_tree, ctx_len - 1, q_pos)  # the new keys are masked by the bits
         kv_end = ctx_len
@@ -112,10 +114,10 @@ def _paged_attention_kernel(
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N] fp32
         visible = row_ok[:, None] & kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         if HAS_TREE:
-            new = kv_pos - (ctx_len - q_len)  # index among the new keys (< 0: cached before)
-            shift = tl.maximum(new, 0).to(tl.int64)
+            rel = kv_pos - base  # the key's bit (< 0: before the tree, always seen)
+            shift = tl.maximum(rel, 0).to(tl.int64)
             named = ((bits[:, None] >> shift[None, :]) & 1) != 0
-            visible = visible & (~in_tree[:, None] | (new[None, :] < 0) | named)
+            visible = visible & (~in_tree[:, None] | (rel[None, :] < 0) | named)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; subtract 0 so exp gives 0, not NaN.
@@ -156,6 +158,7 @@ def paged_attention(
     max_query_len: int,
     scale: float,
     tree: torch.Tensor | None = None,  # [num_tokens] int64 draft-tree bits, or None
+    tree_base: torch.Tensor | None = None,  # [num_seqs] int32 the slot of bit 0, with tree
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
     """Attend each request's queries to its cached keys; the new keys must be cached already.
 
@@ -189,6 +192,7 @@ def paged_attention(
         query_start_loc,
         context_lens,
         tree if tree is not None else context_lens,  # not read without HAS_TREE
+        tree_base if tree_base is not None else context_lens,
         scale,
         query.stride(0),
         query.stride(1),

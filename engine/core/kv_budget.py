@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.model.runner import ModelRunner, SeqInput
+from engine.model.inputs import SeqInput
+from engine.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

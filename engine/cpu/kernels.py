@@ -160,6 +160,7 @@ def paged_attention(
     scale: float,
     out: torch.Tensor,  # [tokens, heads, head_dim]: the requests' rows are written
     tree: torch.Tensor | None = None,  # [tokens] int64 draft-tree bits (0 = causal) or None
+    tree_base: torch.Tensor | None = None,  # [num_seqs] int64 slot of bit 0, with tree
 ) -> None:
     lib = _require()
     _, block_size, kv_heads, head_dim = key_cache.shape
@@ -173,6 +174,7 @@ def paged_attention(
         q_lens.data_ptr(),
         ctx_lens.data_ptr(),
         None if tree is None else tree.data_ptr(),
+        None if tree_base is None else tree_base.data_ptr(),
         tables.shape[0],
         out.data_ptr(),
         query.shape[1],
@@ -211,7 +213,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tandem_attention_supports.argtypes = [i64, i64, i64, i64]
     lib.tandem_attention_supports.restype = i32
     lib.tandem_paged_attention.argtypes = (
-        [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr] + [i64] * 4 + [ctypes.c_float, i32]
+        [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr]
+        + [i64] * 4
+        + [ctypes.c_float, i32]
     )
     lib.tandem_paged_attention.restype = i32
     lib.tandem_layers.argtypes = (
@@ -266,6 +270,7 @@ class Batch(ctypes.Structure):
         ("num_seqs", ctypes.c_int64),
         ("block_size", ctypes.c_int64),
         ("tree", ctypes.c_void_p),
+        ("tree_base", ctypes.c_void_p),
     ]
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from engine.attention import paged as attention
 from engine.attention.backends import BACKENDS
 from engine.model.decode_graphs import DecodeGraphs
 from engine.model.files import gguf_source
+from engine.model.inputs import SeqInput
 from engine.model.native import MODEL_IMPLS, NativeForward, build_native
 from engine.model.probe import NATIVE_TOLERANCE, native_error
 from engine.model.quantization import round_weights
@@ -75,29 +75,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
-
-
-@dataclass
-class SeqInput:
-    """What one request feeds a forward pass."""
-
-    token_ids: list[int]
-    start_pos: int
-    """Position of token_ids[0]; the request's keys before it are already cached."""
-    block_table: list[int]
-    logit_offsets: list[int] = field(default_factory=list)
-    """Indices into token_ids whose next-token logits are wanted."""
-    tree: list[int] | None = None
-    """A draft tree instead of a chain: per token, a bitmask of the tokens of token_ids it
-    sees (its ancestors and itself; engine/attention/paged.py). The tokens still fill the
-    cache slots start_pos.. in order; only their positions and visibility follow the tree."""
-    positions: list[int] | None = None
-    """Each token's position (rotary embedding); None = start_pos + index, a chain. A tree
-    gives a node the position start_pos + its depth."""
-
-    @property
-    def context_len(self) -> int:
-        return self.start_pos + len(self.token_ids)
 
 
 class ModelRunner:
@@ -319,7 +296,9 @@ class ModelRunner:
         query_lens = [len(s.token_ids) for s in seqs]
         context_lens = [s.context_len for s in seqs]
         tables = [s.block_table for s in seqs]
-        trees = [s.tree for s in seqs] if any(s.tree for s in seqs) else None
+        trees = None
+        if any(s.tree for s in seqs):
+            trees = [s.attention_tree() for s in seqs]
         graphs = self.decode_graphs
         if graphs is not None and trees is None and graphs.fits(query_lens, context_lens):
             hidden = graphs.run(token_ids, positions, context_lens, tables, logit_index)

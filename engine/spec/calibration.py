@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.model.runner import ModelRunner, SeqInput
+from engine.model.inputs import SeqInput
+from engine.model.runner import ModelRunner
 from engine.spec.cost_model import CostModel, PassShape
 
 logger = logging.getLogger(__name__)

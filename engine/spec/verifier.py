@@ -16,7 +16,8 @@ import torch
 from engine.core.outputs import StepTokens, TokenLogprob
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
-from engine.model.runner import ModelRunner, SeqInput
+from engine.model.inputs import SeqInput
+from engine.model.runner import ModelRunner
 from engine.sample.rejection_sampler import PAD, greedy_verify, rejection_sample
 from engine.sample.sampler import (
     RowSpec,

@@ -9,7 +9,7 @@
  * and sees the request's keys at positions 0..that position (its new keys are in the cache).
  *
  * Draft trees: with `tree` (or NULL), a query row whose tree[row] is not 0 sees every key
- * before its request's new ones and, among the new ones, key i only when bit i of tree[row]
+ * before tree_base[s] and, from there on, key tree_base[s] + i only when bit i of tree[row]
  * is set (its ancestors and itself); tree[row] = 0 keeps the causal rule.
  *
  * One task is (request, kv head, tile of up to QTILE query rows), a row being one query of
@@ -32,11 +32,12 @@ INLINE v8 score8(const int NV, const v8 *q, const float *k, int64_t ks) {
 
 INLINE void attend_tile(const int NV, const float *q, const float *k_cache, const float *v_cache,
                         const int64_t *table, int64_t q_start, int64_t q_len, int64_t ctx,
-                        const int64_t *tree, int64_t kv_head, int64_t row0, int rows,
+                        const int64_t *tree, int64_t base, int64_t kv_head, int64_t row0,
+                        int rows,
                         int64_t heads, int64_t kv_heads, int64_t block_size, float scale,
                         float *out) {
   if (rows < 1) return;
-  const int64_t D = 8 * NV, group = heads / kv_heads, ks = kv_heads * D, base = ctx - q_len;
+  const int64_t D = 8 * NV, group = heads / kv_heads, ks = kv_heads * D;
   v8 qv[QTILE][NV], acc[QTILE][NV], sc[QTILE][MAX_BLOCK / 8];
   float m[QTILE], l[QTILE];
   int64_t pos[QTILE];
@@ -50,7 +51,7 @@ INLINE void attend_tile(const int NV, const float *q, const float *k_cache, cons
       acc[i][c] = (v8){0};
     }
     bits[i] = tree ? (uint64_t)tree[q_start + j] : 0;
-    pos[i] = bits[i] ? ctx - 1 : base + j; /* a tree row's new keys are masked below */
+    pos[i] = bits[i] ? ctx - 1 : ctx - q_len + j; /* a tree row's keys are masked below */
     last = pos[i] > last ? pos[i] : last;
     m[i] = -INFINITY;
     l[i] = 0.0f;
@@ -77,7 +78,7 @@ INLINE void attend_tile(const int NV, const float *q, const float *k_cache, cons
         }
         sc[i][full] = s;
       }
-      if (bits[i]) { /* a draft-tree row: of the new keys, only its ancestors */
+      if (bits[i]) { /* a draft-tree row: from the tree's base on, only its ancestors */
         float *row = (float *)sc[i];
         const int64_t lo = base > first ? base : first;
         for (int64_t t = lo; t < first + n; t++)
@@ -134,7 +135,8 @@ int tandem_attention_supports(int64_t heads, int64_t kv_heads, int64_t head_dim,
 int tandem_paged_attention(const float *q, const float *k_cache, const float *v_cache,
                            const int64_t *tables, int64_t table_width, const int64_t *q_starts,
                            const int64_t *q_lens, const int64_t *ctx_lens,
-                           const int64_t *tree, int64_t num_seqs, float *out, int64_t heads,
+                           const int64_t *tree, const int64_t *tree_base, int64_t num_seqs,
+                           float *out, int64_t heads,
                            int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
                            int nthreads) {
   if (!tandem_attention_supports(heads, kv_heads, head_dim, block_size)) return -1;
@@ -155,7 +157,8 @@ int tandem_paged_attention(const float *q, const float *k_cache, const float *v_
 #define TILE(d)                                                                           \
   case d:                                                                                 \
     attend_tile(d / 8, q, k_cache, v_cache, table, q_starts[s], q_lens[s], ctx_lens[s],   \
-                tree, kv_head, row0, n, heads, kv_heads, block_size, scale, out);         \
+                tree, tree ? tree_base[s] : 0, kv_head, row0, n, heads, kv_heads,          \
+                block_size, scale, out);                                                  \
     break;
     switch (head_dim) { HEAD_DIMS(TILE) }
 #undef TILE

@@ -82,7 +82,8 @@ int tandem_attention_supports(int64_t heads, int64_t kv_heads, int64_t head_dim,
 int tandem_paged_attention(const float *q, const float *k_cache, const float *v_cache,
                            const int64_t *tables, int64_t table_width, const int64_t *q_starts,
                            const int64_t *q_lens, const int64_t *ctx_lens,
-                           const int64_t *tree, int64_t num_seqs, float *out, int64_t heads,
+                           const int64_t *tree, const int64_t *tree_base, int64_t num_seqs,
+                           float *out, int64_t heads,
                            int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
                            int nthreads);
 
@@ -109,7 +110,8 @@ typedef struct {
   int64_t width;
   const int64_t *q_starts, *q_lens, *ctx_lens; /* [num_seqs] */
   int64_t num_seqs, block_size;
-  const int64_t *tree; /* [tokens] draft-tree visibility bits, or NULL (attention.c) */
+  const int64_t *tree;      /* [tokens] draft-tree visibility bits, or NULL (attention.c) */
+  const int64_t *tree_base; /* [num_seqs] the slot of bit 0, with tree */
 } tandem_batch;
 
 static void linear_any(const tandem_weight *w, const float *x, const float *residual, float *y,
@@ -144,7 +146,7 @@ int tandem_layers(const tandem_layer *layers, int64_t num_layers, const tandem_b
                         heads, kv_heads, head_dim, q, layer->key_cache, layer->value_cache);
     tandem_paged_attention(q, layer->key_cache, layer->value_cache, batch->tables, batch->width,
                            batch->q_starts, batch->q_lens, batch->ctx_lens, batch->tree,
-                           batch->num_seqs, attn, heads, kv_heads, head_dim, batch->block_size,
+                           batch->tree_base, batch->num_seqs, attn, heads, kv_heads, head_dim, batch->block_size,
                            scale, nthreads);
     linear_any(&layer->o, attn, hidden, hidden, tokens, dim, q_width, nthreads);
     tandem_rms_norm(hidden, layer->post_norm, x, tokens, dim, eps);

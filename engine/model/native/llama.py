@@ -238,6 +238,7 @@ class LlamaForward(nn.Module):
             seqs.q_starts.data_ptr(), seqs.q_lens.data_ptr(), seqs.ctx_lens.data_ptr(),
             seqs.tables.shape[0], key_cache.shape[1],
             None if seqs.tree is None else seqs.tree.data_ptr(),
+            None if seqs.tree_base is None else seqs.tree_base.data_ptr(),
         )  # fmt: skip
         hidden = hidden.contiguous()
         shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.intermediate)

@@ -26,7 +26,8 @@ import torch
 
 from engine.config import SpecConfig
 from engine.core.request import Request
-from engine.model.runner import ModelRunner, SeqInput
+from engine.model.inputs import SeqInput
+from engine.model.runner import ModelRunner
 from engine.sample.sampler import (
     RowSpec,
     apply_penalties_and_masks,
