@@ -1,0 +1,112 @@
+"""Lossless verification of a draft tree: the longest accepted path, then one more token.
+
+A request's tree has its last committed token at node 0 (the root) and drafts below it; a
+node's children are alternative next tokens. The target's pass gives every node a row p_v,
+its distribution of the token after v. Verification walks down from the root:
+
+- at node v, with r = p_v, test v's children in the order they were drafted. A draft model
+  draws a node's children from q_v without replacement, so child i was drawn from q_v with
+  the earlier children removed and renormalised (q^(i)). Child i with token x is accepted
+  with probability min(1, r(x) / q^(i)(x)); then the walk moves to it. On rejection
+  r becomes norm(max(0, r - q^(i))) and the next child is tested;
+- when every child is rejected the walk emits a token from r; at a leaf it emits a bonus
+  token from p_leaf.
+
+This is recursive rejection sampling over drafts drawn without replacement (Jeon et al.,
+2024): the emitted tokens are distributed exactly as the target's. A model-free drafter's
+children (distinct n-gram continuations) have q^(i) one-hot on their token: a child is
+accepted with probability r(x), and a rejection removes x from r. With one child per node it
+is token verification of a chain. Greedy and seeded rows are one-hot, so the walk keeps the
+child equal to the target's token: the longest path that matches the target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sample.sampler import sample_from
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One request's draft tree, nodes in the order they fill cache slots (parents first)."""
+
+    tokens: list[int]
+    """Node tokens; node 0 is the root, the request's last committed token (not a draft)."""
+    parents: list[int]
+    """parents[v]: v's parent; parents[0] = -1. A node's children, in increasing index order,
+    are in the order they were drafted."""
+
+    def __post_init__(self) -> None:
+        if not self.tokens or self.parents[0] != -1 or len(self.parents) != len(self.tokens):
+            raise ValueError("a draft tree needs a root (parent -1) and one parent per node")
+        if any(not 0 <= p < v for v, p in enumerate(self.parents) if v):
+            raise ValueError("a draft tree lists every node after its parent")
+
+    def children(self, node: int) -> list[int]:
+        return [v for v, p in enumerate(self.parents) if p == node]
+
+    def ancestors(self, node: int) -> list[int]:
+        """The path from the root to `node`, both included."""
+        path = [node]
+        while self.parents[path[-1]] >= 0:
+            path.append(self.parents[path[-1]])
+        return path[::-1]
+
+    def depth(self, node: int) -> int:
+        return len(self.ancestors(node)) - 1
+
+
+def verify_tree_greedy(tree: DraftTree, target_argmax: list[int]) -> tuple[list[int], int]:
+    """One-hot rows (target_argmax[v]: the target's token after node v): the nodes of the
+    longest path that matches the target (root excluded) and the token after it."""
+    path, node = [], 0
+    while True:
+        nxt = next((c for c in tree.children(node) if tree.tokens[c] == target_argmax[node]), None)
+        if nxt is None:
+            return path, target_argmax[node]
+        path.append(nxt)
+        node = nxt
+
+
+def verify_tree(
+    tree: DraftTree,
+    target_probs: torch.Tensor,  # [nodes, vocab] p_v: the target's next-token distribution
+    draft_probs: torch.Tensor | None,  # [nodes, vocab] q_v the children were drawn from; None
+    # for a model-free drafter (one-hot children)
+    uniform: torch.Tensor,  # [nodes + 1] U[0, 1): uniform[c] tests child c, the last one draws
+    # the emitted token
+) -> tuple[list[int], int]:  # the accepted nodes (root excluded), then the emitted token
+    path, node = [], 0
+    while True:
+        residual = target_probs[node].double()
+        children = tree.children(node)
+        q = None if draft_probs is None else draft_probs[node].double().clone()
+        accepted = None
+        for child in children:
+            x = tree.tokens[child]
+            if q is None:  # one-hot on x
+                ratio = float(residual[x])
+            else:
+                qx = float(q[x])
+                ratio = float(residual[x]) / qx if qx > 0 else 0.0
+            if float(uniform[child]) < min(1.0, ratio):
+                accepted = child
+                break
+            if q is None:
+                residual = residual.clone()
+                residual[x] = 0.0
+            else:
+                residual = (residual - q).clamp(min=0)
+                q[x] = 0.0  # the next child was drawn without this one
+                q = q / q.sum() if float(q.sum()) > 0 else q
+            total = float(residual.sum())
+            # An empty residual has probability 0 in exact arithmetic; fall back to p.
+            residual = residual / total if total > 0 else target_probs[node].double()
+        if accepted is None:
+            token = int(sample_from(residual[None], uniform[-1:])[0])
+            return path, token
+        path.append(accepted)
+        node = accepted
