@@ -94,7 +94,8 @@ def test_coupled_race_equals_the_plain_race_and_follows_p():
     p /= p.sum()
     counts = torch.zeros(vocab)
     for seed in range(4000):
-        token = coupled_tokens(p[None], seed, [0])[0]
+        row = RowSpec(Request("r", [1], SamplingParams(temperature=1.0, seed=seed)))
+        token = coupled_tokens(p[None], [row])[0]
         u = torch.from_numpy(position_uniforms(seed, [0], vocab)[0])
         assert token == int((-torch.log(u) / p).argmin())
         counts[token] += 1
@@ -113,7 +114,9 @@ def test_seeded_rows_are_one_hot_at_their_coupled_sample():
     coupled = couple_seeded_rows(probs.clone(), rows)
     assert torch.equal(coupled[1], probs[1])
     for i, position in ((0, 0), (2, 1)):  # output positions 0 and 1 (one prior draft)
-        token = coupled_tokens(probs[i : i + 1], 4, [position])[0]
+        token = coupled_tokens(
+            probs[i : i + 1], [RowSpec(Request("c", [1], seeded.params), [7] * position)]
+        )[0]
         assert coupled[i].sum() == 1 and coupled[i, token] == 1
     assert request_uniforms([seeded], [3], torch.device("cpu")).tolist() == [0.0] * 3
 

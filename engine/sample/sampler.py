@@ -151,19 +151,19 @@ def position_uniforms(
 
 
 def coupled_tokens(
-    probs: torch.Tensor,  # [n, vocab] rows of one seeded request
-    seed: int,
-    positions: list[int],  # each row's output position
-    cache: dict[int, Any] | None = None,
+    probs: torch.Tensor,  # [n, vocab] rows of seeded requests
+    rows: list[RowSpec],  # each row's request and place: its noise is (seed, output position)
 ) -> list[int]:  # argmin E / p with E = -log(u): a sample of each row, fixed by (seed, position)
     """The exponential race without a logarithm per token: with m the race time of the most
     likely token, a token x can only beat it if -log u(x) < m p(x), and since -log u >= 1 - u
-    that needs 1 - u(x) < m p(x). Only those few candidates get their exact race time."""
-    uniforms = position_uniforms(seed, positions, probs.shape[1], cache)
-    rows = probs.detach().to("cpu", torch.float32).numpy()
+    that needs 1 - u(x) < m p(x). Only those few candidates get their exact race time. (Row
+    by row: vocabulary-sized temporaries stay small enough for the allocator to reuse.)"""
+    vocab = probs.shape[1]
     tokens = []
     with np.errstate(divide="ignore", invalid="ignore"):
-        for u, p in zip(uniforms, rows, strict=True):
+        for p, row in zip(probs.detach().to("cpu", torch.float32).numpy(), rows, strict=True):
+            noise = row.request.coupled_noise
+            u = position_uniforms(_seed(row), [row.num_generated], vocab, noise)[0]
             top = int(p.argmax())
             # u = 0 gives an infinite time: every token with mass stays a candidate. The
             # margin keeps float rounding from dropping a token that could win (the top).
@@ -176,24 +176,24 @@ def coupled_tokens(
     return tokens
 
 
+def _seed(row: RowSpec) -> int:
+    seed = row.request.params.seed
+    assert seed is not None  # only seeded requests are coupled
+    return seed
+
+
 def couple_seeded_rows(probs: torch.Tensor, rows: list[RowSpec]) -> torch.Tensor:
     """Seeded sampling rows made one-hot at their coupled sample (the others unchanged)."""
-    by_request: dict[int, list[int]] = {}
-    for i, row in enumerate(rows):
-        if row.request.params.coupled:
-            by_request.setdefault(id(row.request), []).append(i)
-    if not by_request:
+    idx = [i for i, row in enumerate(rows) if row.request.params.coupled]
+    if not idx:
         return probs
-    for idx in by_request.values():
-        req = rows[idx[0]].request
-        assert req.params.seed is not None
+    for req in {id(rows[i].request): rows[i].request for i in idx}.values():
         # Positions before this step's are settled: their noise is never needed again.
         for t in [t for t in req.coupled_noise if t < req.num_output_tokens]:
             del req.coupled_noise[t]
-        positions = [rows[i].num_generated for i in idx]
-        tokens = coupled_tokens(probs[idx], req.params.seed, positions, req.coupled_noise)
-        probs[idx] = 0.0
-        probs[idx, tokens] = 1.0
+    tokens = coupled_tokens(probs[idx], [rows[i] for i in idx])
+    probs[idx] = 0.0
+    probs[idx, tokens] = 1.0
     return probs
 
 

@@ -146,12 +146,11 @@ class DraftModelProposer:
             return
         q = logits_to_probs(logits, rows)
         tokens = sample_from(q, request_uniforms(reqs, [1] * len(reqs), q.device)).tolist()
-        for j, row in enumerate(rows):
-            seed = row.request.params.seed
-            if row.request.params.coupled and seed is not None:
-                # The target's own noise for this position: the Gumbel coupling.
-                position, noise = row.num_generated, row.request.coupled_noise
-                tokens[j] = coupled_tokens(q[j : j + 1], seed, [position], noise)[0]
+        coupled = [j for j, row in enumerate(rows) if row.request.params.coupled]
+        if coupled:  # the target's own noise for these positions: the Gumbel coupling
+            raced = coupled_tokens(q[coupled], [rows[j] for j in coupled])
+            for j, token in zip(coupled, raced, strict=True):
+                tokens[j] = token
         for (i, _, _), token, q_row in zip(drafting, tokens, q, strict=True):
             drafts[i].append(token)
             probs[i].append(q_row)
