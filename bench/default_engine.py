@@ -6,6 +6,7 @@ verifies, and output tokens/s of speculation settings on held-out chat prompts.
   python -m bench.default_engine speed --concurrency 16 --requests 32 --configs off adaptive
   python -m bench.default_engine agreement --model DIR --quantization int8
   python -m bench.default_engine speed --temperature 0.7 --verification token block seeded
+  python -m bench.default_engine speed --configs K=2 K=3 --branches 1 2 3   # draft trees
 
 `--verification` runs every config once per verifier: token or block (sampled drafts verified
 token by token or as a block), or seeded (each request brings a seed: the coupled sampler).
@@ -102,9 +103,12 @@ def speed(
     quantization: str,
     temperature: float = 0.0,
     verification: str = "block",
+    branches: int = 1,
 ) -> None:
     seeded = verification == "seeded"
     spec = replace(CONFIGS[name], verification="block" if seeded else verification)
+    if spec.method == "draft":
+        spec = replace(spec, draft_branches=branches)
     eng = engine(spec, model, quantization)
     prompts = _prompts(eng.config.model.model, requests)
 
@@ -132,6 +136,8 @@ def speed(
     share = s.draft_seconds / max(s.step_seconds, 1e-9)
     per_pass = (s.spec_accepted_tokens + s.spec_verify_passes) / max(s.spec_verify_passes, 1)
     label = f"{name} {verification}" if name != "off" else name
+    if branches > 1 and name != "off":
+        label += f" x{branches}"
     print(
         f"{label:>15}  c={concurrency} T={temperature}: {tokens / seconds:6.1f} tok/s  "
         f"accepted by position: {accepted or '-'}  tokens per verifying pass {per_pass:.2f}  "
@@ -181,6 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--verification", nargs="+", default=["block"], choices=["block", "token", "seeded"]
     )
+    p.add_argument(
+        "--branches", type=int, nargs="+", default=[1], help="--draft-branches values to run"
+    )
     args = p.parse_args(argv)
     with torch.inference_mode():
         if args.mode == "passes":
@@ -190,16 +199,18 @@ def main(argv: list[str] | None = None) -> None:
         else:
             for name in args.configs:
                 for verification in args.verification if name != "off" else ["block"]:
-                    speed(
-                        name,
-                        args.requests,
-                        args.concurrency,
-                        args.max_tokens,
-                        args.model,
-                        args.quantization,
-                        args.temperature,
-                        verification,
-                    )
+                    for branches in args.branches if name != "off" else [1]:
+                        speed(
+                            name,
+                            args.requests,
+                            args.concurrency,
+                            args.max_tokens,
+                            args.model,
+                            args.quantization,
+                            args.temperature,
+                            verification,
+                            branches,
+                        )
 
 
 if __name__ == "__main__":

@@ -156,6 +156,9 @@ class SpecConfig:
     """Shortest suffix n-gram it falls back to."""
     recalibrate: bool = False
     """Time the cost model afresh at start instead of reusing this machine's cached one."""
+    draft_branches: int = 1
+    """Draft trees: the candidates a request drafts for its next token, each continued as a
+    chain of K (engine/spec/proposers/draft_model.py). 1 = a single chain."""
     verification: str = "block"
     """How sampled drafts are verified: block = the block jointly (Sun et al.), token = token
     by token. Both are lossless; block keeps at least as many drafts in expectation."""
@@ -164,6 +167,18 @@ class SpecConfig:
         _check_choice("--speculative-method", self.method, SPEC_METHODS)
         _check_choice("--draft-length", self.draft_length, DRAFT_LENGTH_POLICIES)
         _check_choice("--verification", self.verification, VERIFICATIONS)
+        _check(
+            1 <= self.draft_branches <= 8,
+            f"--draft-branches must be between 1 and 8 (got {self.draft_branches})",
+        )
+        _check(
+            self.draft_branches * self.max_draft_tokens < 63,
+            "--draft-branches x --max-draft-tokens must stay below 63 (a tree's nodes)",
+        )
+        _check(
+            self.draft_branches == 1 or self.method == "draft",
+            "--draft-branches above 1 needs --speculative-method draft",
+        )
         _check(
             0 <= self.max_draft_tokens <= 16,
             f"--max-draft-tokens must be between 0 and 16 (got {self.max_draft_tokens})",
@@ -193,6 +208,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # A verification pass schedules 1 + K tokens for a request; it must fit in one step.
         _check(
-            self.scheduler.max_num_batched_tokens >= 1 + self.spec.max_draft_tokens,
-            "--max-num-batched-tokens must be at least 1 + --max-draft-tokens",
+            self.scheduler.max_num_batched_tokens
+            >= 1 + self.spec.max_draft_tokens * self.spec.draft_branches,
+            "--max-num-batched-tokens must be at least 1 + --max-draft-tokens x --draft-branches",
         )

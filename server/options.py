@@ -204,6 +204,14 @@ OPTIONS: tuple[Option, ...] = (
         choices=DRAFT_LENGTH_POLICIES,
     ),
     Option(
+        "speculative.draft_branches",
+        "--draft-branches",
+        int,
+        "draft trees: candidates drafted for a request's next token, each continued as a "
+        "chain of K and verified in the same target pass (1 = a single chain)",
+        metavar="N",
+    ),
+    Option(
         "speculative.verification",
         "--verification",
         str,

@@ -79,6 +79,7 @@ def reference(tiny_dirs, prompts):
         "draft_fixed_crowded",
         "draft_adaptive_crowded",
         "draft_is_target_crowded",
+        "draft_tree_crowded",
         "ngram_fixed_crowded",
         "token_verification_crowded",
         "tight_pool_crowded",
@@ -96,6 +97,8 @@ def test_same_seed_same_text(tiny_dirs, prompts, reference, setup):
         spec = _draft(tiny_dirs, draft_length="adaptive")
     elif setup.startswith("draft_is_target"):
         spec = _draft(tiny_dirs, "llama", draft_length="fixed")
+    elif setup.startswith("draft_tree"):
+        spec = _draft(tiny_dirs, draft_length="fixed", max_draft_tokens=3, draft_branches=3)
     elif setup.startswith("ngram"):
         spec = SpecConfig("ngram", max_draft_tokens=3, draft_length="fixed")
     elif setup.startswith("token"):

@@ -271,11 +271,17 @@ def _sample_continuations(
     n: int = 4000,
     verification: str = "block",
     seeded: bool = False,
+    branches: int = 1,
 ):
     """n sampled continuations of PROMPT, drafts from `draft`: (counts, stats, n). With
     `seeded`, request i brings seed i (the coupled sampler: a different path to the target)."""
     spec = SpecConfig(
-        "draft", str(draft), max_draft_tokens=3, draft_length="fixed", verification=verification
+        "draft",
+        str(draft),
+        max_draft_tokens=3,
+        draft_length="fixed",
+        verification=verification,
+        draft_branches=branches,
     )
     engine = make_engine(
         target,
@@ -328,16 +334,19 @@ def test_sampled_continuations_follow_the_target_distribution(tiny_vocab_pair, p
     [_params(temperature=1.0), _params(temperature=1.0, top_p=0.8)],
     ids=["plain", "top_p"],
 )
-@pytest.mark.parametrize("mode", ["token", "seeded"])
+@pytest.mark.parametrize("mode", ["token", "seeded", "tree"])
 def test_token_verification_and_seeded_sampling_follow_the_target(tiny_vocab_pair, params, mode):
-    """The same test for token-by-token verification, and for seeded requests (seed i for
-    request i), whose tokens come from noise keyed by (seed, position) instead."""
+    """The same test for token-by-token verification, for seeded requests (seed i for
+    request i), whose tokens come from noise keyed by (seed, position) instead, and for draft
+    trees (two candidates for the next token, each continued to depth 3)."""
     target, draft = tiny_vocab_pair
     exact = _exact_distribution(target, params)
     if mode == "token":
         counts, stats, n = _sample_continuations(target, draft, params, verification="token")
-    else:
+    elif mode == "seeded":
         counts, stats, n = _sample_continuations(target, draft, params, seeded=True)
+    else:
+        counts, stats, n = _sample_continuations(target, draft, params, branches=2)
     assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens  # both paths exercised
     stat, bound = _chi_square_test(counts, exact, n)
     assert stat < bound, f"chi-square {stat:.1f} >= {bound:.1f}"

@@ -123,6 +123,7 @@ class LLMEngine:
             self.max_model_len,
             self.policy,
             has_draft_model=self.proposer is not None and self.proposer.keeps_kv,
+            branches=config.spec.draft_branches,
         )
         self.verifier = Verifier(
             self.vocab_size, self.device, self.speed_of_light, config.spec.verification

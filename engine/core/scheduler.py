@@ -30,6 +30,13 @@ class ScheduledRequest:
     """Tokens taken from all_token_ids this step (a prefill chunk, or 1 when decoding)."""
     num_draft_tokens: int = 0
     """K for this request and step; the proposer may fill fewer."""
+    branches: int = 1
+    """Draft-tree candidates for the next token, each continued to depth K: the request has
+    K x branches draft slots this step."""
+
+    @property
+    def num_draft_slots(self) -> int:
+        return self.num_draft_tokens * self.branches
 
     @property
     def samples(self) -> bool:
@@ -57,12 +64,14 @@ class Scheduler:
         max_model_len: int,
         policy: DraftLengthPolicy,
         has_draft_model: bool = False,
+        branches: int = 1,
     ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
         self.policy = policy
         self.has_draft_model = has_draft_model
+        self.branches = branches
         self.requests: dict[str, Request] = {}
         """Every unfinished request, waiting or running, by id."""
         self.waiting: deque[Request] = deque()
@@ -101,19 +110,20 @@ class Scheduler:
                     req.params.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens,
                 )
-                k = max(0, min(k, room, budget - num_new))
+                k = max(0, min(k, room, (budget - num_new) // self.branches))
                 if k < k_wanted:
                     reason = REASON_LENGTH if room <= k else REASON_BUDGET
-            k_fit = self._allocate_or_preempt(req, num_new, k, out)
-            if k_fit is None:
+            slots = self._allocate_or_preempt(req, num_new, k * self.branches, out)
+            if slots is None:
                 break  # req itself was preempted; nothing younger is left running
-            if k_fit < k:
+            if slots < k * self.branches:
                 reason = REASON_MEMORY
+                k = 0
             if reason is not None:
                 self.draft_length_reasons[reason] += 1
-            k = k_fit
-            out.scheduled.append(ScheduledRequest(req, num_new, k))
-            budget -= num_new + k
+            item = ScheduledRequest(req, num_new, k, self.branches if k else 1)
+            out.scheduled.append(item)
+            budget -= num_new + item.num_draft_slots
             i += 1
 
         # After a preemption the pool is full: admitting now would only thrash.

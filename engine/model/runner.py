@@ -212,6 +212,23 @@ class ModelRunner:
             for _ in range(self.num_layers)
         ]
 
+    @torch.inference_mode()
+    def move_kv(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
+        """Copy the keys/values at slot positions `src` of a request's table to `dst`, every
+        layer (a draft tree's accepted path, packed behind the tokens before it)."""
+        if not src:
+            return
+        bs = self.block_size
+
+        def slots(positions: list[int]) -> torch.Tensor:
+            flat = [block_table[p // bs] * bs + p % bs for p in positions]
+            return torch.tensor(flat, dtype=torch.long, device=self.device)
+
+        src_slots, dst_slots = slots(src), slots(dst)
+        for cache in (c for pair in self.kv_caches for c in pair):
+            rows = cache.view(-1, cache.shape[2], cache.shape[3])
+            rows[dst_slots] = rows[src_slots]  # gathered first: overlapping moves are safe
+
     def free_kv(self) -> None:
         self.kv_caches = []
         self.decode_graphs = None

@@ -27,6 +27,7 @@ from engine.sample.sampler import (
     request_uniforms,
     token_logprobs,
 )
+from engine.sample.tree_verifier import DraftTree, verify_tree, verify_tree_greedy
 from engine.spec.proposers.base import DraftBatch
 from engine.spec.speed_of_light import SpeedOfLight
 
@@ -67,11 +68,19 @@ class Verifier:
         seqs: list[SeqInput] = []
         prompt_rows: list[tuple[Request, int]] = []  # (request, number of prompt rows)
         samplers: list[tuple[Request, list[int]]] = []  # (request, its drafts)
+        trees: dict[str, tuple[DraftTree, list[int], int]] = {}  # id: (tree, table, root slot)
         for i, (item, table) in enumerate(zip(sched.scheduled, block_tables, strict=True)):
             req = item.request
             drafted = list(drafts.token_ids[i]) if drafts is not None else []
             start = req.num_computed_tokens
             tokens = req.all_token_ids[start : start + item.num_new_tokens] + drafted
+            parents = drafts.parents[i] if drafts is not None and drafts.parents else None
+            bits = positions = None
+            if parents is not None and drafted:  # a draft tree under the request's last token
+                tree = DraftTree(tokens, [-1, *parents])
+                trees[req.request_id] = (tree, table, start)
+                bits = [sum(1 << a for a in tree.ancestors(v)) for v in range(len(tokens))]
+                positions = [start + tree.depth(v) for v in range(len(tokens))]
             offsets = []
             if req.params.prompt_logprobs is not None and req.num_output_tokens == 0:
                 # Row j predicts the prompt token at position start + j + 1.
@@ -81,7 +90,7 @@ class Verifier:
             if item.samples:
                 offsets.extend(range(item.num_new_tokens - 1, len(tokens)))
                 samplers.append((req, drafted))
-            seqs.append(SeqInput(tokens, start, table, offsets))
+            seqs.append(SeqInput(tokens, start, table, offsets, tree=bits, positions=positions))
 
         start = time.perf_counter()
         logits = runner.forward(seqs)[:, : self.vocab_size]  # [num_rows, vocab]
@@ -109,7 +118,9 @@ class Verifier:
             result.prompt_logprobs[req.request_id] = _prompt_logprobs(
                 req, prompt_logits[req.request_id]
             )
-        if samplers:
+        if samplers and trees:
+            self._sample_trees(samplers, torch.cat(sample_parts), drafts, trees, runner, result)
+        elif samplers:
             self._sample(samplers, torch.cat(sample_parts), drafts, result)
         return result
 
@@ -149,6 +160,63 @@ class Verifier:
             probs, draft_ids, draft_probs, num_drafts, uniform, self.method
         ).tolist()
         self._emit(reqs, num_drafts, [[t for t in e if t != PAD] for e in out], raw, result)
+
+    def _sample_trees(
+        self,
+        samplers: list[tuple[Request, list[int]]],  # (request, its drafts)
+        logits: torch.Tensor,  # [sum(1 + nodes_i), vocab]
+        drafts: DraftBatch | None,
+        trees: dict[str, tuple[DraftTree, list[int], int]],
+        runner: ModelRunner,
+        result: VerifyResult,
+    ) -> None:
+        """A step with draft trees (engine/sample/tree_verifier.py): each request keeps the
+        longest accepted path, whose keys and values then move behind the root."""
+        reqs = [r for r, _ in samplers]
+        shapes = [trees[r.request_id][0] if r.request_id in trees else DraftTree([0], [-1])
+                  for r in reqs]  # fmt: skip
+        rows = [
+            RowSpec(r, [t.tokens[a] for a in t.ancestors(v)[1:]])
+            for r, t in zip(reqs, shapes, strict=True)
+            for v in range(len(t.tokens))
+        ]
+        raw = logits.clone() if any(r.params.logprobs is not None for r in reqs) else logits
+        logits = apply_penalties_and_masks(logits, rows)
+        greedy = all(r.params.greedy for r in reqs)
+        if greedy:
+            best = logits.argmax(dim=-1).tolist()
+        else:
+            probs = couple_seeded_rows(logits_to_probs(logits, rows), rows)
+            counts = [len(t.tokens) + 1 for t in shapes]
+            uniform = request_uniforms(reqs, counts, self.device)
+        draft_q = drafts.probs if drafts is not None else None
+        row = q_row = u_row = 0
+        for (req, drafted), tree in zip(samplers, shapes, strict=True):
+            n = len(tree.tokens)
+            if greedy:
+                path, token = verify_tree_greedy(tree, best[row : row + n])
+            else:
+                q_nodes = None
+                if draft_q is not None and drafted:  # q_v: what v's children were drawn from
+                    q_nodes = torch.zeros_like(probs[row : row + n])
+                    for j in range(len(drafted)):
+                        q_nodes[tree.parents[j + 1]] = draft_q[q_row + j]
+                node_probs = probs[row : row + n]
+                path, token = verify_tree(tree, node_probs, q_nodes, uniform[u_row : u_row + n + 1])
+            tokens = [tree.tokens[v] for v in path] + [token]
+            if req.request_id in trees:
+                _, table, root = trees[req.request_id]
+                moves = [(root + v, root + 1 + j) for j, v in enumerate(path) if v != j + 1]
+                runner.move_kv(table, [a for a, _ in moves], [b for _, b in moves])
+            logprobs = None
+            if req.params.logprobs is not None:
+                picked = raw[[row] + [row + v for v in path]]
+                logprobs = token_logprobs(picked, tokens, req.params.logprobs)
+            depth = max(tree.depth(v) for v in range(n))
+            result.tokens[req.request_id] = StepTokens(tokens, logprobs, depth, len(path))
+            if depth and self.speed_of_light is not None:
+                self.speed_of_light.observe_pass(len(tokens))
+            row, q_row, u_row = row + n, q_row + len(drafted), u_row + n + 1
 
     def _emit(
         self,

@@ -25,6 +25,10 @@ class DraftBatch:
     and prefill chunks alike (what its measured time paid for)."""
     fed_pairs: int = 0
     """Sum over those tokens of the context each attended (query x key pairs)."""
+    parents: list[list[int] | None] | None = None
+    """Per scheduled request, None for a chain, or a draft tree: parents[j] is the parent of
+    draft j (0 = the request's last token, the root; d + 1 = draft d), drafts listed after
+    their parents (engine/sample/tree_verifier.py)."""
 
 
 class Proposer(Protocol):

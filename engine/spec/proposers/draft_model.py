@@ -97,13 +97,11 @@ class DraftModelProposer:
                 drafting.append((i, req, k))
 
         drafts: list[list[int]] = [[] for _ in sched.scheduled]
-        probs: list[list[torch.Tensor]] | None = [[] for _ in sched.scheduled]
         if not seqs:
             return DraftBatch(drafts, None)
-        if all(req.params.greedy for _, req, _ in drafting):
-            # Greedy drafts are the argmax, q one-hot on them: what a model-free drafter's
-            # missing probs mean to the rejection sampler, so none are built.
-            probs = None
+        # Greedy drafts are the argmax, q one-hot on them: what a model-free drafter's missing
+        # probs mean to the verifier, so none are built.
+        want_q = not all(req.params.greedy for _, req, _ in drafting)
         fed = [0, 0]  # tokens, query x key pairs
 
         def forward(seqs: list[SeqInput]) -> torch.Tensor:
@@ -112,45 +110,115 @@ class DraftModelProposer:
                 fed[1] += len(seq.token_ids) * seq.context_len
             return self.runner.forward(seqs)
 
-        logits = forward(seqs)
-        step = 0
-        while drafting:
-            self._sample(logits, drafting, step, drafts, probs)
-            step += 1
-            drafting = [d for d in drafting if d[2] > step]
-            if not drafting:
-                break
-            seqs = []
-            for i, req, _ in drafting:
-                pos = req.num_draft_computed_tokens
-                seqs.append(SeqInput([drafts[i][-1]], pos, block_tables[i], [0]))
-                req.num_draft_computed_tokens = pos + 1
-            logits = forward(seqs)
-        flat = [p for per_req in probs for p in per_req] if probs is not None else []
-        return DraftBatch(drafts, torch.stack(flat) if flat else None, *fed)
+        # A lane is one chain of drafts: one per request, or one per branch of a tree.
+        width = {i: sched.scheduled[i].branches for i, _, _ in drafting}
+        lanes = {i: [[] for _ in range(width[i])] for i, _, _ in drafting}
+        lane_q: dict[int, list[list[torch.Tensor]]] = {
+            i: [[] for _ in range(width[i])] for i, _, _ in drafting
+        }
+        root = {i: req.num_tokens - 1 for i, req, _ in drafting}  # the root's cache slot
+        picks = self._pick(forward(seqs), [(req, [], width[i]) for i, req, _ in drafting], want_q)
+        for (i, _, _), (tokens, q) in zip(drafting, picks, strict=True):
+            for b, token in enumerate(tokens):
+                lanes[i][b].append(token)
+                if q is not None:
+                    lane_q[i][b].append(q)
+        for depth in range(2, max((k for _, _, k in drafting), default=0) + 1):
+            active = [(i, req) for i, req, k in drafting if k >= depth]
+            seqs = [self._next_pass(req, lanes[i], block_tables[i], root[i]) for i, req in active]
+            entries = [(req, lane, 1) for i, req in active for lane in lanes[i]]
+            picks = self._pick(forward(seqs), entries, want_q)
+            flat_lanes = [(i, b) for i, _ in active for b in range(width[i])]
+            for (i, b), (tokens, q) in zip(flat_lanes, picks, strict=True):
+                lanes[i][b].extend(tokens)
+                if q is not None:
+                    lane_q[i][b].append(q)
+        parents: list[list[int] | None] = [None] * len(sched.scheduled)
+        flat_q: list[torch.Tensor] = []
+        for i, req, k in drafting:
+            if width[i] == 1:
+                drafts[i] = lanes[i][0]
+                flat_q.extend(lane_q[i][0])
+                continue
+            # A tree, breadth first: node (depth d, branch b) is draft (d - 1) * N + b.
+            n = width[i]
+            drafts[i] = [lanes[i][b][d] for d in range(k) for b in range(n)]
+            parents[i] = [0 if d == 0 else (d - 1) * n + b + 1 for d in range(k) for b in range(n)]
+            flat_q.extend(lane_q[i][b][d] for d in range(k) for b in range(n) if want_q)
+            # Only the root's draft KV is kept: the accepted drafts are fed again next step.
+            req.num_draft_computed_tokens = root[i] + 1
+        probs = torch.stack(flat_q) if flat_q else None
+        has_tree = any(p is not None for p in parents)
+        return DraftBatch(drafts, probs, *fed, parents=parents if has_tree else None)
 
-    def _sample(
+    def _next_pass(
+        self, req: Request, lanes: list[list[int]], table: list[int], root: int
+    ) -> SeqInput:
+        """The next level's inputs: a chain feeds its last draft; a tree of N branches feeds
+        the N nodes of its deepest level, each seeing the root and its own branch."""
+        if len(lanes) == 1:
+            pos = req.num_draft_computed_tokens
+            req.num_draft_computed_tokens = pos + 1
+            return SeqInput([lanes[0][-1]], pos, table, [0])
+        n, depth = len(lanes), len(lanes[0])  # feeding the nodes at this depth
+        bits = [1 | sum(1 << ((d - 1) * n + b + 1) for d in range(1, depth + 1)) for b in range(n)]
+        start = root + (depth - 1) * n + 1
+        return SeqInput(
+            [lane[-1] for lane in lanes],
+            start,
+            table,
+            list(range(n)),
+            tree=bits,
+            tree_base=root,
+            positions=[root + depth] * n,
+        )
+
+    def _pick(
         self,
-        logits: torch.Tensor,  # [len(drafting), vocab]
-        drafting: list[tuple[int, Request, int]],
-        step: int,
-        drafts: list[list[int]],
-        probs: list[list[torch.Tensor]] | None,
-    ) -> None:
-        reqs = [req for _, req, _ in drafting]
-        rows = [RowSpec(req, drafts[i]) for i, req, _ in drafting]  # earlier drafts count
+        logits: torch.Tensor,  # [len(entries), vocab]
+        entries: list[tuple[Request, list[int], int]],  # (request, drafts before, how many)
+        want_q: bool,
+    ) -> list[tuple[list[int], torch.Tensor | None]]:  # per entry: tokens, the q they came from
+        """Draft tokens from each row: the argmax (greedy), a sample of q, the coupled race
+        (seeded); a tree's root asks for several distinct ones: the top ones for greedy and
+        seeded requests (the race's winner first), a draw without replacement otherwise."""
+        if not entries:  # a pass that only fed prefill chunks
+            return []
+        rows = [RowSpec(req, prior) for req, prior, _ in entries]  # earlier drafts count
         logits = apply_penalties_and_masks(logits, rows)
-        if probs is None:  # all greedy
-            for (i, _, _), token in zip(drafting, logits.argmax(dim=-1).tolist(), strict=True):
-                drafts[i].append(token)
-            return
+        if not want_q:  # all greedy
+            top = logits.topk(max(n for _, _, n in entries), dim=-1).indices.tolist()
+            return [(top[j][:n], None) for j, (_, _, n) in enumerate(entries)]
         q = logits_to_probs(logits, rows)
+        reqs = [req for req, _, _ in entries]
         tokens = sample_from(q, request_uniforms(reqs, [1] * len(reqs), q.device)).tolist()
         coupled = [j for j, row in enumerate(rows) if row.request.params.coupled]
         if coupled:  # the target's own noise for these positions: the Gumbel coupling
             raced = coupled_tokens(q[coupled], [rows[j] for j in coupled])
             for j, token in zip(coupled, raced, strict=True):
                 tokens[j] = token
-        for (i, _, _), token, q_row in zip(drafting, tokens, q, strict=True):
-            drafts[i].append(token)
-            probs[i].append(q_row)
+        out: list[tuple[list[int], torch.Tensor | None]] = []
+        for j, (req, _, n) in enumerate(entries):
+            picked = [tokens[j]]
+            if n > 1:
+                picked = self._siblings(logits[j], q[j], req, tokens[j], n)
+            out.append((picked, q[j]))
+        return out
+
+    @staticmethod
+    def _siblings(
+        logits: torch.Tensor, q: torch.Tensor, req: Request, first: int, n: int
+    ) -> list[int]:
+        """n distinct candidates for a tree's root, `first` (the row's own pick) first."""
+        if req.params.greedy or req.params.coupled:
+            ranked = logits.topk(n + 1).indices.tolist()
+            return [first] + [t for t in ranked if t != first][: n - 1]
+        rest = q.clone()
+        rest[first] = 0.0
+        count = min(n - 1, int((rest > 0).sum()))
+        more = []
+        if count:  # the next draws, without replacement (q renormalised over the rest)
+            more = torch.multinomial(rest, count, generator=req.generator).tolist()
+        # Too few tokens with mass: repeat one; a repeat has q = 0 after its first, so the
+        # verifier never keeps it.
+        return ([first] + more + [first] * n)[:n]

@@ -1,0 +1,69 @@
+"""Draft trees in the engine (--draft-branches N): the output is still exactly the target's."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.config import SpecConfig
+from engine.spec import verifier
+from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
+
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def noisy_draft(tiny_dirs, tmp_path_factory):
+    """The target with noise on its weights: its top choice often differs from the target's,
+    but the target's is usually among its top few, so other branches than the first win."""
+    out = tmp_path_factory.mktemp("noisy") / "draft"
+    shutil.copytree(tiny_dirs["llama"], out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.15 * p.std())
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference(tiny_dirs):
+    prompts = random_prompts([5, 9, 14, 3, 22, 30, 7, 17], vocab=300, seed=71)
+    return prompts, hf_greedy(tiny_dirs["llama"], prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("draft", ["noisy", "target"])
+@pytest.mark.parametrize("pool", ["roomy", "tight"])
+def test_greedy_trees_equal_target_only(
+    tiny_dirs, noisy_draft, prompts_and_reference, monkeypatch, draft, pool
+):
+    prompts, reference = prompts_and_reference
+    paths: list[list[int]] = []
+    plain = verifier.verify_tree_greedy
+
+    def recording(tree, argmax):
+        path, token = plain(tree, argmax)
+        paths.append(path)
+        return path, token
+
+    monkeypatch.setattr(verifier, "verify_tree_greedy", recording)
+    draft_dir = noisy_draft if draft == "noisy" else tiny_dirs["llama"]
+    spec = SpecConfig(
+        "draft", str(draft_dir), max_draft_tokens=3, draft_length="fixed", draft_branches=3
+    )
+    engine = make_engine(tiny_dirs["llama"], spec=spec, num_blocks=256 if pool == "roomy" else 40)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, greedy(MAX_TOKENS))
+    outputs = drain(engine)  # checks the invariants and that the pool drains to empty
+    assert [outputs[f"r{i}"] for i in range(len(prompts))] == reference
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens > 0
+    # Paths through every branch (nodes 1, 2, 3 are the root's three children), several deep
+    assert {p[0] for p in paths if p} == ({1, 2, 3} if draft == "noisy" else {1})
+    assert max(len(p) for p in paths) == 3
+    if pool == "tight":
+        assert stats.preemptions > 0
