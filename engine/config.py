@@ -176,10 +176,6 @@ class SpecConfig:
             "--draft-branches x --max-draft-tokens must stay below 63 (a tree's nodes)",
         )
         _check(
-            self.draft_branches == 1 or self.method == "draft",
-            "--draft-branches above 1 needs --speculative-method draft",
-        )
-        _check(
             0 <= self.max_draft_tokens <= 16,
             f"--max-draft-tokens must be between 0 and 16 (got {self.max_draft_tokens})",
         )

@@ -67,3 +67,39 @@ def test_greedy_trees_equal_target_only(
     assert max(len(p) for p in paths) == 3
     if pool == "tight":
         assert stats.preemptions > 0
+
+
+@pytest.mark.parametrize("pool", ["roomy", "tight"])
+def test_greedy_ngram_trees_equal_target_only(tiny_dirs, monkeypatch, pool):
+    """N-gram trees: distinct continuations of the context's suffix, one per branch."""
+    prompts = [p * 3 for p in random_prompts([4, 6, 5, 7], vocab=300, seed=72)]  # repetitive
+    reference = hf_greedy(tiny_dirs["llama"], prompts, MAX_TOKENS)
+    paths: list[list[int]] = []
+    plain = verifier.verify_tree_greedy
+
+    def recording(tree, argmax):
+        path, token = plain(tree, argmax)
+        paths.append(path)
+        return path, token
+
+    monkeypatch.setattr(verifier, "verify_tree_greedy", recording)
+    spec = SpecConfig("ngram", max_draft_tokens=3, draft_length="fixed", draft_branches=3)
+    engine = make_engine(tiny_dirs["llama"], spec=spec, num_blocks=256 if pool == "roomy" else 24)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, greedy(MAX_TOKENS))
+    outputs = drain(engine)
+    assert [outputs[f"r{i}"] for i in range(len(prompts))] == reference
+    assert engine.stats().spec_drafted_tokens > 0
+    assert len(paths) > 0  # trees were verified
+    if pool == "tight":
+        assert engine.stats().preemptions > 0
+
+
+def test_ngram_branches_are_distinct_continuations():
+    from engine.spec.proposers.ngram import prompt_lookup, prompt_lookup_branches
+
+    # suffix [1, 2] occurred followed by 3 (latest), 4 and again 3; suffix [2] also by 9
+    tokens = [1, 2, 4, 5, 2, 9, 1, 2, 3, 7, 1, 2]
+    assert prompt_lookup(tokens, 2, 2, 1) == [3, 7]
+    assert prompt_lookup_branches(tokens, 2, 2, 1, 3) == [[3, 7], [4, 5], [9, 1]]
+    assert prompt_lookup_branches(tokens, 2, 2, 2, 3) == [[3, 7], [4, 5]]  # no shorter n-grams

@@ -173,8 +173,13 @@ class Verifier:
         """A step with draft trees (engine/sample/tree_verifier.py): each request keeps the
         longest accepted path, whose keys and values then move behind the root."""
         reqs = [r for r, _ in samplers]
-        shapes = [trees[r.request_id][0] if r.request_id in trees else DraftTree([0], [-1])
-                  for r in reqs]  # fmt: skip
+        # A request without a tree verifies its chain as a one-branch tree (token by token).
+        shapes = [
+            trees[r.request_id][0]
+            if r.request_id in trees
+            else DraftTree([0, *d], list(range(-1, len(d))))
+            for r, d in samplers
+        ]
         rows = [
             RowSpec(r, [t.tokens[a] for a in t.ancestors(v)[1:]])
             for r, t in zip(reqs, shapes, strict=True)

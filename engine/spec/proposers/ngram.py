@@ -15,14 +15,29 @@ if TYPE_CHECKING:
 
 def prompt_lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
     """Up to k tokens that followed the latest earlier match of the longest suffix n-gram."""
-    length = len(tokens)
+    found = prompt_lookup_branches(tokens, k, n_max, n_min, 1)
+    return found[0] if found else []
+
+
+def prompt_lookup_branches(
+    tokens: list[int], k: int, n_max: int, n_min: int, branches: int
+) -> list[list[int]]:
+    """Up to `branches` continuations of up to k tokens with distinct first tokens, from the
+    latest earlier matches of the context's suffix: the longest suffix n-gram first, then
+    shorter ones for the branches still missing."""
+    length, found, firsts = len(tokens), [], set()
     for n in range(min(n_max, length - 1), n_min - 1, -1):
         suffix = tokens[length - n :]
-        # Latest start j < length - n whose n-gram equals the suffix (the suffix itself excluded).
+        # Earlier starts j < length - n whose n-gram equals the suffix, the latest first.
         for j in range(length - n - 1, -1, -1):
             if tokens[j] == suffix[0] and tokens[j : j + n] == suffix:
-                return tokens[j + n : j + n + k]
-    return []
+                follow = tokens[j + n : j + n + k]
+                if follow and follow[0] not in firsts:
+                    found.append(follow)
+                    firsts.add(follow[0])
+                    if len(found) == branches:
+                        return found
+    return found
 
 
 class NgramProposer:
@@ -52,11 +67,26 @@ class NgramProposer:
         pass
 
     def propose(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch:
-        return DraftBatch(
-            [
-                prompt_lookup(item.request.all_token_ids, k, self.n_max, self.n_min)
-                if (k := item.num_draft_tokens) > 0
-                else []
-                for item in sched.scheduled
-            ]
-        )
+        drafts: list[list[int]] = []
+        parents: list[list[int] | None] = []
+        for item in sched.scheduled:
+            k, n = item.num_draft_tokens, item.branches
+            if k == 0:
+                drafts.append([])
+                parents.append(None)
+            elif n == 1:
+                drafts.append(prompt_lookup(item.request.all_token_ids, k, self.n_max, self.n_min))
+                parents.append(None)
+            else:  # a tree: each continuation a branch under the root, branch after branch
+                found = prompt_lookup_branches(
+                    item.request.all_token_ids, k, self.n_max, self.n_min, n
+                )
+                tokens, tree = [], []
+                for chain in found:
+                    for d, token in enumerate(chain):
+                        tree.append(0 if d == 0 else len(tokens))  # draft j is node j + 1
+                        tokens.append(token)
+                drafts.append(tokens)
+                parents.append(tree if len(found) > 1 else None)
+        has_tree = any(p is not None for p in parents)
+        return DraftBatch(drafts, parents=parents if has_tree else None)
