@@ -103,7 +103,7 @@ def speed(
     quantization: str,
     temperature: float = 0.0,
     verification: str = "block",
-    branches: int = 1,
+    branches: int | None = None,
 ) -> None:
     seeded = verification == "seeded"
     spec = replace(CONFIGS[name], verification="block" if seeded else verification)
@@ -136,12 +136,12 @@ def speed(
     share = s.draft_seconds / max(s.step_seconds, 1e-9)
     per_pass = (s.spec_accepted_tokens + s.spec_verify_passes) / max(s.spec_verify_passes, 1)
     label = f"{name} {verification}" if name != "off" else name
-    if branches > 1 and name != "off":
-        label += f" x{branches}"
+    if name != "off" and branches != 1:
+        label += f" x{branches or 'auto'}"
     print(
         f"{label:>15}  c={concurrency} T={temperature}: {tokens / seconds:6.1f} tok/s  "
         f"accepted by position: {accepted or '-'}  tokens per verifying pass {per_pass:.2f}  "
-        f"draft {100 * share:.0f}% of engine time",
+        f"draft {100 * share:.0f}% of engine time, {s.spec_tree_steps} tree steps",
         flush=True,
     )
 
@@ -188,7 +188,11 @@ def main(argv: list[str] | None = None) -> None:
         "--verification", nargs="+", default=["block"], choices=["block", "token", "seeded"]
     )
     p.add_argument(
-        "--branches", type=int, nargs="+", default=[1], help="--draft-branches values to run"
+        "--branches",
+        type=lambda v: None if v == "auto" else int(v),
+        nargs="+",
+        default=[None],
+        help="--draft-branches values to run (N or auto, the default)",
     )
     args = p.parse_args(argv)
     with torch.inference_mode():
@@ -199,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             for name in args.configs:
                 for verification in args.verification if name != "off" else ["block"]:
-                    for branches in args.branches if name != "off" else [1]:
+                    for branches in args.branches if name != "off" else [None]:
                         speed(
                             name,
                             args.requests,

@@ -12,6 +12,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 SPEC_METHODS = ("draft", "ngram", "off")
 DRAFT_LENGTH_POLICIES = ("adaptive", "fixed")
+AUTO_BRANCHES = 4
+"""The most draft-tree branches --draft-branches auto considers."""
 # engine/sample/rejection_sampler.py METHODS.
 VERIFICATIONS = ("block", "token")
 # The names registered in engine/attention/backends.py, plus auto.
@@ -156,9 +158,10 @@ class SpecConfig:
     """Shortest suffix n-gram it falls back to."""
     recalibrate: bool = False
     """Time the cost model afresh at start instead of reusing this machine's cached one."""
-    draft_branches: int = 1
-    """Draft trees: the candidates a request drafts for its next token, each continued as a
-    chain of K (engine/spec/proposers/draft_model.py). 1 = a single chain."""
+    draft_branches: int | None = None
+    """Draft trees: the most candidates a request drafts for its next token, each continued
+    as a chain of K (docs/VERIFICATION.md). 1 = a single chain; None (auto) = the adaptive
+    policy picks 1 to AUTO_BRANCHES from the cost model (a fixed K gets a chain)."""
     verification: str = "block"
     """How sampled drafts are verified: block = the block jointly (Sun et al.), token = token
     by token. Both are lossless; block keeps at least as many drafts in expectation."""
@@ -168,11 +171,11 @@ class SpecConfig:
         _check_choice("--draft-length", self.draft_length, DRAFT_LENGTH_POLICIES)
         _check_choice("--verification", self.verification, VERIFICATIONS)
         _check(
-            1 <= self.draft_branches <= 8,
-            f"--draft-branches must be between 1 and 8 (got {self.draft_branches})",
+            self.draft_branches is None or 1 <= self.draft_branches <= 8,
+            f"--draft-branches must be auto or between 1 and 8 (got {self.draft_branches})",
         )
         _check(
-            self.draft_branches * self.max_draft_tokens < 63,
+            (self.draft_branches or 1) * self.max_draft_tokens < 63,
             "--draft-branches x --max-draft-tokens must stay below 63 (a tree's nodes)",
         )
         _check(
@@ -193,6 +196,15 @@ class SpecConfig:
     def enabled(self) -> bool:
         return self.method != "off" and self.max_draft_tokens > 0
 
+    @property
+    def max_branches(self) -> int:
+        """The most branches a step may draft (auto: AUTO_BRANCHES, adaptive K only)."""
+        if self.draft_branches is not None:
+            return self.draft_branches
+        if self.draft_length != "adaptive":
+            return 1
+        return max(1, min(AUTO_BRANCHES, 62 // max(self.max_draft_tokens, 1)))
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -205,6 +217,6 @@ class EngineConfig:
         # A verification pass schedules 1 + K tokens for a request; it must fit in one step.
         _check(
             self.scheduler.max_num_batched_tokens
-            >= 1 + self.spec.max_draft_tokens * self.spec.draft_branches,
+            >= 1 + self.spec.max_draft_tokens * (self.spec.draft_branches or 1),
             "--max-num-batched-tokens must be at least 1 + --max-draft-tokens x --draft-branches",
         )

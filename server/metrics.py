@@ -62,6 +62,10 @@ class EngineCollector(Collector):
             "spec_blocks_released", "KV blocks released because they held only rejected tokens.",
             stats.spec_blocks_released,
         )  # fmt: skip
+        yield _counter(
+            "spec_tree_steps", "Steps that drafted trees (several candidates for a next token).",
+            stats.spec_tree_steps,
+        )  # fmt: skip
         yield _by_label(
             "spec_drafted_tokens_by_position", "Draft tokens proposed at each draft position.",
             "position", dict(enumerate(stats.spec_drafted_by_position)),

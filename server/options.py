@@ -206,10 +206,11 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "speculative.draft_branches",
         "--draft-branches",
-        int,
-        "draft trees: candidates drafted for a request's next token, each continued as a "
-        "chain of K and verified in the same target pass (1 = a single chain)",
-        metavar="N",
+        _optional(int, ("auto", "none", "null")),
+        "draft trees: the most candidates drafted for a request's next token, each continued "
+        "as a chain of K and verified in the same target pass; 1 = a single chain, auto = "
+        "the adaptive policy chooses from the cost model (a fixed K gets a chain)",
+        metavar="N|auto",
     ),
     Option(
         "speculative.verification",

@@ -298,3 +298,31 @@ def test_calibration_is_cached_per_key_and_redone_on_request(tmp_path, monkeypat
     (calibration_cache_dir() / "k1.json").write_text("{not json")
     cached_calibration("k1", calibrate)  # an unreadable cache costs a calibration, no error
     assert len(calls) == 4
+
+
+def test_auto_branches_draft_trees_only_where_passes_are_flat():
+    """A tree multiplies the draft tokens of a pass: worth it where a pass costs the same for
+    a few more tokens (one request on a memory-bound target, middling acceptance), not where
+    every token costs (a big batch on the same target, or a target charging per token)."""
+    flat = memory_then_compute_bound()
+    alone = AdaptiveDraftLength(4, flat, max_branches=4).choose(
+        _requests(1, accepted=500, trials=1000, temperature=0)
+    )
+    assert alone.branches > 1 and alone.ks[0] >= 1
+    crowded = AdaptiveDraftLength(4, flat, max_branches=4).choose(
+        _requests(48, accepted=500, trials=1000, temperature=0)
+    )
+    assert crowded.branches == 1
+    steep = CostModel(SIZES, [0.002 * n for n in SIZES], draft_fixed=0.001, draft_per_token=1e-4)
+    per_token = AdaptiveDraftLength(4, steep, max_branches=4).choose(
+        _requests(1, accepted=500, trials=1000, temperature=0)
+    )
+    assert per_token.branches == 1
+    assert AdaptiveDraftLength(4, flat).choose(_requests(1, 500, 1000, temperature=0)).branches == 1
+
+
+def test_auto_branches_are_a_chain_under_a_fixed_k():
+    assert SpecConfig("ngram", draft_length="fixed").max_branches == 1
+    assert SpecConfig("ngram", draft_length="adaptive").max_branches == 4
+    assert SpecConfig("ngram", max_draft_tokens=16, draft_length="adaptive").max_branches == 3
+    assert SpecConfig("ngram", draft_branches=2, draft_length="fixed").max_branches == 2

@@ -142,6 +142,7 @@ def test_metrics_move_with_traffic(served):
     assert ("tandem_spec_mean_draft_length", ()) in after
     assert ("tandem_preemptions_total", ()) in after
     assert ("tandem_spec_blocks_released_total", ()) in after
+    assert ("tandem_spec_tree_steps_total", ()) in after
     # Where step time went: every part moved (this server drafts), and the parts add up to
     # no more than the wall time the request took.
     parts = ("target_forward", "draft", "verify", "schedule")

@@ -123,7 +123,6 @@ class LLMEngine:
             self.max_model_len,
             self.policy,
             has_draft_model=self.proposer is not None and self.proposer.keeps_kv,
-            branches=config.spec.draft_branches,
         )
         self.verifier = Verifier(
             self.vocab_size, self.device, self.speed_of_light, config.spec.verification
@@ -213,6 +212,7 @@ class LLMEngine:
         s.preemptions = self.scheduler.num_preemptions
         s.prefix_cache_hit_tokens = self.scheduler.num_prefix_hit_tokens
         s.spec_blocks_released = self.scheduler.num_blocks_released
+        s.spec_tree_steps = self.scheduler.num_tree_steps
         spec = self.scheduler.spec_totals
         s.spec_verify_passes = spec.verify_passes
         s.spec_drafted_tokens = spec.drafted

@@ -64,20 +64,19 @@ class Scheduler:
         max_model_len: int,
         policy: DraftLengthPolicy,
         has_draft_model: bool = False,
-        branches: int = 1,
     ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
         self.policy = policy
         self.has_draft_model = has_draft_model
-        self.branches = branches
         self.requests: dict[str, Request] = {}
         """Every unfinished request, waiting or running, by id."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_blocks_released = 0
+        self.num_tree_steps = 0
         self.num_prefix_hit_tokens = 0
         self.spec_totals = SpecStats()
         self.draft_length_reasons: Counter[str] = Counter()
@@ -96,6 +95,7 @@ class Scheduler:
         decoding = [r for r in self.running if not r.is_prefill]
         prefill = sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.is_prefill)
         choice = self.policy.choose(decoding, min(prefill, max(budget - len(decoding), 0)))
+        branches = choice.branches
         wanted = dict(zip(decoding, zip(choice.ks, choice.reasons, strict=True), strict=True))
 
         i = 0
@@ -110,18 +110,18 @@ class Scheduler:
                     req.params.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens,
                 )
-                k = max(0, min(k, room, (budget - num_new) // self.branches))
+                k = max(0, min(k, room, (budget - num_new) // branches))
                 if k < k_wanted:
                     reason = REASON_LENGTH if room <= k else REASON_BUDGET
-            slots = self._allocate_or_preempt(req, num_new, k * self.branches, out)
+            slots = self._allocate_or_preempt(req, num_new, k * branches, out)
             if slots is None:
                 break  # req itself was preempted; nothing younger is left running
-            if slots < k * self.branches:
+            if slots < k * branches:
                 reason = REASON_MEMORY
                 k = 0
             if reason is not None:
                 self.draft_length_reasons[reason] += 1
-            item = ScheduledRequest(req, num_new, k, self.branches if k else 1)
+            item = ScheduledRequest(req, num_new, k, branches if k else 1)
             out.scheduled.append(item)
             budget -= num_new + item.num_draft_slots
             i += 1
@@ -149,6 +149,8 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
 
+        if any(item.branches > 1 for item in out.scheduled):
+            self.num_tree_steps += 1
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 

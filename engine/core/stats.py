@@ -21,6 +21,8 @@ class EngineStats:
     spec_drafted_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_blocks_released: int = 0
+    spec_tree_steps: int = 0
+    """Steps that drafted trees (more than one candidate for a request's next token)."""
     draft_seconds: float = 0.0
     """Wall time spent in the proposer (all draft passes)."""
     target_seconds: float = 0.0

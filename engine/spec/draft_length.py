@@ -30,6 +30,8 @@ class DraftLengths:
     ks: list[int]
     reasons: list[str | None] = field(default_factory=list)
     """Per request: why K < K_max (None when it is not)."""
+    branches: int = 1
+    """Draft-tree candidates for the next token of every drafting request (1 = chains)."""
 
 
 class DraftLengthPolicy(Protocol):
@@ -45,13 +47,16 @@ class DraftLengthPolicy(Protocol):
 
 
 class FixedDraftLength:
-    """Always K_max (the baseline the adaptive policy is measured against)."""
+    """Always K_max (the baseline the adaptive policy is measured against), with a fixed
+    number of draft-tree branches."""
 
-    def __init__(self, max_draft_tokens: int) -> None:
+    def __init__(self, max_draft_tokens: int, branches: int = 1) -> None:
         self.max_draft_tokens = max_draft_tokens
+        self.branches = branches
 
     def choose(self, requests: list[Request], num_other_tokens: int = 0) -> DraftLengths:
-        return DraftLengths([self.max_draft_tokens] * len(requests), [None] * len(requests))
+        n = len(requests)
+        return DraftLengths([self.max_draft_tokens] * n, [None] * n, self.branches)
 
     def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         pass
@@ -93,8 +98,10 @@ class AdaptiveDraftLength:
         probe_interval: int = 32,
         uniform_margin: float = 0.03,
         max_probe_interval: int = 1024,
+        max_branches: int = 1,
     ) -> None:
         self.max_draft_tokens = max_draft_tokens
+        self.max_branches = max_branches
         self.uniform_margin = uniform_margin
         self.cost = cost
         self.probe_interval = probe_interval
@@ -140,6 +147,12 @@ class AdaptiveDraftLength:
                 reasons.append(None)
             else:  # would it get more alone? then the batch is what cut it
                 reasons.append(REASON_BATCH if k < k_solo else REASON_ACCEPTANCE)
+        branches = 1
+        if self.max_branches > 1:
+            n, k_tree, tree_rate = self._best_tree(a, context, num_other_tokens)
+            if n > 1 and tree_rate > (1 + self.uniform_margin) * max(rate, uniform_rate):
+                ks, branches = np.full(batch, k_tree, dtype=np.int64), n
+                reasons = [None] * batch
         if ks.any():
             self._steps_without_drafts = 0
             self._probe_every = self.probe_interval
@@ -149,7 +162,7 @@ class AdaptiveDraftLength:
                 self._steps_without_drafts = 0
                 self._probe_every = min(2 * self._probe_every, self.max_probe_interval)
                 ks[:] = 1
-        return DraftLengths([int(k) for k in ks], reasons)
+        return DraftLengths([int(k) for k in ks], reasons, branches)
 
     def _seconds(
         self,
@@ -204,6 +217,32 @@ class AdaptiveDraftLength:
         np.add.at(ks, owner[:best], 1)
         return ks, float(rates[best])
 
+    def _best_tree(
+        self, a: np.ndarray, context: np.ndarray, num_other: int
+    ) -> tuple[int, int, float]:
+        """The best draft tree for every request (N candidates for the next token, each
+        continued to depth K), and its expected tokens per second. N candidates are taken to
+        find the target's token with probability 1 - (1 - a)^N (as if drawn independently),
+        the positions after it with a each; the pass pays N x K draft tokens and K draft
+        passes of N rows."""
+        rows, k_max = len(a), self.max_draft_tokens
+        total_context = float(context.sum())
+        best = (1, 0, 0.0)
+        for n in range(2, self.max_branches + 1):
+            first = 1 - (1 - a) ** n  # [rows]
+            depth = np.arange(1, k_max + 1)
+            gains = first[:, None] * a[:, None] ** (depth[None, :] - 1)  # [rows, k_max]
+            k = np.arange(1, k_max + 1)
+            tokens = rows + np.cumsum(gains.sum(axis=0))
+            seconds = self._seconds(
+                num_other + rows, rows * k * n, k, total_context, k * n * total_context
+            )
+            rates = tokens / seconds
+            i = int(np.argmax(rates))
+            if rates[i] > best[2]:
+                best = (n, int(k[i]), float(rates[i]))
+        return best
+
     def _best_alone(self, gains: np.ndarray, context: np.ndarray) -> np.ndarray:
         """K per request if it were the only one decoding (vectorised over requests)."""
         rows, k_max = gains.shape
@@ -227,5 +266,7 @@ def policy_for(spec: SpecConfig, cost_model: CostModel | None) -> DraftLengthPol
     if not spec.enabled:
         return NoSpeculation()
     if cost_model is not None:
-        return AdaptiveDraftLength(spec.max_draft_tokens, cost_model)
-    return FixedDraftLength(spec.max_draft_tokens)
+        return AdaptiveDraftLength(
+            spec.max_draft_tokens, cost_model, max_branches=spec.max_branches
+        )
+    return FixedDraftLength(spec.max_draft_tokens, spec.draft_branches or 1)
