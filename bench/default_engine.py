@@ -104,11 +104,12 @@ def speed(
     temperature: float = 0.0,
     verification: str = "block",
     branches: int | None = None,
+    tree_drafts: str = "top",
 ) -> None:
     seeded = verification == "seeded"
     spec = replace(CONFIGS[name], verification="block" if seeded else verification)
     if spec.method == "draft":
-        spec = replace(spec, draft_branches=branches)
+        spec = replace(spec, draft_branches=branches, tree_drafts=tree_drafts)
     eng = engine(spec, model, quantization)
     prompts = _prompts(eng.config.model.model, requests)
 
@@ -137,7 +138,7 @@ def speed(
     per_pass = (s.spec_accepted_tokens + s.spec_verify_passes) / max(s.spec_verify_passes, 1)
     label = f"{name} {verification}" if name != "off" else name
     if name != "off" and branches != 1:
-        label += f" x{branches or 'auto'}"
+        label += f" x{branches or 'auto'}" + (" sampled" if tree_drafts == "sampled" else "")
     print(
         f"{label:>15}  c={concurrency} T={temperature}: {tokens / seconds:6.1f} tok/s  "
         f"accepted by position: {accepted or '-'}  tokens per verifying pass {per_pass:.2f}  "
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         default=[None],
         help="--draft-branches values to run (N or auto, the default)",
     )
+    p.add_argument("--tree-drafts", default="top", choices=["top", "sampled"])
     args = p.parse_args(argv)
     with torch.inference_mode():
         if args.mode == "passes":
@@ -214,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
                             args.temperature,
                             verification,
                             branches,
+                            args.tree_drafts,
                         )
 
 

@@ -12,6 +12,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 SPEC_METHODS = ("draft", "ngram", "off")
 DRAFT_LENGTH_POLICIES = ("adaptive", "fixed")
+TREE_DRAFTS = ("sampled", "top")
 AUTO_BRANCHES = 4
 """The most draft-tree branches --draft-branches auto considers."""
 # engine/sample/rejection_sampler.py METHODS.
@@ -158,10 +159,14 @@ class SpecConfig:
     """Shortest suffix n-gram it falls back to."""
     recalibrate: bool = False
     """Time the cost model afresh at start instead of reusing this machine's cached one."""
-    draft_branches: int | None = None
+    draft_branches: int | None = 1
     """Draft trees: the most candidates a request drafts for its next token, each continued
     as a chain of K (docs/VERIFICATION.md). 1 = a single chain; None (auto) = the adaptive
     policy picks 1 to AUTO_BRANCHES from the cost model (a fixed K gets a chain)."""
+    tree_drafts: str = "top"
+    """How a sampling request's tree candidates are drafted: sampled = N draws from q without
+    replacement (recursive rejection sampling verifies them), top = the top N - 1 of q fixed
+    and one draw from the rest (Hu et al.'s greedy draft sampler, verified optimally)."""
     verification: str = "block"
     """How sampled drafts are verified: block = the block jointly (Sun et al.), token = token
     by token. Both are lossless; block keeps at least as many drafts in expectation."""
@@ -170,6 +175,7 @@ class SpecConfig:
         _check_choice("--speculative-method", self.method, SPEC_METHODS)
         _check_choice("--draft-length", self.draft_length, DRAFT_LENGTH_POLICIES)
         _check_choice("--verification", self.verification, VERIFICATIONS)
+        _check_choice("--tree-drafts", self.tree_drafts, TREE_DRAFTS)
         _check(
             self.draft_branches is None or 1 <= self.draft_branches <= 8,
             f"--draft-branches must be auto or between 1 and 8 (got {self.draft_branches})",

@@ -19,6 +19,7 @@ from engine import (
     MODEL_IMPLS,
     QUANTIZATIONS,
     SPEC_METHODS,
+    TREE_DRAFTS,
     VERIFICATIONS,
 )
 
@@ -211,6 +212,15 @@ OPTIONS: tuple[Option, ...] = (
         "as a chain of K and verified in the same target pass; 1 = a single chain, auto = "
         "the adaptive policy chooses from the cost model (a fixed K gets a chain)",
         metavar="N|auto",
+    ),
+    Option(
+        "speculative.tree_drafts",
+        "--tree-drafts",
+        str,
+        "a sampling request's tree candidates: sampled = N draws without replacement "
+        "(recursive rejection sampling), top = the draft's top N - 1 plus one draw from the "
+        "rest (the optimal verifier for that sampler)",
+        choices=TREE_DRAFTS,
     ),
     Option(
         "speculative.verification",

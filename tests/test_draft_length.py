@@ -322,7 +322,9 @@ def test_auto_branches_draft_trees_only_where_passes_are_flat():
 
 
 def test_auto_branches_are_a_chain_under_a_fixed_k():
-    assert SpecConfig("ngram", draft_length="fixed").max_branches == 1
-    assert SpecConfig("ngram", draft_length="adaptive").max_branches == 4
-    assert SpecConfig("ngram", max_draft_tokens=16, draft_length="adaptive").max_branches == 3
+    assert SpecConfig("ngram", draft_length="fixed", draft_branches=None).max_branches == 1
+    auto = {"draft_branches": None, "draft_length": "adaptive"}
+    assert SpecConfig("ngram", **auto).max_branches == 4
+    assert SpecConfig("ngram", max_draft_tokens=16, **auto).max_branches == 3
+    assert SpecConfig("ngram", draft_length="adaptive").max_branches == 1  # the default: chains
     assert SpecConfig("ngram", draft_branches=2, draft_length="fixed").max_branches == 2

@@ -272,6 +272,7 @@ def _sample_continuations(
     verification: str = "block",
     seeded: bool = False,
     branches: int = 1,
+    tree_drafts: str = "sampled",
 ):
     """n sampled continuations of PROMPT, drafts from `draft`: (counts, stats, n). With
     `seeded`, request i brings seed i (the coupled sampler: a different path to the target)."""
@@ -282,6 +283,7 @@ def _sample_continuations(
         draft_length="fixed",
         verification=verification,
         draft_branches=branches,
+        tree_drafts=tree_drafts,
     )
     engine = make_engine(
         target,
@@ -334,19 +336,24 @@ def test_sampled_continuations_follow_the_target_distribution(tiny_vocab_pair, p
     [_params(temperature=1.0), _params(temperature=1.0, top_p=0.8)],
     ids=["plain", "top_p"],
 )
-@pytest.mark.parametrize("mode", ["token", "seeded", "tree"])
+@pytest.mark.parametrize("mode", ["token", "seeded", "tree", "tree_top"])
 def test_token_verification_and_seeded_sampling_follow_the_target(tiny_vocab_pair, params, mode):
     """The same test for token-by-token verification, for seeded requests (seed i for
     request i), whose tokens come from noise keyed by (seed, position) instead, and for draft
-    trees (two candidates for the next token, each continued to depth 3)."""
+    trees (two candidates for the next token, each continued to depth 3; drawn without
+    replacement, or the draft's top one plus a draw from the rest)."""
     target, draft = tiny_vocab_pair
     exact = _exact_distribution(target, params)
     if mode == "token":
         counts, stats, n = _sample_continuations(target, draft, params, verification="token")
     elif mode == "seeded":
         counts, stats, n = _sample_continuations(target, draft, params, seeded=True)
-    else:
+    elif mode == "tree":
         counts, stats, n = _sample_continuations(target, draft, params, branches=2)
+    else:
+        counts, stats, n = _sample_continuations(
+            target, draft, params, branches=2, tree_drafts="top"
+        )
     assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens  # both paths exercised
     stat, bound = _chi_square_test(counts, exact, n)
     assert stat < bound, f"chi-square {stat:.1f} >= {bound:.1f}"

@@ -39,6 +39,27 @@ def _tables(seed: int, peaked: float = 1.5):
     return dists
 
 
+def _count(counts: torch.Tensor, seq: tuple[int, ...], p, g: torch.Generator) -> None:
+    """Count the first three tokens: the verified ones, then the target's continuation."""
+    while len(seq) < 3:
+        seq += (int(torch.multinomial(p[seq], 1, generator=g)),)
+    counts[sum(t * VOCAB**i for i, t in enumerate(reversed(seq[:3])))] += 1
+
+
+def _assert_follows_target(counts: torch.Tensor, p) -> None:
+    exact = torch.tensor(
+        [
+            math.prod(p[s[:i]][s[i]].item() for i in range(3))
+            for s in itertools.product(range(VOCAB), repeat=3)
+        ]
+    )
+    expected = exact * TRIALS
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    dof = VOCAB**3 - 1
+    bound = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3  # 99.9%
+    assert stat < bound, f"chi-square {stat:.1f} >= {bound:.1f}"
+
+
 @pytest.mark.parametrize("drafter", ["model", "model_free"])
 def test_tree_output_follows_the_target(drafter):
     """Root with three children (drawn without replacement), each with one child: the first
@@ -62,21 +83,8 @@ def test_tree_output_follows_the_target(drafter):
         uniform = torch.rand(len(prefixes) + 1, generator=g, dtype=torch.float64)
         path, token = verify_tree(tree, target, draft, uniform)
         kept += len(path)
-        seq = tuple(tree.tokens[v] for v in path) + (token,)
-        while len(seq) < 3:
-            seq += (int(torch.multinomial(p[seq], 1, generator=g)),)
-        counts[sum(t * VOCAB**i for i, t in enumerate(reversed(seq[:3])))] += 1
-    exact = torch.tensor(
-        [
-            math.prod(p[s[:i]][s[i]].item() for i in range(3))
-            for s in itertools.product(range(VOCAB), repeat=3)
-        ]
-    )
-    expected = exact * TRIALS
-    stat = float(((counts - expected) ** 2 / expected).sum())
-    dof = VOCAB**3 - 1
-    bound = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3  # 99.9%
-    assert stat < bound, f"chi-square {stat:.1f} >= {bound:.1f}"
+        _count(counts, tuple(tree.tokens[v] for v in path) + (token,), p, g)
+    _assert_follows_target(counts, p)
     assert kept > 0.5 * TRIALS  # three candidates per level: drafts do get kept
 
 
@@ -95,3 +103,35 @@ def test_a_second_candidate_raises_acceptance():
             uniform = torch.rand(n + 2, generator=g, dtype=torch.float64)
             hits[n] += len(verify_tree(tree, target, draft, uniform)[0])
     assert hits[2] > hits[1] + 4 * math.sqrt(hits[1])
+
+
+def test_top_drafts_output_follows_the_target_and_beats_sampled_drafts():
+    """The greedy draft sampler: the top two tokens of q fixed, a third drawn from q without
+    them; its optimal verifier keeps the output exact (three tokens, chi-square) and its
+    first-position acceptance matches 1 - sum_{x not top} max(0, p(x) - q'(x))."""
+    p, q = _tables(11, peaked=0.7), _tables(12, peaked=2.5)
+    g = torch.Generator().manual_seed(14)
+    counts = torch.zeros(VOCAB**3)
+    first_kept = 0
+    top2 = q[()].topk(2).indices.tolist()
+    rest = q[()].clone()
+    rest[top2] = 0
+    rest /= rest.sum()
+    for _ in range(TRIALS):
+        third = int(torch.multinomial(rest, 1, generator=g))
+        first = [*top2, third]
+        second = [int(torch.multinomial(q[(x,)], 1, generator=g)) for x in first]
+        tree = DraftTree([0, *first, *second], [-1, 0, 0, 0, 1, 2, 3], fixed_root_children=2)
+        prefixes = [(), *((x,) for x in first), *zip(first, second, strict=True)]
+        target = torch.stack([p[pre] for pre in prefixes])
+        draft = torch.stack([q[pre] for pre in prefixes])
+        uniform = torch.rand(len(prefixes) + 1, generator=g, dtype=torch.float64)
+        path, token = verify_tree(tree, target, draft, uniform)
+        first_kept += bool(path)
+        _count(counts, tuple(tree.tokens[v] for v in path) + (token,), p, g)
+    _assert_follows_target(counts, p)
+    off_top = p[()].clone()
+    off_top[top2] = 0
+    optimum = 1 - float((off_top - rest).clamp(min=0).sum())
+    rate = first_kept / TRIALS
+    assert abs(rate - optimum) < 4 * math.sqrt(optimum * (1 - optimum) / TRIALS) + 1e-9

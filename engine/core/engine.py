@@ -125,7 +125,11 @@ class LLMEngine:
             has_draft_model=self.proposer is not None and self.proposer.keeps_kv,
         )
         self.verifier = Verifier(
-            self.vocab_size, self.device, self.speed_of_light, config.spec.verification
+            self.vocab_size,
+            self.device,
+            self.speed_of_light,
+            config.spec.verification,
+            config.spec.tree_drafts,
         )
         self.totals = EngineStats()
         self._seeds = itertools.count(config.model.seed)

@@ -18,6 +18,10 @@ children (distinct n-gram continuations) have q^(i) one-hot on their token: a ch
 accepted with probability r(x), and a rejection removes x from r. With one child per node it
 is token verification of a chain. Greedy and seeded rows are one-hot, so the walk keeps the
 child equal to the target's token: the longest path that matches the target.
+
+A "top" tree's root (`fixed_root_children`) has the draft's top tokens as fixed children and
+one child drawn from q without them (the greedy draft sampler of Hu et al., 2025); it gets
+the verifier that reaches the optimal acceptance for those drafts (`_verify_top_drafts`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ class DraftTree:
     parents: list[int]
     """parents[v]: v's parent; parents[0] = -1. A node's children, in increasing index order,
     are in the order they were drafted."""
+    fixed_root_children: int = 0
+    """With the "top" tree drafts: the root's first children are the draft's top tokens
+    (fixed, not drawn) and only its last child was drawn, from q without them."""
 
     def __post_init__(self) -> None:
         if not self.tokens or self.parents[0] != -1 or len(self.parents) != len(self.tokens):
@@ -80,6 +87,12 @@ def verify_tree(
     # the emitted token
 ) -> tuple[list[int], int]:  # the accepted nodes (root excluded), then the emitted token
     path, node = [], 0
+    if tree.fixed_root_children and draft_probs is not None:
+        first = _verify_top_drafts(tree, target_probs[0], draft_probs[0], uniform)
+        if first < 0:  # nothing kept: -1 - the emitted token
+            return path, -1 - first
+        path.append(first)
+        node = first
     while True:
         residual = target_probs[node].double()
         children = tree.children(node)
@@ -110,3 +123,33 @@ def verify_tree(
             return path, token
         path.append(accepted)
         node = accepted
+
+
+def _verify_top_drafts(
+    tree: DraftTree, p: torch.Tensor, q: torch.Tensor, uniform: torch.Tensor
+) -> int:
+    """The root of a "top" tree (Hu et al. 2025's greedy draft sampler: the top n - 1 tokens
+    of q fixed, the last child X drawn from q' = q without them), verified optimally: keep X
+    with probability min(1, p(X) / q'(X)); else draw y from p on the fixed tokens and
+    max(0, p - q') elsewhere. A y among the fixed tokens is that child (kept); any other y
+    is emitted. Reaches 1 - sum over x outside the top of max(0, p(x) - q'(x)), the best any
+    verifier can do with these drafts. Returns the kept child, or -1 - the emitted token."""
+    children = tree.children(0)
+    fixed, last = children[: tree.fixed_root_children], children[-1]
+    top = [tree.tokens[c] for c in fixed]
+    p, rest = p.double(), q.double().clone()
+    rest[top] = 0.0
+    rest = rest / rest.sum() if float(rest.sum()) > 0 else rest
+    x = tree.tokens[last]
+    qx = float(rest[x])
+    if qx > 0 and float(uniform[last]) < min(1.0, float(p[x]) / qx):
+        return last
+    residual = (p - rest).clamp(min=0)  # p itself on the top tokens (q' is 0 there)
+    if float(residual.sum()) <= 0:  # probability 0 in exact arithmetic
+        residual = p
+    draw = uniform[fixed[0] : fixed[0] + 1] if fixed else uniform[-1:]
+    y = int(sample_from(residual[None], draw)[0])
+    for c, token in zip(fixed, top, strict=True):
+        if token == y:
+            return c
+    return -1 - y

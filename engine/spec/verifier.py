@@ -51,12 +51,15 @@ class Verifier:
         device: torch.device,
         speed_of_light: SpeedOfLight | None = None,
         method: str = "block",
+        tree_drafts: str = "top",
     ) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.method = method
         """token or block (engine/sample/rejection_sampler.py)."""
         self.speed_of_light = speed_of_light
+        self.tree_drafts = tree_drafts
+        """How tree candidates were drafted (engine/sample/tree_verifier.py)."""
 
     def run(
         self,
@@ -77,7 +80,8 @@ class Verifier:
             parents = drafts.parents[i] if drafts is not None and drafts.parents else None
             bits = positions = None
             if parents is not None and drafted:  # a draft tree under the request's last token
-                tree = DraftTree(tokens, [-1, *parents])
+                fixed = parents.count(0) - 1 if self.tree_drafts == "top" else 0
+                tree = DraftTree(tokens, [-1, *parents], fixed_root_children=fixed)
                 trees[req.request_id] = (tree, table, start)
                 bits = [sum(1 << a for a in tree.ancestors(v)) for v in range(len(tokens))]
                 positions = [start + tree.depth(v) for v in range(len(tokens))]

@@ -45,13 +45,14 @@ if TYPE_CHECKING:
 class DraftModelProposer:
     keeps_kv = True
 
-    def __init__(self, runner: ModelRunner, target_vocab: int) -> None:
+    def __init__(self, runner: ModelRunner, target_vocab: int, tree_drafts: str = "top") -> None:
         if runner.vocab_size != target_vocab:
             raise ValueError(
                 f"--draft-model has a vocabulary of {runner.vocab_size} tokens but the target "
                 f"has {target_vocab}; the draft must share the target's tokenizer"
             )
         self.runner = runner
+        self.tree_drafts = tree_drafts
 
     @classmethod
     def from_config(
@@ -68,7 +69,7 @@ class DraftModelProposer:
         runner = ModelRunner(
             config.draft_model, device, dtype, attention_backend, model_impl, quantization
         )
-        return cls(runner, target_vocab)
+        return cls(runner, target_vocab, config.tree_drafts)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.runner.kv_bytes_per_block(block_size)
@@ -201,18 +202,26 @@ class DraftModelProposer:
         for j, (req, _, n) in enumerate(entries):
             picked = [tokens[j]]
             if n > 1:
-                picked = self._siblings(logits[j], q[j], req, tokens[j], n)
+                picked = self._siblings(logits[j], q[j], req, tokens[j], n, self.tree_drafts)
             out.append((picked, q[j]))
         return out
 
     @staticmethod
     def _siblings(
-        logits: torch.Tensor, q: torch.Tensor, req: Request, first: int, n: int
+        logits: torch.Tensor, q: torch.Tensor, req: Request, first: int, n: int, how: str
     ) -> list[int]:
-        """n distinct candidates for a tree's root, `first` (the row's own pick) first."""
+        """n distinct candidates for a tree's root: `first` (the row's own pick) first, or
+        with "top" drafts for a sampling request the top n - 1 and one draw from the rest."""
         if req.params.greedy or req.params.coupled:
             ranked = logits.topk(n + 1).indices.tolist()
             return [first] + [t for t in ranked if t != first][: n - 1]
+        if how == "top":
+            top = q.topk(n - 1).indices.tolist()
+            rest = q.clone()
+            rest[top] = 0.0
+            if float(rest.sum()) <= 0:  # no mass left: repeat (never kept, q' = 0 there)
+                return top + [top[-1]]
+            return top + torch.multinomial(rest, 1, generator=req.generator).tolist()
         rest = q.clone()
         rest[first] = 0.0
         count = min(n - 1, int((rest > 0).sum()))
