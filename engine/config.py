@@ -15,7 +15,7 @@ DRAFT_LENGTH_POLICIES = ("adaptive", "fixed")
 TREE_DRAFTS = ("sampled", "top")
 AUTO_BRANCHES = 4
 """The most draft-tree branches --draft-branches auto considers."""
-# engine/sample/rejection_sampler.py METHODS.
+# rejection_sample's `method` (engine/sample/rejection_sampler.py).
 VERIFICATIONS = ("block", "token")
 # The names registered in engine/attention/backends.py, plus auto.
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")

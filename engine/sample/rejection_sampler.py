@@ -33,7 +33,6 @@ import torch
 from engine.sample.sampler import sample_from
 
 PAD = -1
-METHODS = ("block", "token")
 
 
 def rejection_sample(

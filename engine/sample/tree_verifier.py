@@ -27,6 +27,7 @@ the verifier that reaches the optimal acceptance for those drafts (`_verify_top_
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -52,18 +53,30 @@ class DraftTree:
         if any(not 0 <= p < v for v, p in enumerate(self.parents) if v):
             raise ValueError("a draft tree lists every node after its parent")
 
+    @cached_property
+    def _paths(self) -> list[list[int]]:
+        """Per node, the path from the root to it, both included (parents come first)."""
+        paths = [[0]]
+        for v in range(1, len(self.parents)):
+            paths.append([*paths[self.parents[v]], v])
+        return paths
+
+    @cached_property
+    def _children(self) -> list[list[int]]:
+        children: list[list[int]] = [[] for _ in self.parents]
+        for v in range(1, len(self.parents)):
+            children[self.parents[v]].append(v)
+        return children
+
     def children(self, node: int) -> list[int]:
-        return [v for v, p in enumerate(self.parents) if p == node]
+        return self._children[node]
 
     def ancestors(self, node: int) -> list[int]:
         """The path from the root to `node`, both included."""
-        path = [node]
-        while self.parents[path[-1]] >= 0:
-            path.append(self.parents[path[-1]])
-        return path[::-1]
+        return self._paths[node]
 
     def depth(self, node: int) -> int:
-        return len(self.ancestors(node)) - 1
+        return len(self._paths[node]) - 1
 
 
 def verify_tree_greedy(tree: DraftTree, target_argmax: list[int]) -> tuple[list[int], int]:
