@@ -24,6 +24,8 @@ _EXPORTS = {
     "InvalidRequest": "engine.core.request",
     "check_request": "engine.core.validation",
     "SamplingParams": "engine.core.request",
+    "GrammarSpec": "engine.core.request",
+    "JSON_STYLE": "engine.core.request",
     "RequestOutput": "engine.core.outputs",
     "TokenLogprob": "engine.core.outputs",
     "EngineStats": "engine.core.stats",
@@ -69,7 +71,7 @@ if TYPE_CHECKING:
     from engine.core.client import EngineClient
     from engine.core.engine import LLMEngine, QueueFullError
     from engine.core.outputs import RequestOutput, TokenLogprob
-    from engine.core.request import InvalidRequest, SamplingParams
+    from engine.core.request import JSON_STYLE, GrammarSpec, InvalidRequest, SamplingParams
     from engine.core.stats import EngineStats
     from engine.core.validation import check_request
     from engine.model.files import (

@@ -27,6 +27,7 @@ from server.responses import (
     ChatCompletionResponse,
     ChatLogprobs,
     Delta,
+    ToolCallDelta,
     dump,
     new_id,
     now,
@@ -34,6 +35,8 @@ from server.responses import (
 from server.serving import ChoiceDelta, ChoiceRequest, ChoiceUsage, total_usage
 from server.state import ServerState
 from server.streaming import respond
+from server.structured import compile_grammar, grammar_for
+from server.tools import ToolCallParser, ToolSetup, parse_tool_calls, tool_grammar, tool_setup
 
 
 async def create_chat_completion(
@@ -46,7 +49,11 @@ async def create_chat_completion(
         raise APIError("max_tokens must be at least 1", 400, param="max_tokens")
     if req.top_logprobs and not req.logprobs:
         raise APIError("top_logprobs needs logprobs to be true", 400, param="top_logprobs")
-    prompt = await render_chat_off_loop(state, req.messages)
+    tools = tool_setup(req)
+    grammar = tool_grammar(tools) if tools is not None else None
+    grammar = grammar or grammar_for(req)
+    prompt = await render_chat_off_loop(state, req.messages, tools)
+    await compile_grammar(state, grammar)
     max_tokens = max_tokens_for(state, prompt, req.output_limit, None)
     if req.output_limit is None:  # "as many as fit" also means: within the request budget
         share = (request_token_limit(state) - len(prompt.token_ids)) // req.n
@@ -66,13 +73,14 @@ async def create_chat_completion(
                 seed_offset=i,
                 logprobs=logprobs,
                 prompt_param="messages",
+                grammar=grammar,
             ),  # fmt: skip
             tuple(req.stop_strings),
         )
         for i in range(req.n)
     ]
     check_request_tokens(state, [(len(prompt.token_ids), max_tokens)], req.n)
-    view = _ChatView(state, req, len(prompt.token_ids), request_id, model)
+    view = _ChatView(state, req, len(prompt.token_ids), request_id, model, tools)
     return await respond(
         raw,
         state,
@@ -94,7 +102,10 @@ class _ChatView:
         prompt_length: int,
         request_id: str,
         model: str,
+        tools: ToolSetup | None = None,
     ) -> None:
+        self.tools = tools
+        """Set when the output may hold tool calls (server/tools.py)."""
         self.state = state
         self.req = req
         self.prompt_length = prompt_length
@@ -112,15 +123,22 @@ class _ChatView:
         return total_usage([self.prompt_length], self.req.n, usages)
 
     def body(self, results: dict[int, ChoiceDelta]) -> dict[str, Any]:
-        choices = [
-            ChatChoice(
-                index=i,
-                message=AssistantMessage(content=results[i].text),
-                logprobs=self._logprobs(results[i]),
-                finish_reason=results[i].finish_reason,
+        choices = []
+        for i in sorted(results):
+            result = results[i]
+            content: str | None = result.text
+            calls: list[dict[str, Any]] = []
+            if self.tools is not None:
+                content, calls = parse_tool_calls(result.text, self.tools)
+            message = AssistantMessage(content=content, tool_calls=calls or None)
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=self._logprobs(result),
+                    finish_reason=_finish_reason(result.finish_reason, calls),
+                )
             )
-            for i in sorted(results)
-        ]
         usage = self._usage({i: d.usage for i, d in results.items()})
         response = ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
@@ -142,21 +160,41 @@ class _ChatView:
 
     async def chunks(self, deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[dict[str, Any]]:
         usages: dict[int, ChoiceUsage] = {}
+        parsers: dict[int, ToolCallParser] = {}
         async for delta in deltas:
             usages[delta.index] = delta.usage
-            if delta.first:
-                role = Delta(role="assistant", content="")
+            if delta.first:  # no content to come when a call is required
+                forced = self.tools is not None and self.tools.mode != "auto"
+                role = Delta(role="assistant", content=None if forced else "")
                 yield self._chunk(ChatChunkChoice(index=delta.index, delta=role))
             logprobs = self._logprobs(delta)
-            if delta.text or (logprobs and logprobs.content):
-                content = Delta(content=delta.text)
+            text, calls = delta.text, []
+            if self.tools is not None:  # content is released once it cannot open a call
+                parser = parsers.setdefault(delta.index, ToolCallParser(self.tools))
+                text, calls = parser.feed(delta.text, final=delta.finish_reason is not None)
+            if text or (logprobs and logprobs.content):
+                content = Delta(content=text)
                 yield self._chunk(
                     ChatChunkChoice(index=delta.index, delta=content, logprobs=logprobs)
                 )
+            if calls:
+                done = len(parsers[delta.index].calls) - len(calls)
+                tool_calls = [ToolCallDelta(index=done + j, **call) for j, call in enumerate(calls)]
+                yield self._chunk(
+                    ChatChunkChoice(index=delta.index, delta=Delta(tool_calls=tool_calls))
+                )
             if delta.finish_reason:
+                made = parsers[delta.index].calls if delta.index in parsers else []
                 end = ChatChunkChoice(
-                    index=delta.index, delta=Delta(), finish_reason=delta.finish_reason
+                    index=delta.index,
+                    delta=Delta(),
+                    finish_reason=_finish_reason(delta.finish_reason, made),
                 )
                 yield self._chunk(end)
         if self.req.include_usage:
             yield self._chunk(None, usage=self._usage(usages))
+
+
+def _finish_reason(reason: str | None, calls: list) -> Any:
+    """ "tool_calls" for an output that stopped after making calls."""
+    return "tool_calls" if calls and reason == "stop" else reason

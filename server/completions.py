@@ -24,6 +24,7 @@ from server.responses import CompletionChoice, CompletionResponse, dump, new_id,
 from server.serving import ChoiceDelta, ChoiceRequest, ChoiceUsage, total_usage
 from server.state import ServerState
 from server.streaming import respond
+from server.structured import compile_grammar, grammar_for
 
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for the legacy completions endpoint."""
@@ -36,6 +37,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if req.max_tokens == 0 and not req.echo:
         raise APIError("max_tokens must be at least 1 (0 only with echo)", 400, param="max_tokens")
     prompts = await encode_prompts(state, req.prompts())
+    grammar = grammar_for(req)
+    await compile_grammar(state, grammar)
     # echo + logprobs scores the prompt; echo with max_tokens 0 needs that pass to finish at all.
     prompt_logprobs = req.logprobs if req.echo else None
     if req.echo and req.max_tokens == 0 and prompt_logprobs is None:
@@ -49,7 +52,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         for i in range(req.n):
             params = sampling_params(
                 state, req, prompt, max_tokens=max_tokens, seed_offset=i, logprobs=req.logprobs,
-                prompt_logprobs=prompt_logprobs,
+                prompt_logprobs=prompt_logprobs, grammar=grammar,
             )  # fmt: skip
             index = p * req.n + i
             choices.append(

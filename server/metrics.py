@@ -87,6 +87,11 @@ class EngineCollector(Collector):
             "(proposer), verify (sampling and verification), schedule (the rest of a step).",
             "part", step_split(stats),
         )  # fmt: skip
+        yield CounterMetricFamily(
+            "tandem_grammar_seconds",
+            "Of the engine steps' wall time, structured output's grammar masks and matchers.",
+            value=stats.grammar_seconds,
+        )
         sol = GaugeMetricFamily(
             "tandem_spec_speed_of_light",
             "Speed-of-light model of speculation.",

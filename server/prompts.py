@@ -7,10 +7,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine import SamplingParams
+from engine import GrammarSpec, SamplingParams
 from server.errors import APIError
 from server.protocol import ChatMessage, SamplingRequest
 from server.state import ServerState
+from server.tools import (
+    ToolSetup,
+    as_template_tools,
+    render_tool_turns,
+    supports_tools,
+    tool_instructions,
+)
 
 
 @dataclass(frozen=True)
@@ -32,11 +39,13 @@ async def encode_prompts(state: ServerState, prompts: Sequence[str | list[int]])
     return await asyncio.to_thread(lambda: [encode_prompt(state, prompt) for prompt in prompts])
 
 
-async def render_chat_off_loop(state: ServerState, messages: Sequence[ChatMessage]) -> Prompt:
+async def render_chat_off_loop(
+    state: ServerState, messages: Sequence[ChatMessage], tools: ToolSetup | None = None
+) -> Prompt:
     """`render_chat`, on a worker thread when the messages are long (see OFF_LOOP_CHARS)."""
     if sum(len(m.text()) for m in messages) < OFF_LOOP_CHARS:
-        return render_chat(state, messages)
-    return await asyncio.to_thread(render_chat, state, messages)
+        return render_chat(state, messages, tools)
+    return await asyncio.to_thread(render_chat, state, messages, tools)
 
 
 def encode_prompt(state: ServerState, prompt: str | list[int]) -> Prompt:
@@ -45,22 +54,40 @@ def encode_prompt(state: ServerState, prompt: str | list[int]) -> Prompt:
     return Prompt(list(prompt))
 
 
-def render_chat(state: ServerState, messages: Sequence[ChatMessage]) -> Prompt:
-    """Apply the model's chat template (with the assistant turn opened) and tokenize."""
+def render_chat(
+    state: ServerState, messages: Sequence[ChatMessage], tools: ToolSetup | None = None
+) -> Prompt:
+    """Apply the model's chat template (with the assistant turn opened) and tokenize; with
+    tools, in the template's own tool format or Tandem's convention (server/tools.py)."""
     tokenizer = state.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
         raise APIError(
             "This model has no chat template; use /v1/completions instead.", 400, param="messages"
         )
+    native = supports_tools(template)
     conversation: list[dict[str, Any]] = []
     for message in messages:
         entry = {**(message.model_extra or {}), "role": message.role, "content": message.text()}
         if message.name is not None:
             entry["name"] = message.name
+        entry.update(render_tool_turns(message, native))
         conversation.append(entry)
+    extra: dict[str, Any] = {}
+    if tools is not None and native:
+        extra["tools"] = as_template_tools(tools)
+    elif tools is not None:
+        note = tool_instructions(tools)
+        if conversation[0]["role"] in ("system", "developer"):
+            conversation[0] = {
+                **conversation[0],
+                "content": conversation[0]["content"] + "\n\n" + note,
+            }
+        else:
+            conversation.insert(0, {"role": "system", "content": note})
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=True
+            conversation, tokenize=False, add_generation_prompt=True, **extra
         )
     except Exception as exc:  # jinja2 raises TemplateError, templates raise their own
         message = f"The chat template rejected the messages: {exc}"
@@ -121,6 +148,7 @@ def sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     prompt_param: str = "prompt",
+    grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
     """The engine's parameters for one choice, checked with the prompt by the engine's own
     validation (engine/core/validation.py): what it refuses is a 400 naming the field, the
@@ -141,6 +169,7 @@ def sampling_params(
         prompt_logprobs=prompt_logprobs,
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
+        grammar=grammar,
     )
     from engine import InvalidRequest
 

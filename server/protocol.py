@@ -56,6 +56,37 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Lenient):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    """Honoured or not, the schema is enforced: every token is masked by it."""
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        schema = self.json_schema.schema_ if self.json_schema is not None else None
+        if self.type == "json_schema" and not schema:
+            raise ValueError('type "json_schema" needs json_schema.schema')
+        return self
+
+
+class StructuredOutputs(_Lenient):
+    """vLLM's extension: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    """llguidance's Lark dialect (docs/STRUCTURED_OUTPUT.md)."""
+    json_object: bool | None = None
+
+
 class SamplingRequest(_Lenient):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -76,6 +107,13 @@ class SamplingRequest(_Lenient):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older spellings of structured_outputs' fields.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -141,10 +179,26 @@ class TextPart(_Lenient):
     text: str
 
 
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str = "{}"
+    """JSON text, as the OpenAI API sends it."""
+
+
+class ToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """An assistant turn's earlier calls."""
+    tool_call_id: str | None = None
+    """A tool turn: the call it answers."""
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -152,11 +206,36 @@ class ChatMessage(_Lenient):
         return self.content or ""
 
 
+class FunctionDefinition(_Lenient):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments object; None = no arguments."""
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def output_limit(self) -> int | None:

@@ -24,7 +24,7 @@ import uvicorn
 
 from engine.core.client import EngineClient
 from engine.core.outputs import RequestOutput
-from engine.core.request import SamplingParams
+from engine.core.request import GrammarSpec, InvalidRequest, SamplingParams
 from engine.core.stats import EngineStats
 from engine.core.validation import check_request
 from server.app import create_app
@@ -70,6 +70,9 @@ class GatedEngine(EngineClient):
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, 10**6)
+
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        raise InvalidRequest("this stand-in has no grammar engine", spec.param)
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -17,6 +17,7 @@ import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from tests.robustness_helpers import HEADERS, openai_error, sse_data
@@ -67,7 +68,8 @@ def _check(response: schemathesis.Response) -> str:
         return "200 stream cut short" if response.stream_cut_short else "200 stream"
     body = response.json()
     assert body["choices"], body
-    assert all(c["finish_reason"] in ("stop", "length") for c in body["choices"]), body
+    reasons = ("stop", "length", "tool_calls")
+    assert all(c["finish_reason"] in reasons for c in body["choices"]), body
     return "200"
 
 
@@ -119,3 +121,98 @@ def test_fuzzed_requests_never_get_a_5xx(served, schema, path, mode, tame, examp
     print(f"\nfuzz {name}: {sum(tally.values())} cases {dict(sorted(tally.items()))}")
     assert sum(tally.values()) >= examples // 2  # hypothesis really ran the cases
     served.wait_idle(timeout=5)
+
+
+# Structured output's fields hold free-form JSON schemas, regexes and grammars: the OpenAPI
+# strategies above rarely put one together, so these are generated on purpose.
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(["type", "properties", "items", "enum", "required", "pattern", "x"]),
+            inner,
+            max_size=3,
+        )
+    ),
+    max_leaves=8,
+)
+_TYPES = st.sampled_from(["object", "string", "integer", "array", "boolean", "nope"])
+_SCHEMA = st.fixed_dictionaries({"type": _TYPES}, optional={"properties": _JSON, "items": _JSON})
+_TEXT = st.text(alphabet="ab()[]|*+?{}:\"' \n0-9%start", max_size=24)
+_TOOL = st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["f", "g"])}, optional={"parameters": _SCHEMA | _JSON}
+    )}
+)  # fmt: skip
+_FIELDS = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "response_format": st.fixed_dictionaries(
+                {
+                    "type": st.sampled_from(["json_schema", "json_object", "text", "xml"]),
+                    "json_schema": st.fixed_dictionaries(
+                        {"name": st.just("x")}, optional={"schema": _SCHEMA | _JSON}
+                    ),
+                }
+            )
+        }
+    ),  # fmt: skip
+    st.fixed_dictionaries(
+        {
+            "structured_outputs": st.fixed_dictionaries(
+                {},
+                optional={
+                    "json": _SCHEMA | _JSON,
+                    "regex": _TEXT,
+                    "choice": st.lists(st.text(max_size=4), max_size=3),
+                    "grammar": _TEXT,
+                },
+            )
+        }
+    ),  # fmt: skip
+    st.fixed_dictionaries({"guided_regex": _TEXT}),
+    st.fixed_dictionaries({"guided_grammar": _TEXT}),
+    st.fixed_dictionaries({"guided_json": _JSON}),
+    st.fixed_dictionaries(
+        {"tools": st.lists(_TOOL, max_size=2)},
+        optional={
+            "tool_choice": st.sampled_from(["none", "auto", "required", "bad"])
+            | st.fixed_dictionaries(
+                {
+                    "type": st.just("function"),
+                    "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])}),
+                }
+            ),
+            "parallel_tool_calls": st.booleans(),
+        },
+    ),  # fmt: skip
+)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_fuzzed_structured_output_fields_never_get_a_5xx(served, path):
+    tally: Counter[str] = Counter()
+    session = requests.Session()
+    session.headers.update(HEADERS)
+
+    @settings(max_examples=80, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(fields=_FIELDS, stream=st.booleans())
+    def fuzz(fields: dict, stream: bool) -> None:
+        body = {"model": "tiny", "max_tokens": 24, "stream": stream, **fields}
+        if path.endswith("chat/completions"):
+            body["messages"] = [{"role": "user", "content": "hi"}]
+        else:
+            body["prompt"] = "hi"
+        response = session.post(f"{served.url}{path}", json=body, timeout=60)
+        try:
+            tally[_check(schemathesis.Response.from_requests(response, verify=True))] += 1
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nrequest body: {body!r}") from None
+
+    fuzz()
+    session.close()
+    print(f"\nfuzz structured {path}: {dict(sorted(tally.items()))}")
+    assert any(label.startswith("200") for label in tally), tally  # some reach generation
+    assert any(label.startswith("400") for label in tally), tally  # and some are refused

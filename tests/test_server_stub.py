@@ -16,7 +16,7 @@ import server.app as app_module
 from engine.core.client import EngineClient
 from engine.core.engine import QueueFullError
 from engine.core.outputs import RequestOutput, TokenLogprob
-from engine.core.request import SamplingParams
+from engine.core.request import GrammarSpec, InvalidRequest, SamplingParams
 from engine.core.stats import EngineStats
 from engine.core.validation import check_request
 from server.app import create_app
@@ -58,6 +58,9 @@ class ScriptedEngine(EngineClient):
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, 10**6)
+
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        raise InvalidRequest("this stand-in has no grammar engine", spec.param)
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -31,7 +31,7 @@ from engine.config import EngineConfig
 from engine.core.client import EngineClient
 from engine.core.engine import LLMEngine, QueueFullError
 from engine.core.outputs import RequestOutput
-from engine.core.request import SamplingParams
+from engine.core.request import GrammarSpec, SamplingParams
 from engine.core.stats import EngineStats
 from engine.cpu import affinity as cpu_affinity
 from engine.model.runner import resolve_device
@@ -147,6 +147,10 @@ class AsyncEngine(EngineClient):
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         # Reads only settings fixed at start-up: safe from the caller's thread.
         self.engine.validate(prompt_token_ids, params)
+
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        # The compiled-grammar cache takes a lock: safe from any thread.
+        self.engine.grammars.check(spec)
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

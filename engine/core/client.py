@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from engine.core.outputs import RequestOutput
-from engine.core.request import SamplingParams
+from engine.core.request import GrammarSpec, SamplingParams
 from engine.core.stats import EngineStats
 
 
@@ -38,6 +38,12 @@ class EngineClient(Protocol):
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest (engine/core/validation.py) unless the request can be served;
         `generate` runs the same check."""
+        ...
+
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        """Compile a structured-output grammar (or find it compiled); raise InvalidRequest
+        naming `spec.param` if it does not compile. A large schema takes a while: call it off
+        the event loop, and `validate` then finds it compiled."""
         ...
 
     def generate(

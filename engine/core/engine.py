@@ -29,6 +29,7 @@ from engine.model import files as model_files
 from engine.model.decode_graphs import BATCH_BUCKETS
 from engine.model.on_cpu import use_cpu_kernels
 from engine.model.runner import ModelRunner, resolve_device, resolve_dtype
+from engine.sample.grammar import Grammars
 from engine.spec.calibration import calibrate
 from engine.spec.cost_model import CostModel, PassShape
 from engine.spec.draft_length import policy_for
@@ -131,6 +132,8 @@ class LLMEngine:
             config.spec.verification,
             config.spec.tree_drafts,
         )
+        self.grammars = Grammars(config.model.model, self.vocab_size, self.eos_token_ids)
+        """Structured output's compiled grammars (engine/sample/grammar.py)."""
         self.totals = EngineStats()
         self._seeds = itertools.count(config.model.seed)
         logger.info(
@@ -167,6 +170,8 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
+        if params.grammar is not None:
+            req.grammar = self.grammars.state(params.grammar)
         seed = params.seed if params.seed is not None else next(self._seeds)
         req.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.scheduler.add(req)
@@ -176,6 +181,8 @@ class LLMEngine:
         """Raise InvalidRequest (a ValueError) unless this request can be served."""
         pool_tokens = self.kv.num_blocks * self.kv.block_size
         check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, pool_tokens)
+        if params.grammar is not None:  # compiles it (cached): off the server's event loop
+            self.grammars.check(params.grammar)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)
@@ -217,6 +224,7 @@ class LLMEngine:
         s.prefix_cache_hit_tokens = self.scheduler.num_prefix_hit_tokens
         s.spec_blocks_released = self.scheduler.num_blocks_released
         s.spec_tree_steps = self.scheduler.num_tree_steps
+        s.grammar_seconds = self.grammars.seconds
         spec = self.scheduler.spec_totals
         s.spec_verify_passes = spec.verify_passes
         s.spec_drafted_tokens = spec.drafted

@@ -29,6 +29,25 @@ class InvalidRequest(ValueError):
 GREEDY_BELOW = 1e-5
 """Temperatures below this decode greedily."""
 
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""How constrained JSON is laid out (llguidance's options): as json.dumps writes it, with no
+free whitespace, which small models fill without end."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a constrained request's output must match (engine/sample/grammar.py compiles it).
+
+    kind: json_schema (source: the schema as JSON text), json_object (any JSON object),
+    regex, choice (source: a JSON list of the allowed strings) or lark (llguidance's Lark
+    dialect, which may embed JSON schemas with %json)."""
+
+    kind: str
+    source: str = ""
+    param: str = field(default="response_format", compare=False)
+    """The request field it came from, named by the 400 a bad grammar gets."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -49,6 +68,8 @@ class SamplingParams:
     """Same for the prompt tokens (echo + logprobs); disables prefix-cache hits."""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    grammar: GrammarSpec | None = None
+    """Structured output: every token is masked to what the grammar allows next."""
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the field (engine/core/validation.py runs this)."""
@@ -75,6 +96,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequest(f"{name} must be in [-2, 2] (got {getattr(self, name)})", name)
+        if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
+            raise InvalidRequest(f"unknown grammar kind {self.grammar.kind!r}", self.grammar.param)
 
     @property
     def greedy(self) -> bool:
@@ -157,6 +180,9 @@ class Request:
     draft's use to the target's and for positions a rejection leaves to the next step."""
     prompt_logprobs: list | None = None
     """Prompt-token logprobs gathered chunk by chunk (echo + logprobs); None until asked for."""
+    grammar: Any = None
+    """A constrained request's GrammarState (engine/sample/grammar.py): the matcher follows
+    the output, and this step's drafts while they are being proposed and verified."""
     error: str | None = None
 
     @property

@@ -104,24 +104,26 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             k_wanted, reason = wanted.get(req, (0, None))
             k = k_wanted
+            # A constrained request drafts a chain: its grammar follows one path of drafts.
+            width = 1 if req.grammar is not None else branches
             if k > 0:
                 # No point drafting past what the request may still emit or hold.
                 room = min(
                     req.params.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens,
                 )
-                k = max(0, min(k, room, (budget - num_new) // branches))
+                k = max(0, min(k, room, (budget - num_new) // width))
                 if k < k_wanted:
                     reason = REASON_LENGTH if room <= k else REASON_BUDGET
-            slots = self._allocate_or_preempt(req, num_new, k * branches, out)
+            slots = self._allocate_or_preempt(req, num_new, k * width, out)
             if slots is None:
                 break  # req itself was preempted; nothing younger is left running
-            if slots < k * branches:
+            if slots < k * width:
                 reason = REASON_MEMORY
                 k = 0
             if reason is not None:
                 self.draft_length_reasons[reason] += 1
-            item = ScheduledRequest(req, num_new, k, branches if k else 1)
+            item = ScheduledRequest(req, num_new, k, width if k else 1)
             out.scheduled.append(item)
             budget -= num_new + item.num_draft_slots
             i += 1
@@ -239,10 +241,16 @@ class Scheduler:
             return [], []
         stops = req.stop_token_ids
         appended = []
+        grammar = req.grammar
         for token in result.token_ids:
             req.output_token_ids.append(token)
             appended.append(token)
-            if token in stops and req.num_output_tokens > req.params.min_tokens:
+            if grammar is not None and not grammar.commit(token):
+                req.error = f"token {token} breaks the request's grammar"  # masks forbid it
+                req.status = RequestStatus.FINISHED_ERROR
+            elif token in stops and req.num_output_tokens > req.params.min_tokens:
+                req.status = RequestStatus.FINISHED_STOPPED
+            elif grammar is not None and grammar.stopped:  # complete: nothing may follow
                 req.status = RequestStatus.FINISHED_STOPPED
             elif (
                 req.num_output_tokens >= req.params.max_tokens

@@ -31,6 +31,8 @@ class EngineStats:
     """Of `target_seconds`, the target model's forward alone (logits out)."""
     step_seconds: float = 0.0
     """Wall time of engine steps that ran a pass: scheduling, draft, target, bookkeeping."""
+    grammar_seconds: float = 0.0
+    """Of `step_seconds`, structured output's grammar work: masks, matcher moves, draft checks."""
     draft_passes: int = 0
     decode_request_steps: int = 0
     """Request-steps that verified a decode (with or without drafts): the denominator of mean K."""

@@ -53,12 +53,15 @@ def apply_penalties_and_masks(
     # Logits straight from a forward were made under torch.inference_mode and cannot be
     # changed in place outside it (a draft model's are; the verifier's were concatenated).
     if logits.is_inference() and any(
-        _masks_stops(r) or r.request.params.has_penalties for r in rows
+        _masks_stops(r) or r.request.params.has_penalties or r.request.grammar is not None
+        for r in rows
     ):
         logits = logits.clone()
     for i, row in enumerate(rows):
         params = row.request.params
-        if _masks_stops(row):
+        if row.request.grammar is not None:
+            _apply_grammar(logits, i, row)
+        elif _masks_stops(row):
             logits[i, list(row.request.stop_token_ids)] = float("-inf")
         if params.has_penalties:
             generated = row.request.output_token_ids + row.prior_drafts
@@ -69,6 +72,22 @@ def apply_penalties_and_masks(
                 logits[i] -= params.frequency_penalty * counts
                 logits[i] -= params.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
+
+
+def _apply_grammar(logits: torch.Tensor, i: int, row: RowSpec) -> None:
+    """Mask row i to what the request's grammar allows there (engine/sample/grammar.py).
+    min_tokens also masks the stops, unless the grammar allows nothing else."""
+    allowed = row.request.grammar.allowed(row.prior_drafts)
+    vocab = logits.shape[1]
+    if allowed.shape[0] != vocab:  # a draft vocabulary of another size: the rest is refused
+        allowed = torch.cat([allowed, allowed.new_zeros(max(0, vocab - allowed.shape[0]))])
+        allowed = allowed[:vocab]
+    if _masks_stops(row):
+        without_stops = allowed.clone()
+        without_stops[[t for t in row.request.stop_token_ids if t < vocab]] = False
+        if bool(without_stops.any()):
+            allowed = without_stops
+    logits[i].masked_fill_(~allowed.to(logits.device), float("-inf"))
 
 
 def _masks_stops(row: RowSpec) -> bool:

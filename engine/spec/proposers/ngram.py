@@ -75,7 +75,11 @@ class NgramProposer:
                 drafts.append([])
                 parents.append(None)
             elif n == 1:
-                drafts.append(prompt_lookup(item.request.all_token_ids, k, self.n_max, self.n_min))
+                chain = prompt_lookup(item.request.all_token_ids, k, self.n_max, self.n_min)
+                grammar = item.request.grammar
+                if grammar is not None and chain:  # drafts the grammar refuses are cut off
+                    chain = chain[: grammar.valid_prefix(chain)]
+                drafts.append(chain)
                 parents.append(None)
             else:  # a tree: each continuation a branch under the root, branch after branch
                 found = prompt_lookup_branches(

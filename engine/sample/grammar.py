@@ -1,0 +1,206 @@
+"""Structured output: grammars compiled by llguidance, one matcher per constrained request.
+
+A constrained request's every sampled position is masked to the tokens its grammar allows
+after the output so far plus the drafts before that position (`RowSpec.prior_drafts`), in
+the draft model's rows and the target's alike (engine/sample/sampler.py applies the mask).
+The target's verified distribution at each position is therefore the target's distribution
+constrained by the grammar, and rejection sampling against it keeps the output exactly that
+distribution; greedy output is the constrained argmax, whatever was drafted.
+
+`GrammarState` keeps one llguidance matcher per request. The matcher follows the emitted
+output (`commit`) and, during a step, the drafts being proposed or verified: asking for the
+mask after a draft prefix rolls the matcher back to the longest prefix it shares with what it
+holds and consumes the rest. llguidance rolls back cheaply, which is what speculation needs:
+after verification the rejected drafts are rolled back and the emitted tokens committed.
+
+A draft the grammar refuses (an n-gram lookup, or tokens after a draft end of sequence) is
+cut off before verification (`valid_prefix`); a row after such a draft, or after the grammar
+ended, may only stop (its mask holds the end-of-sequence tokens) and is never kept.
+
+Grammars compile once per distinct spec (`Grammars`, an LRU of ready matchers copied per
+request); compiling happens in `check`, which the server runs off its event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.core.request import JSON_STYLE, GrammarSpec, InvalidRequest
+
+CACHE_SIZE = 256
+"""Compiled grammars kept (distinct schemas, regexes...)."""
+
+
+def available() -> bool:
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def grammar_text(spec: GrammarSpec) -> str:
+    """The spec in llguidance's own grammar format (not yet checked)."""
+    from llguidance import LLMatcher
+
+    if spec.kind == "json_schema":
+        return LLMatcher.grammar_from_json_schema(spec.source, overrides=JSON_STYLE)
+    if spec.kind == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_STYLE)
+    if spec.kind == "regex":
+        return LLMatcher.grammar_from_regex(spec.source)
+    if spec.kind == "choice":  # Lark string literals take JSON's escapes
+        choices = json.loads(spec.source)
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    return LLMatcher.grammar_from_lark(spec.source)
+
+
+class Grammars:
+    """Compiles grammar specs against the model's tokenizer and hands out matchers."""
+
+    def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer_dir = tokenizer_dir
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.seconds = 0.0
+        """Time spent computing masks and moving matchers (the engine reports it)."""
+        self._tokenizer: Any = None
+        self._compiled: OrderedDict[GrammarSpec, Any] = OrderedDict()  # spec: matcher | error
+        self._lock = threading.Lock()
+
+    def check(self, spec: GrammarSpec) -> None:
+        """Compile (or find compiled) `spec`; raise InvalidRequest naming its field if it
+        does not compile. May take a while for a large schema: call it off an event loop."""
+        compiled = self._compile(spec)
+        if isinstance(compiled, str):
+            raise InvalidRequest(
+                f"The grammar does not compile: {compiled}", spec.param, "invalid_grammar"
+            )
+
+    def state(self, spec: GrammarSpec) -> GrammarState:
+        compiled = self._compile(spec)
+        if isinstance(compiled, str):
+            raise InvalidRequest(compiled, spec.param, "invalid_grammar")
+        return GrammarState(compiled.deep_copy(), self)
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        with self._lock:
+            if spec in self._compiled:
+                self._compiled.move_to_end(spec)
+                return self._compiled[spec]
+        if not available():
+            return "structured output needs the llguidance package, which is not installed"
+        from llguidance import LLMatcher
+
+        compiled: Any
+        try:
+            text = grammar_text(spec)
+            tokenizer = self._llg_tokenizer()
+            is_error, messages = LLMatcher.validate_grammar_with_warnings(text, tokenizer)
+            compiled = messages[0] if is_error else LLMatcher(tokenizer, text, log_level=0)
+            if not isinstance(compiled, str) and compiled.is_error():
+                compiled = compiled.get_error()
+        except (ValueError, TypeError, RuntimeError) as exc:  # e.g. a schema that is not JSON
+            compiled = str(exc) or type(exc).__name__
+        with self._lock:
+            self._compiled[spec] = compiled
+            while len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def _llg_tokenizer(self) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+                from transformers import AutoTokenizer
+
+                hf = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    hf, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
+                )
+            return self._tokenizer
+
+
+class GrammarState:
+    """One request's matcher: at the committed output plus `drafts` (consumed for a mask)."""
+
+    def __init__(self, matcher: Any, grammars: Grammars) -> None:
+        self.matcher = matcher
+        self.grammars = grammars
+        self.drafts: list[int] = []
+        self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete and nothing may follow (the request is done)."""
+        return bool(self.drafts == [] and self.matcher.is_stopped())
+
+    def allowed(self, prior: Sequence[int]) -> torch.Tensor:  # [vocab] bool, on the CPU
+        """The tokens the grammar allows after the output plus `prior` (this step's drafts
+        before the position). Kept for the step: the draft and the target ask alike."""
+        key = tuple(prior)
+        mask = self._masks.get(key)
+        if mask is None:
+            start = time.perf_counter()
+            mask = self._compute(key)
+            self._masks[key] = mask
+            self.grammars.seconds += time.perf_counter() - start
+        return mask
+
+    def _compute(self, prior: tuple[int, ...]) -> torch.Tensor:
+        vocab = self.grammars.vocab_size
+        if self._seek(prior) and not self.matcher.is_error():
+            packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+            bits = np.unpackbits(packed, bitorder="little")[:vocab].astype(bool)
+        else:
+            bits = np.zeros(vocab, dtype=bool)
+        if not bits.any():  # past the grammar's end or a refused draft: only stopping fits
+            bits[list(self.grammars.eos_token_ids)] = True
+        return torch.from_numpy(bits)
+
+    def _seek(self, prior: tuple[int, ...]) -> bool:
+        """Move the matcher to the output plus `prior`; False if the grammar refuses a token
+        of it (the matcher then stops at the longest prefix it takes)."""
+        common = 0
+        for a, b in zip(self.drafts, prior, strict=False):
+            if a != b:
+                break
+            common += 1
+        if len(self.drafts) > common:
+            self.matcher.rollback(len(self.drafts) - common)
+            del self.drafts[common:]
+        rest = list(prior[common:])
+        if not rest:
+            return True
+        # validate first: a refused token would leave the matcher in an error state for good
+        taken = self.matcher.validate_tokens(rest)
+        if taken:
+            self.matcher.consume_tokens(rest[:taken])
+            self.drafts.extend(rest[:taken])
+        return taken == len(rest)
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` (drafts after the output) the grammar takes in a row."""
+        start = time.perf_counter()
+        self._seek(())
+        taken = self.matcher.validate_tokens(list(tokens)) if tokens else 0
+        self.grammars.seconds += time.perf_counter() - start
+        return taken
+
+    def commit(self, token: int) -> bool:
+        """Append an emitted token; False if the grammar refuses it (never for a token
+        sampled under this state's masks)."""
+        start = time.perf_counter()
+        self._seek(())
+        self._masks.clear()
+        ok = self.matcher.validate_tokens([token]) == 1 and self.matcher.consume_token(token)
+        self.grammars.seconds += time.perf_counter() - start
+        return bool(ok)

@@ -1,0 +1,94 @@
+"""A request's structured-output fields -> the engine's GrammarSpec (engine/sample/grammar.py).
+
+`response_format` (OpenAI: json_object, json_schema) on both endpoints, and vLLM's extension
+`structured_outputs` (json, regex, choice, grammar, json_object) with its older `guided_*`
+spellings. At most one may constrain a request; tool calls bring their own (server/tools.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from engine import GrammarSpec
+from server.errors import APIError
+from server.protocol import SamplingRequest
+from server.state import ServerState
+
+
+def closed(schema: Any) -> Any:
+    """A copy of a JSON schema in which objects that list their properties and say nothing
+    of others allow no others (as OpenAI's strict mode requires of every object). Small
+    models otherwise keep inventing keys; the output still validates against the original."""
+    if isinstance(schema, list):
+        return [closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed(value) for key, value in schema.items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+def _schema_text(schema: dict[str, Any] | str, param: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise APIError(f"The JSON schema is not valid JSON: {exc}", 400, param=param) from exc
+    if not isinstance(schema, dict):
+        raise APIError("The JSON schema must be a JSON object.", 400, param=param)
+    return json.dumps(closed(schema))  # key order kept: properties are generated in it
+
+
+def grammar_for(req: SamplingRequest) -> GrammarSpec | None:
+    """The grammar the request's fields ask for, or None; a 400 if they ask for several."""
+    found: list[GrammarSpec] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(GrammarSpec("json_object", param="response_format"))
+    elif fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
+        schema = fmt.json_schema.schema_ or {}
+        found.append(GrammarSpec("json_schema", _schema_text(schema, "response_format")))
+    so = req.structured_outputs
+    for param, value, kind in [
+        ("structured_outputs", so.json_ if so else None, "json_schema"),
+        ("structured_outputs", so.regex if so else None, "regex"),
+        ("structured_outputs", so.choice if so else None, "choice"),
+        ("structured_outputs", so.grammar if so else None, "lark"),
+        ("structured_outputs", True if so and so.json_object else None, "json_object"),
+        ("guided_json", req.guided_json, "json_schema"),
+        ("guided_regex", req.guided_regex, "regex"),
+        ("guided_choice", req.guided_choice, "choice"),
+        ("guided_grammar", req.guided_grammar, "lark"),
+    ]:
+        if value is None:
+            continue
+        if kind == "json_schema":
+            source = _schema_text(value, param)
+        elif kind == "choice":
+            source = json.dumps(value)
+        else:
+            source = "" if kind == "json_object" else value
+        found.append(GrammarSpec(kind, source, param))
+    if len(found) > 1:
+        raise APIError(
+            "Ask for one structured output at a time (response_format, structured_outputs or "
+            "a guided_* field).",
+            400,
+            param=found[1].param,
+        )
+    return found[0] if found else None
+
+
+async def compile_grammar(state: ServerState, spec: GrammarSpec | None) -> None:
+    """Compile the grammar off the event loop (cached by the engine); a 400 if it fails."""
+    if spec is None:
+        return
+    from engine import InvalidRequest
+
+    try:
+        await asyncio.to_thread(state.ready_engine().check_grammar, spec)
+    except InvalidRequest as exc:
+        raise APIError(str(exc), 400, param=exc.param, code=exc.code) from exc
