@@ -72,12 +72,14 @@ def run(config: str, concurrency: int, requests: int, max_tokens: int, constrain
     for i, prompt in zip(range(concurrency), queue, strict=False):
         eng.add_request(str(i), prompt[1], params)
     outputs: dict[str, list[int]] = {}
+    cut = 0  # requests that reached max_tokens
     tokens, start = 0, time.perf_counter()
     while eng.has_work():
         for out in eng.step():
             tokens += len(out.new_token_ids)
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
+                cut += out.finish_reason == "length"
                 nxt = next(queue, None)
                 if nxt is not None:
                     eng.add_request(str(nxt[0]), nxt[1], params)
@@ -99,6 +101,7 @@ def run(config: str, concurrency: int, requests: int, max_tokens: int, constrain
         "per_pass": (s.spec_accepted_tokens + s.spec_verify_passes) / max(s.spec_verify_passes, 1),
         "grammar_share": s.grammar_seconds / max(s.step_seconds, 1e-9),
         "valid": valid,
+        "cut": cut,
         "requests": len(outputs),
     }
 
@@ -112,9 +115,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print(
         "| config | c | free tok/s | JSON tok/s | ratio | acceptance free / JSON "
-        "| tokens per pass free / JSON | grammar share of step | valid JSON |"
+        "| tokens per pass free / JSON | grammar share of step | valid JSON | cut at max_tokens "
+        "| output tokens free / JSON |"
     )
-    print("|---|---:|---:|---:|---:|---|---|---:|---:|")
+    print("|---|---:|---:|---:|---:|---|---|---:|---:|---:|---|")
     for c in args.concurrency:
         for name in args.configs:
             free = run(name, c, args.requests, args.max_tokens, constrained=False)
@@ -125,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"| {name} | {c} | {free['tok_s']:.1f} | {json_['tok_s']:.1f} "
                 f"| {json_['tok_s'] / free['tok_s']:.2f} | {acc} | {per} "
-                f"| {100 * json_['grammar_share']:.1f}% | {json_['valid']} of {json_['requests']} |",
+                f"| {100 * json_['grammar_share']:.1f}% | {json_['valid']} of {json_['requests']} | {json_['cut']} "
+                f"| {free['tokens']} / {json_['tokens']} |",
                 flush=True,
             )
 
