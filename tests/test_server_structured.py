@@ -321,3 +321,46 @@ def test_tool_call_parser_streams_what_it_parses_whole(text, content, calls):
 def test_without_parallel_calls_only_the_first_is_kept():
     _, calls = parse_tool_calls(_CALL + "\n" + _CALL, _setup(parallel=False))
     assert len(calls) == 1
+
+
+def test_a_template_that_knows_tools_gets_them_and_the_earlier_calls(tiny_dirs):
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from server.prompts import render_chat
+    from server.protocol import ChatCompletionRequest
+
+    tok = AutoTokenizer.from_pretrained(tiny_dirs["llama"])
+    tok.chat_template = (
+        "{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[call {{ c.function.name }} "
+        "{{ c.function.arguments.city }}]{% endfor %}{% endfor %}"
+    )
+    req = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "user", "content": "Weather?"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "cold"},
+            ],
+            "tools": TOOLS,
+        }
+    )
+    from server.tools import tool_setup
+
+    prompt = render_chat(SimpleNamespace(tokenizer=tok), req.messages, tool_setup(req))
+    text = tok.decode(prompt.token_ids)
+    assert "[tool get_weather][tool adopt]" in text  # the template's own tool format
+    assert "[call get_weather Oslo]" in text  # arguments handed over as an object
+    assert "<tool>cold" in text and "You can call" not in text

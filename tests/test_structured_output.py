@@ -228,3 +228,33 @@ def test_json_style_is_what_json_dumps_writes():
         "item_separator": ", ",
         "key_separator": ": ",
     }
+
+
+def test_constrained_output_survives_preemption_trees_and_aborts(tiny_dirs, references):
+    """A pool small enough to preempt constrained requests mid-document, a draft-tree config
+    (constrained requests draft chains beside unconstrained trees) and an aborted constrained
+    request: the same tokens as the reference, and every block back in the pool."""
+    prompts, want = references
+    spec = SpecConfig(
+        "draft", str(tiny_dirs["llama_draft"]), max_draft_tokens=3, draft_length="fixed",
+        draft_branches=2,
+    )  # fmt: skip
+    engine = make_engine(tiny_dirs["llama"], spec=spec, num_blocks=56, max_num_batched_tokens=64)
+    for name, grammar in GRAMMARS.items():
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, grammar=grammar)
+            engine.add_request(f"{name}-{i}", prompt, params)
+    for j in range(3):  # unconstrained neighbours, drafting trees
+        engine.add_request(f"free-{j}", prompts[j], SamplingParams(max_tokens=40, temperature=0.0))
+    doomed = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, grammar=GRAMMARS["regex"])
+    engine.add_request("doomed", prompts[0], doomed)
+    outputs: dict[str, list[int]] = {}
+    for _ in range(2):
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    engine.abort("doomed")
+    drain(engine, outputs)
+    for (name, i), tokens in want.items():
+        assert outputs[f"{name}-{i}"] == tokens, (name, i)
+    stats = engine.stats()
+    assert stats.preemptions > 0 and stats.spec_tree_steps > 0
