@@ -10,18 +10,16 @@ deployments make the application:
 
 - `TandemEngine`: one Tandem server per replica, the same FastAPI app and engine `tandem serve`
   runs, called in-process through an ASGI bridge (`handle`), streaming included. Serve's
-  router picks the replica (fewest ongoing requests of two), its autoscaler sizes the
-  deployment by ongoing requests per replica, and its health check asks the engine whether
-  it can still serve. A replica that is scaled down or stopped drains: Serve sends it no new
-  requests and waits up to `--drain-timeout` for the in-flight ones before its engine stops.
+  router picks the replica, its autoscaler sizes the deployment by ongoing requests, its
+  health check asks the engine. A replica scaled down or stopped drains: no new requests,
+  up to `--drain-timeout` for the in-flight ones, then its engine stops.
 - `TandemGateway`: the HTTP ingress. It forwards every request to an engine replica and
   streams the answer back; when a replica dies mid-request, only that replica's requests
   fail, with an OpenAI error (503 `replica_unavailable` before any byte was sent, which the
   official client retries on another replica; an SSE error event after), never a hang.
 
-Every engine replica mirrors its counters into Ray's metrics (`ray.util.metrics`, tagged by
-replica), which each Ray node exports to Prometheus; `/metrics` through the gateway is one
-replica's. Responses carry `x-tandem-replica`, the replica that served them.
+Engine replicas mirror their counters into Ray's metrics, tagged by replica (each node
+exports them to Prometheus). Responses carry `x-tandem-replica`, the replica that served them.
 """
 
 import argparse
@@ -48,9 +46,16 @@ REPLICA_HEADER = "x-tandem-replica"
 
 
 def _replica_died(exc: BaseException) -> bool:
+    """A failure of the replica or of Serve's routing, not of the request: a 503 to retry."""
     from ray.exceptions import ActorUnavailableError, RayActorError, WorkerCrashedError
+    from ray.serve.exceptions import (
+        BackPressureError,
+        DeploymentUnavailableError,
+        ReplicaUnavailableError,
+    )
 
-    return isinstance(exc, RayActorError | ActorUnavailableError | WorkerCrashedError)
+    gone = (RayActorError, ActorUnavailableError, WorkerCrashedError, ReplicaUnavailableError)
+    return isinstance(exc, gone + (BackPressureError, DeploymentUnavailableError))
 
 
 class TandemEngine:
@@ -82,7 +87,7 @@ class TandemEngine:
     async def handle(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Run one HTTP request through the app; yield its ASGI messages (start, bodies).
         Closing the generator (the caller went away) is the app's client disconnect."""
-        sent: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        sent: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=64)  # backpressure
         gone = asyncio.Event()
         body = [request["body"]]
 
@@ -125,9 +130,10 @@ class TandemEngine:
                 if message["type"] == "http.response.body" and not message.get("more_body"):
                     return
         finally:
-            gone.set()
+            gone.set()  # the app sees the client leave and aborts the engine request
             if not app.done():
                 await asyncio.wait({app}, timeout=10)
+            app.cancel()
 
     def status(self) -> dict[str, Any]:
         """This replica's id and its engine's counters (tests, operators)."""
@@ -143,22 +149,23 @@ class TandemEngine:
 async def _next_message(sent: asyncio.Queue, app: asyncio.Task) -> dict[str, Any] | None:
     """The app's next ASGI message, or None once the app returned without another."""
     getter = asyncio.ensure_future(sent.get())
-    done, _ = await asyncio.wait({getter, app}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        done, _ = await asyncio.wait({getter, app}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not getter.done():
+            getter.cancel()
     if getter in done:
         return getter.result()
-    getter.cancel()
     app.result()  # raise what the app raised
     return None if sent.empty() else sent.get_nowait()
 
 
+_MIRRORED = ("num_running", "num_waiting", "num_blocks_free", "num_blocks_total",
+             "generation_tokens")  # fmt: skip
+
+
 def _stats_dict(stats: Any) -> dict[str, Any]:
-    return {
-        "num_running": stats.num_running,
-        "num_waiting": stats.num_waiting,
-        "num_blocks_free": stats.num_blocks_free,
-        "num_blocks_total": stats.num_blocks_total,
-        "generation_tokens": stats.generation_tokens,
-    }
+    return {name: getattr(stats, name) for name in _MIRRORED}
 
 
 async def _mirror_metrics(state: Any, replica: str, period: float = 5.0) -> None:
@@ -168,9 +175,8 @@ async def _mirror_metrics(state: Any, replica: str, period: float = 5.0) -> None
     tags = ("replica",)
     gauges = {
         name: metrics.Gauge(f"tandem_{name}", f"Tandem engine: {name}", tag_keys=tags)
-        for name in ("num_running", "num_waiting", "num_blocks_free", "num_blocks_total",
-                     "generation_tokens")
-    }  # fmt: skip
+        for name in _MIRRORED
+    }
     while True:
         if state.engine is not None:
             for name, value in _stats_dict(state.engine.stats()).items():

@@ -85,6 +85,8 @@ def _timed_out(timeout: float | None) -> APIError:
 def _failure(out: RequestOutput) -> APIError:
     if out.finish_reason == "abort":
         return APIError("The request was aborted by the server (shutting down?)", 503)
+    if out.error_code == "invalid_grammar":  # the request's grammar, not the server, failed
+        return APIError(f"Generation failed: {out.error}", 400, code="invalid_grammar")
     return APIError(f"Generation failed: {out.error or 'engine error'}", 500, code="engine_error")
 
 

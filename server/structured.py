@@ -16,30 +16,47 @@ from server.errors import APIError
 from server.protocol import SamplingRequest
 from server.state import ServerState
 
+_COMBINERS = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "patternProperties",
+              "unevaluatedProperties", "dependentSchemas")  # fmt: skip
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
 
-def closed(schema: Any) -> Any:
-    """A copy of a JSON schema in which objects that list their properties and say nothing
-    of others allow no others (as OpenAI's strict mode requires of every object). Small
-    models otherwise keep inventing keys; the output still validates against the original."""
-    if isinstance(schema, list):
-        return [closed(item) for item in schema]
+
+def closed(schema: Any, close: bool = True) -> Any:
+    """A copy of a JSON schema in which an object that lists its properties and says nothing
+    of others allows no others (as OpenAI's strict mode requires of every object). Small
+    models otherwise keep inventing keys; the output still validates against the original.
+    Objects combined with others (allOf, anyOf, $ref...) are left as they are: closing one
+    branch of an allOf would refuse the other branch's keys."""
     if not isinstance(schema, dict):
         return schema
-    out = {key: closed(value) for key, value in schema.items()}
-    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
-        out["additionalProperties"] = False
+    out = dict(schema)
+    combined = any(key in schema for key in _COMBINERS)
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed(sub, close) for name, sub in schema[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            keep = close and key != "allOf"  # allOf's branches are merged: never close one
+            out[key] = [closed(sub, keep) for sub in schema[key]]
+    for key in _SCHEMAS:
+        if isinstance(schema.get(key), dict):
+            out[key] = closed(schema[key], close)
+    if close and not combined and isinstance(schema.get("properties"), dict):
+        out.setdefault("additionalProperties", False)
     return out
 
 
 def _schema_text(schema: dict[str, Any] | str, param: str) -> str:
-    if isinstance(schema, str):
-        try:
+    try:
+        if isinstance(schema, str):
             schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise APIError(f"The JSON schema is not valid JSON: {exc}", 400, param=param) from exc
-    if not isinstance(schema, dict):
-        raise APIError("The JSON schema must be a JSON object.", 400, param=param)
-    return json.dumps(closed(schema))  # key order kept: properties are generated in it
+        if not isinstance(schema, dict):
+            raise APIError("The JSON schema must be a JSON object.", 400, param=param)
+        return json.dumps(closed(schema))  # key order kept: properties are generated in it
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise APIError(f"The JSON schema is not usable JSON: {exc}", 400, param=param) from exc
 
 
 def grammar_for(req: SamplingRequest) -> GrammarSpec | None:

@@ -38,8 +38,9 @@ _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 class ToolSetup:
     tools: list[Tool]
     mode: str
-    """auto, required, or the name of the function that must be called."""
+    """auto, required, or named (`function` must be called)."""
     parallel: bool
+    function: str | None = None
 
     @property
     def names(self) -> set[str]:
@@ -54,6 +55,15 @@ def tool_setup(req: ChatCompletionRequest) -> ToolSetup | None:
     names = [t.function.name for t in tools]
     if len(set(names)) < len(names):
         raise APIError("Tool names must be unique.", 400, param="tools")
+    for tool in tools:
+        params = tool.function.parameters
+        if params is not None and params.get("type", "object") != "object":
+            raise APIError(
+                f"The parameters of {tool.function.name!r} must be the JSON schema of an "
+                "object (the arguments).",
+                400,
+                param="tools",
+            )
     if choice == "none":
         return None
     if not tools:
@@ -68,7 +78,7 @@ def tool_setup(req: ChatCompletionRequest) -> ToolSetup | None:
             param="tool_choice",
             code="unknown_tool",
         )
-    return ToolSetup(tools, name, False)
+    return ToolSetup(tools, "named", False, name)
 
 
 def _describe(choice: Any) -> str:
@@ -76,27 +86,33 @@ def _describe(choice: Any) -> str:
 
 
 def tool_grammar(setup: ToolSetup) -> GrammarSpec | None:
-    """The grammar that enforces "required" or a named function (None for auto)."""
+    """The grammar that enforces "required" or a named function (None for auto): blocks
+    whose JSON is one allowed function's call, each function a %json rule of its own (so the
+    `$defs` its parameters refer to stay at the root of its schema)."""
     if setup.mode == "auto":
         return None
-    calls = [
-        {
+    rules = []
+    for tool in setup.tools:
+        if setup.mode == "named" and tool.function.name != setup.function:
+            continue
+        params = dict(closed(tool.function.parameters or _NO_ARGUMENTS))
+        params.setdefault("type", "object")
+        defs = {key: params.pop(key) for key in ("$defs", "definitions") if key in params}
+        schema = {
             "type": "object",
-            "properties": {
-                "name": {"const": t.function.name},
-                "arguments": closed(t.function.parameters or _NO_ARGUMENTS),
-            },
+            "properties": {"name": {"const": tool.function.name}, "arguments": params},
             "required": ["name", "arguments"],
             "additionalProperties": False,
+            **defs,
+            "x-guidance": JSON_STYLE,
         }
-        for t in setup.tools
-        if setup.mode == "required" or t.function.name == setup.mode
-    ]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    schema = {**schema, "x-guidance": JSON_STYLE}
+        rules.append(f"fn{len(rules)}: %json {json.dumps(schema)}")
     more = ' ("\\n" call)*' if setup.parallel else ""
-    lark = f'start: call{more}\ncall: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"\n'
-    return GrammarSpec("lark", lark, "tools")
+    alternatives = " | ".join(f"fn{i}" for i in range(len(rules)))
+    lark = "\n".join(
+        [f"start: call{more}", f'call: "{OPEN}\\n" ({alternatives}) "\\n{CLOSE}"', *rules]
+    )
+    return GrammarSpec("lark", lark + "\n", "tools")
 
 
 def supports_tools(template: str | None) -> bool:
@@ -147,11 +163,11 @@ def render_tool_turns(message: ChatMessage, native: bool) -> dict[str, Any]:
         else:
             blocks = "\n".join(f"{OPEN}\n{json.dumps(call)}\n{CLOSE}" for call in calls)
             entry["content"] = (message.text() + "\n" + blocks).lstrip("\n")
-    if message.tool_call_id is not None:
-        if native:
-            entry["tool_call_id"] = message.tool_call_id
-        else:
-            entry["content"] = f"<tool_response>\n{message.text()}\n</tool_response>"
+    if native and message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    elif not native and message.role == "tool":  # many templates take no "tool" role
+        entry["role"] = "user"
+        entry["content"] = f"<tool_response>\n{message.text()}\n</tool_response>"
     return entry
 
 
@@ -162,12 +178,8 @@ def _loads_or_text(text: str) -> Any:
         return text
 
 
-def _call(block: str, names: set[str]) -> dict[str, Any] | None:
-    """One block's call in the OpenAI shape, or None if it is not a well-formed call."""
-    try:
-        data = json.loads(block)
-    except json.JSONDecodeError:
-        return None
+def _call(data: Any, names: set[str]) -> dict[str, Any] | None:
+    """A block's JSON as a call in the OpenAI shape, or None if it is not a well-formed call."""
     if not isinstance(data, dict) or data.get("name") not in names:
         return None
     arguments = data.get("arguments", data.get("parameters", {}))
@@ -178,6 +190,34 @@ def _call(block: str, names: set[str]) -> dict[str, Any] | None:
         "type": "function",
         "function": {"name": data["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
     }
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _block(rest: str, start: int, final: bool) -> tuple[int, Any] | None:
+    """The block opened at rest[start]: (its end, its JSON) when it is one JSON value then
+    CLOSE, (end, None) when it is not (it ends at the first CLOSE, or with the text), None
+    while it may still become one. The JSON is read first: its strings may hold CLOSE."""
+    i = start + len(OPEN)
+    while i < len(rest) and rest[i].isspace():
+        i += 1
+    try:
+        data, j = _DECODER.raw_decode(rest, i)
+    except json.JSONDecodeError:  # not yet complete, or never
+        if not final:
+            return None
+    else:
+        while j < len(rest) and rest[j].isspace():
+            j += 1
+        if rest.startswith(CLOSE, j):
+            return j + len(CLOSE), data
+        if not final and CLOSE.startswith(rest[j:]):
+            return None
+    end = rest.find(CLOSE, start)
+    if end < 0:
+        return None if not final else (len(rest), None)
+    return end + len(CLOSE), None
 
 
 def _partial_open(text: str) -> int:
@@ -213,21 +253,19 @@ class ToolCallParser:
                 self.done += release
                 break
             content += self._content(rest[:start])
-            end = rest.find(CLOSE, start)
-            if end < 0:  # the block is still being written (or, at the end, never closed)
+            block = _block(rest, start, final)
+            if block is None:  # the block is still being written
                 self.done += start
-                if final:
-                    content += self._content(rest[start:])
-                    self.done = len(self.text)
                 break
-            call = _call(rest[start + len(OPEN) : end], self.setup.names)
+            end, data = block
+            call = _call(data, self.setup.names)
             if call is None:
-                content += self._content(rest[start : end + len(CLOSE)])
+                content += self._content(rest[start:end])
             else:
                 if self.setup.parallel or not (self.calls or calls):
                     calls.append(call)
                 self._after_call = True
-            self.done += end + len(CLOSE)
+            self.done += end
         self.calls.extend(calls)
         return content, calls
 

@@ -298,12 +298,17 @@ def _setup(parallel: bool = True) -> ToolSetup:
         ),
         ("<tool_call>{broken</tool_call> ok", "<tool_call>{broken</tool_call> ok", []),
         (
+            '<tool_call>\n{"name": "f", "arguments": {"x": "a</tool_call>b"}}\n</tool_call>',
+            None,
+            [{"x": "a</tool_call>b"}],
+        ),
+        (
             '<tool_call>\n{"name": "f", "arguments": {"x"',
             '<tool_call>\n{"name": "f", "arguments": {"x"',
             [],
         ),
     ],
-    ids=["text", "one", "two", "unknown-name", "broken", "unterminated"],
+    ids=["text", "one", "two", "unknown-name", "broken", "close-in-string", "unterminated"],
 )
 def test_tool_call_parser_streams_what_it_parses_whole(text, content, calls):
     got_content, got_calls = parse_tool_calls(text, _setup())
@@ -364,3 +369,65 @@ def test_a_template_that_knows_tools_gets_them_and_the_earlier_calls(tiny_dirs):
     assert "[tool get_weather][tool adopt]" in text  # the template's own tool format
     assert "[call get_weather Oslo]" in text  # arguments handed over as an object
     assert "<tool>cold" in text and "You can call" not in text
+
+
+class Inner(BaseModel):
+    kind: Literal["a", "b"]
+
+
+class Outer(BaseModel):
+    inner: Inner  # a $ref into the schema's $defs
+    n: int = Field(ge=0, le=9)
+
+
+def test_required_calls_with_nested_models_and_a_function_named_auto(served):
+    tools = [
+        {"type": "function", "function": {"name": "auto", "parameters": Outer.model_json_schema()}},
+        TOOLS[0],
+    ]
+    answer = served.client.chat.completions.create(
+        model=MODEL,
+        messages=_chat("Go"),
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "auto"}},  # named, not "auto"
+        max_tokens=200,
+    )
+    [call] = answer.choices[0].message.tool_calls
+    assert call.function.name == "auto"
+    Outer.model_validate_json(call.function.arguments)
+
+
+def test_schemas_with_combinators_compile_and_bad_ones_are_400s(served):
+    both = {
+        "type": "object",
+        "allOf": [
+            {"properties": {"a": {"type": "boolean"}}, "required": ["a"]},
+            {"properties": {"b": {"type": "boolean"}}, "required": ["b"]},
+        ],
+    }
+    out = served.client.chat.completions.create(
+        model=MODEL,
+        messages=_chat("x"),
+        max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": both}},
+    )
+    if out.choices[0].finish_reason == "stop":
+        assert set(json.loads(out.choices[0].message.content)) >= {"a", "b"}
+    for body, param in [
+        ({"guided_json": "[" * 100_000}, "guided_json"),  # deeper than Python recurses
+        ({"guided_regex": "[^\\s\\S]"}, "guided_regex"),  # a language without a string
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
+                ]
+            },
+            "tools",
+        ),
+    ]:
+        with pytest.raises(openai.BadRequestError) as info:
+            served.client.chat.completions.create(
+                model=MODEL, messages=_chat("x"), max_tokens=4, extra_body=body
+            )
+        assert error_of(info.value)["param"] == param, body
+    served.wait_idle()

@@ -258,3 +258,21 @@ def test_constrained_output_survives_preemption_trees_and_aborts(tiny_dirs, refe
         assert outputs[f"{name}-{i}"] == tokens, (name, i)
     stats = engine.stats()
     assert stats.preemptions > 0 and stats.spec_tree_steps > 0
+
+
+def test_a_grammar_that_fails_mid_document_ends_its_request_with_a_grammar_error(tiny_dirs):
+    """A grammar without a finite string compiles but cannot be followed: its request ends
+    with error code invalid_grammar (the server's 400), its blocks back in the pool."""
+    engine = make_engine(tiny_dirs["llama"])
+    endless = GrammarSpec("lark", 'start: "a" start')
+    engine.add_request("endless", [5, 6, 7], SamplingParams(max_tokens=20, grammar=endless))
+    engine.add_request("fine", [5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0))
+    finals = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["endless"].finish_reason == "error"
+    assert finals["endless"].error_code == "invalid_grammar"
+    assert finals["fine"].finish_reason == "length"
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks

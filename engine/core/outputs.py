@@ -32,6 +32,8 @@ class RequestOutput:
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
     error: str | None = None
+    error_code: str | None = None
+    """invalid_grammar when the request's own grammar failed (a 400, not an engine error)."""
 
     @classmethod
     def make(cls, request_id: str = "r0", new_token_ids: list[int] | None = None) -> RequestOutput:

@@ -184,6 +184,8 @@ class Request:
     """A constrained request's GrammarState (engine/sample/grammar.py): the matcher follows
     the output, and this step's drafts while they are being proposed and verified."""
     error: str | None = None
+    error_code: str | None = None
+    """What kind of error (invalid_grammar: the request's grammar failed; None: the engine)."""
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -246,7 +246,9 @@ class Scheduler:
             req.output_token_ids.append(token)
             appended.append(token)
             if grammar is not None and not grammar.commit(token):
-                req.error = f"token {token} breaks the request's grammar"  # masks forbid it
+                # The masks forbid a refused token: this is llguidance failing mid-document.
+                req.error = grammar.failure or f"token {token} breaks the request's grammar"
+                req.error_code = "invalid_grammar"
                 req.status = RequestStatus.FINISHED_ERROR
             elif token in stops and req.num_output_tokens > req.params.min_tokens:
                 req.status = RequestStatus.FINISHED_STOPPED
@@ -296,4 +298,5 @@ def make_output(req: Request, new_tokens: list[int], logprobs: list | None) -> R
         num_drafted_tokens=req.spec.drafted,
         num_accepted_tokens=req.spec.accepted,
         error=req.error,
+        error_code=req.error_code,
     )

@@ -81,8 +81,9 @@ class Grammars:
         does not compile. May take a while for a large schema: call it off an event loop."""
         compiled = self._compile(spec)
         if isinstance(compiled, str):
+            first_line = (compiled.strip().splitlines() or ["unknown error"])[0]
             raise InvalidRequest(
-                f"The grammar does not compile: {compiled}", spec.param, "invalid_grammar"
+                f"The grammar does not compile: {first_line}", spec.param, "invalid_grammar"
             )
 
     def state(self, spec: GrammarSpec) -> GrammarState:
@@ -106,8 +107,8 @@ class Grammars:
             tokenizer = self._llg_tokenizer()
             is_error, messages = LLMatcher.validate_grammar_with_warnings(text, tokenizer)
             compiled = messages[0] if is_error else LLMatcher(tokenizer, text, log_level=0)
-            if not isinstance(compiled, str) and compiled.is_error():
-                compiled = compiled.get_error()
+            if not isinstance(compiled, str):
+                compiled = _first_mask_problem(compiled) or compiled
         except (ValueError, TypeError, RuntimeError) as exc:  # e.g. a schema that is not JSON
             compiled = str(exc) or type(exc).__name__
         with self._lock:
@@ -129,6 +130,18 @@ class Grammars:
             return self._tokenizer
 
 
+def _first_mask_problem(matcher: Any) -> str | None:
+    """Why a freshly compiled grammar cannot start, or None: an error at its first mask, or
+    a language without a single string (not even the empty one)."""
+    probe = matcher.deep_copy()
+    mask = probe.compute_bitmask()
+    if probe.is_error():
+        return probe.get_error()
+    if not any(mask):
+        return "the grammar matches no text at all"
+    return None
+
+
 class GrammarState:
     """One request's matcher: at the committed output plus `drafts` (consumed for a mask)."""
 
@@ -137,6 +150,14 @@ class GrammarState:
         self.grammars = grammars
         self.drafts: list[int] = []
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+        self.failure: str | None = None
+        """Set once llguidance reports an error (e.g. a parser limit hit mid-document): its
+        errors are permanent, so the request ends with it at its next token."""
+
+    def _check_error(self) -> bool:
+        if self.failure is None and self.matcher.is_error():
+            self.failure = f"the grammar engine failed: {self.matcher.get_error()}"
+        return self.failure is not None
 
     @property
     def stopped(self) -> bool:
@@ -157,12 +178,14 @@ class GrammarState:
 
     def _compute(self, prior: tuple[int, ...]) -> torch.Tensor:
         vocab = self.grammars.vocab_size
-        if self._seek(prior) and not self.matcher.is_error():
+        bits = np.zeros(vocab, dtype=bool)
+        if not self._check_error() and self._seek(prior) and not self._check_error():
             packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-            bits = np.unpackbits(packed, bitorder="little")[:vocab].astype(bool)
-        else:
-            bits = np.zeros(vocab, dtype=bool)
-        if not bits.any():  # past the grammar's end or a refused draft: only stopping fits
+            if not self._check_error():
+                bits = np.unpackbits(packed, bitorder="little")[:vocab].astype(bool)
+        # Past the grammar's end, after a refused draft or a failure: only stopping fits (a
+        # failed request ends with its error at the next commit, whatever is sampled).
+        if not bits.any():
             bits[list(self.grammars.eos_token_ids)] = True
         return torch.from_numpy(bits)
 
@@ -190,6 +213,8 @@ class GrammarState:
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of `tokens` (drafts after the output) the grammar takes in a row."""
         start = time.perf_counter()
+        if self._check_error():
+            return 0
         self._seek(())
         taken = self.matcher.validate_tokens(list(tokens)) if tokens else 0
         self.grammars.seconds += time.perf_counter() - start
@@ -199,8 +224,11 @@ class GrammarState:
         """Append an emitted token; False if the grammar refuses it (never for a token
         sampled under this state's masks)."""
         start = time.perf_counter()
-        self._seek(())
         self._masks.clear()
-        ok = self.matcher.validate_tokens([token]) == 1 and self.matcher.consume_token(token)
+        ok = False
+        if not self._check_error():
+            self._seek(())
+            ok = self.matcher.validate_tokens([token]) == 1 and self.matcher.consume_token(token)
+            ok = ok and not self._check_error()
         self.grammars.seconds += time.perf_counter() - start
         return bool(ok)
