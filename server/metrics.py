@@ -87,6 +87,16 @@ class EngineCollector(Collector):
             "(proposer), verify (sampling and verification), schedule (the rest of a step).",
             "part", step_split(stats),
         )  # fmt: skip
+        yield _counter(
+            "grammar_forced_drafted_tokens",
+            "Drafts a structured-output grammar forced (not the proposer's).",
+            stats.grammar_forced_drafted,
+        )
+        yield _counter(
+            "grammar_forced_accepted_tokens",
+            "Grammar-forced drafts the target kept.",
+            stats.grammar_forced_accepted,
+        )
         yield CounterMetricFamily(
             "tandem_grammar_seconds",
             "Of the engine steps' wall time, structured output's grammar masks and matchers.",

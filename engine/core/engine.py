@@ -34,7 +34,7 @@ from engine.spec.calibration import calibrate
 from engine.spec.cost_model import CostModel, PassShape
 from engine.spec.draft_length import policy_for
 from engine.spec.proposers import build_proposer
-from engine.spec.proposers.base import DraftBatch
+from engine.spec.proposers.base import DraftBatch, with_forced_drafts
 from engine.spec.speed_of_light import SpeedOfLight
 from engine.spec.verifier import Verifier
 
@@ -201,6 +201,7 @@ class LLMEngine:
             tables = [self.kv.block_table(s.request.request_id) for s in sched.scheduled]
             start = time.perf_counter()
             drafts = self.proposer.propose(sched, tables) if self.proposer else None
+            drafts = with_forced_drafts(sched, drafts)
             drafted = time.perf_counter()
             results = self.verifier.run(self.runner, sched, tables, drafts)
             verified = time.perf_counter()  # run() ends with a host copy, so the GPU is done
@@ -224,6 +225,8 @@ class LLMEngine:
         s.prefix_cache_hit_tokens = self.scheduler.num_prefix_hit_tokens
         s.spec_blocks_released = self.scheduler.num_blocks_released
         s.spec_tree_steps = self.scheduler.num_tree_steps
+        s.grammar_forced_drafted = self.scheduler.num_forced_drafted
+        s.grammar_forced_accepted = self.scheduler.num_forced_accepted
         s.grammar_seconds = self.grammars.seconds
         spec = self.scheduler.spec_totals
         s.spec_verify_passes = spec.verify_passes
@@ -251,9 +254,11 @@ class LLMEngine:
         target_seconds: float,
     ) -> None:
         num_drafts = [len(d) for d in drafts.token_ids] if drafts else [0] * len(sched.scheduled)
+        # The proposer's drafts: a grammar's forced ones cost it nothing.
+        proposed = [0 if s.forced else k for s, k in zip(sched.scheduled, num_drafts, strict=True)]
         self.totals.draft_seconds += draft_seconds
         self.totals.target_seconds += target_seconds
-        self.totals.draft_passes += max(num_drafts, default=0)
+        self.totals.draft_passes += max(proposed, default=0)
         if self.cost_model is None:
             return
         # Called before the scheduler's update, so num_computed_tokens is still this step's start.
@@ -261,11 +266,11 @@ class LLMEngine:
         for item, k in zip(sched.scheduled, num_drafts, strict=True):
             query_lens.append(item.num_new_tokens + k)
             context_lens.append(item.request.num_computed_tokens + item.num_new_tokens + k)
-        if any(num_drafts) and drafts is not None:
+        if any(proposed) and drafts is not None:
             # Charged for every token the draft model ran, prefill chunks included: counting
             # only the drafts would read a step with a prefill chunk as a slow draft.
             self.cost_model.observe_draft(
-                max(num_drafts), drafts.fed_tokens, drafts.fed_pairs, draft_seconds
+                max(proposed), drafts.fed_tokens, drafts.fed_pairs, draft_seconds
             )
         self.cost_model.observe_target(PassShape.of(query_lens, context_lens), target_seconds)
 

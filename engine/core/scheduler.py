@@ -22,6 +22,9 @@ from engine.spec.draft_length import (
     DraftLengthPolicy,
 )
 
+FORCED_MAX = 4
+"""The most grammar-forced drafts a step takes per request when K_max is smaller."""
+
 
 @dataclass
 class ScheduledRequest:
@@ -33,6 +36,14 @@ class ScheduledRequest:
     branches: int = 1
     """Draft-tree candidates for the next token, each continued to depth K: the request has
     K x branches draft slots this step."""
+    forced: list[int] | None = None
+    """A constrained request's drafts this step when its grammar forces its next tokens
+    (engine/sample/grammar.py): they replace the proposer's, which skips the request."""
+
+    @property
+    def num_proposed_tokens(self) -> int:
+        """The drafts the proposer is asked for (none when the grammar supplies them)."""
+        return 0 if self.forced else self.num_draft_tokens
 
     @property
     def num_draft_slots(self) -> int:
@@ -77,6 +88,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_blocks_released = 0
         self.num_tree_steps = 0
+        self.num_forced_drafted = 0
+        """Drafts the grammars forced, and how many of them the target kept."""
+        self.num_forced_accepted = 0
         self.num_prefix_hit_tokens = 0
         self.spec_totals = SpecStats()
         self.draft_length_reasons: Counter[str] = Counter()
@@ -103,6 +117,9 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             k_wanted, reason = wanted.get(req, (0, None))
+            forced = self._forced(req)
+            if forced:  # the grammar's own drafts, whatever the policy chose
+                k_wanted, reason = len(forced), None
             k = k_wanted
             # A constrained request drafts a chain: its grammar follows one path of drafts.
             width = 1 if req.grammar is not None else branches
@@ -123,7 +140,9 @@ class Scheduler:
                 k = 0
             if reason is not None:
                 self.draft_length_reasons[reason] += 1
-            item = ScheduledRequest(req, num_new, k, width if k else 1)
+            item = ScheduledRequest(
+                req, num_new, k, width if k else 1, forced[:k] if forced and k else None
+            )
             out.scheduled.append(item)
             budget -= num_new + item.num_draft_slots
             i += 1
@@ -183,7 +202,10 @@ class Scheduler:
                 req.num_draft_computed_tokens, req.num_computed_tokens
             )
             num_drafted = result.num_drafted
-            if num_drafted:
+            if item.forced:  # the grammar's drafts say nothing of the proposer's
+                self.num_forced_drafted += num_drafted
+                self.num_forced_accepted += result.num_accepted
+            elif num_drafted:
                 req.spec.record(num_drafted, result.num_accepted)
                 self.spec_totals.record(num_drafted, result.num_accepted)
                 self.policy.observe(req, num_drafted, result.num_accepted)
@@ -200,6 +222,12 @@ class Scheduler:
                 out.prompt_logprobs = req.prompt_logprobs  # complete this step: sent once
             outputs.append(out)
         return outputs
+
+    def _forced(self, req: Request) -> list[int]:
+        """Tokens a decoding request's grammar forces next, at most FORCED_MAX or K_max."""
+        if req.grammar is None or req.is_prefill:
+            return []
+        return req.grammar.forced()[: max(self.policy.max_draft_tokens, FORCED_MAX)]
 
     def _allocate_or_preempt(
         self, req: Request, num_new: int, k: int, out: SchedulerOutput

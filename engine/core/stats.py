@@ -31,6 +31,9 @@ class EngineStats:
     """Of `target_seconds`, the target model's forward alone (logits out)."""
     step_seconds: float = 0.0
     """Wall time of engine steps that ran a pass: scheduling, draft, target, bookkeeping."""
+    grammar_forced_drafted: int = 0
+    """Drafts structured output's grammars forced (not the proposer's), and those kept."""
+    grammar_forced_accepted: int = 0
     grammar_seconds: float = 0.0
     """Of `step_seconds`, structured output's grammar work: masks, matcher moves, draft checks."""
     draft_passes: int = 0

@@ -150,6 +150,7 @@ class GrammarState:
         self.grammars = grammars
         self.drafts: list[int] = []
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+        self._forced: list[int] | None = None
         self.failure: str | None = None
         """Set once llguidance reports an error (e.g. a parser limit hit mid-document): its
         errors are permanent, so the request ends with it at its next token."""
@@ -210,6 +211,19 @@ class GrammarState:
             self.drafts.extend(rest[:taken])
         return taken == len(rest)
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (a JSON key after `{`, its `": "`...): drafts
+        that cost no draft model, accepted wherever the grammar allows nothing else."""
+        if self._forced is None:
+            start = time.perf_counter()
+            self._forced = []
+            if not self._check_error():
+                self._seek(())
+                self._forced = list(self.matcher.compute_ff_tokens())
+                self._check_error()
+            self.grammars.seconds += time.perf_counter() - start
+        return self._forced
+
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of `tokens` (drafts after the output) the grammar takes in a row."""
         start = time.perf_counter()
@@ -225,6 +239,7 @@ class GrammarState:
         sampled under this state's masks)."""
         start = time.perf_counter()
         self._masks.clear()
+        self._forced = None
         ok = False
         if not self._check_error():
             self._seek(())

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 @dataclass
 class DraftBatch:
     token_ids: list[list[int]]
-    """Per scheduled request (in SchedulerOutput order): at most its num_draft_tokens drafts."""
+    """Per scheduled request (in SchedulerOutput order): at most its num_proposed_tokens drafts."""
     probs: torch.Tensor | None = None
     """[total drafts, vocab] q for each draft, request by request; None = model-free (one-hot)."""
     fed_tokens: int = 0
@@ -31,10 +31,42 @@ class DraftBatch:
     their parents (engine/sample/tree_verifier.py)."""
 
 
+def with_forced_drafts(sched: SchedulerOutput, drafts: DraftBatch | None) -> DraftBatch | None:
+    """The step's drafts with each grammar-forced request's forced tokens in place (the
+    proposer skipped those requests). Proposed as certainties: q one-hot on each."""
+    if not any(item.forced for item in sched.scheduled):
+        return drafts
+    token_ids = [list(d) for d in drafts.token_ids] if drafts else [[] for _ in sched.scheduled]
+    rows: list[torch.Tensor] = []
+    cursor = 0
+    for i, item in enumerate(sched.scheduled):
+        if item.forced:
+            token_ids[i] = list(item.forced)
+        if drafts is None or drafts.probs is None:
+            continue
+        if item.forced:
+            one_hot = drafts.probs.new_zeros(len(item.forced), drafts.probs.shape[1])
+            one_hot[range(len(item.forced)), item.forced] = 1.0
+            rows.append(one_hot)
+        else:
+            n = len(token_ids[i])
+            rows.append(drafts.probs[cursor : cursor + n])
+            cursor += n
+    probs = torch.cat(rows) if rows else None
+    if drafts is None:
+        return DraftBatch(token_ids)
+    parents = drafts.parents
+    if parents is not None:
+        parents = [
+            None if item.forced else p for item, p in zip(sched.scheduled, parents, strict=True)
+        ]
+    return DraftBatch(token_ids, probs, drafts.fed_tokens, drafts.fed_pairs, parents)
+
+
 class Proposer(Protocol):
     """Proposes draft tokens for a scheduled batch.
 
-    Rules: `propose` returns at most `num_draft_tokens` drafts for each scheduled request, and
+    Rules: `propose` returns at most `num_proposed_tokens` drafts for each scheduled request, and
     none for a request whose K is 0 (that request must cost the proposer no work). It may
     return fewer (a lookup that finds nothing). It must not change what the scheduler owns
     (num_computed_tokens, block tables); a proposer with a KV cache of its own uses the

@@ -81,7 +81,7 @@ class DraftModelProposer:
         seqs: list[SeqInput] = []
         drafting: list[tuple[int, Request, int]] = []  # (scheduled index, request, K)
         for i, (item, table) in enumerate(zip(sched.scheduled, block_tables, strict=True)):
-            req, k = item.request, item.num_draft_tokens
+            req, k = item.request, item.num_proposed_tokens
             if k > 0:
                 end = req.num_tokens
             elif req.is_prefill:

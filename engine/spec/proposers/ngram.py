@@ -70,7 +70,7 @@ class NgramProposer:
         drafts: list[list[int]] = []
         parents: list[list[int] | None] = []
         for item in sched.scheduled:
-            k, n = item.num_draft_tokens, item.branches
+            k, n = item.num_proposed_tokens, item.branches
             if k == 0:
                 drafts.append([])
                 parents.append(None)
