@@ -328,3 +328,24 @@ def test_auto_branches_are_a_chain_under_a_fixed_k():
     assert SpecConfig("ngram", max_draft_tokens=16, **auto).max_branches == 3
     assert SpecConfig("ngram", draft_length="adaptive").max_branches == 1  # the default: chains
     assert SpecConfig("ngram", draft_branches=2, draft_length="fixed").max_branches == 2
+
+
+def test_trees_whose_candidates_miss_together_stop_being_drafted():
+    """Root candidates drawn from one draft are not independent: when tree steps keep a root
+    candidate only as often as a chain keeps its first draft, the measured root acceptance
+    replaces the 1 - (1 - a)^N prior and the policy goes back to chains."""
+    policy = AdaptiveDraftLength(4, memory_then_compute_bound(), max_branches=4)
+    reqs = _requests(1, accepted=500, trials=1000, temperature=0)
+    assert policy.choose(reqs).branches > 1  # the independence prior: trees pay here
+    a = np.array([0.5])
+    prior = 1 - (1 - a) ** 3
+    for i in range(300):
+        choice = policy.choose(reqs)
+        hit = i % 2 == 0  # a root kept half the time, like a chain's first draft
+        policy.observe(reqs[0], 2, 2 if hit else 0, choice.branches)
+        if choice.branches == 1:
+            break
+    assert policy.choose(reqs).branches == 1
+    measured = [n for n in range(2, 5) if policy._root_trials.get(n)]
+    assert measured and all(policy.root_acceptance(a, n)[0] < 1 - 0.5**n for n in measured)
+    assert policy.root_acceptance(a, 3)[0] <= prior[0]

@@ -208,7 +208,7 @@ class Scheduler:
             elif num_drafted:
                 req.spec.record(num_drafted, result.num_accepted)
                 self.spec_totals.record(num_drafted, result.num_accepted)
-                self.policy.observe(req, num_drafted, result.num_accepted)
+                self.policy.observe(req, num_drafted, result.num_accepted, item.branches)
             new_tokens, logprobs = self._append(req, result)
             # Blocks past the verified tokens hold only rejected drafts: give them back now.
             self.num_blocks_released += self.kv.trim(req, req.num_computed_tokens)

@@ -57,11 +57,15 @@ def apply_penalties_and_masks(
         for r in rows
     ):
         logits = logits.clone()
+    constrained = [i for i, row in enumerate(rows) if row.request.grammar is not None]
+    if constrained:  # one host-to-device copy and one fill for every constrained row
+        allowed = torch.stack([_grammar_mask(rows[i], logits.shape[1]) for i in constrained])
+        index = torch.tensor(constrained, device=logits.device)
+        refused = ~allowed.to(logits.device)
+        logits[index] = logits[index].masked_fill(refused, float("-inf"))
     for i, row in enumerate(rows):
         params = row.request.params
-        if row.request.grammar is not None:
-            _apply_grammar(logits, i, row)
-        elif _masks_stops(row):
+        if row.request.grammar is None and _masks_stops(row):  # (grammar rows: done above)
             logits[i, list(row.request.stop_token_ids)] = float("-inf")
         if params.has_penalties:
             generated = row.request.output_token_ids + row.prior_drafts
@@ -74,11 +78,10 @@ def apply_penalties_and_masks(
     return logits
 
 
-def _apply_grammar(logits: torch.Tensor, i: int, row: RowSpec) -> None:
-    """Mask row i to what the request's grammar allows there (engine/sample/grammar.py).
-    min_tokens also masks the stops, unless the grammar allows nothing else."""
+def _grammar_mask(row: RowSpec, vocab: int) -> torch.Tensor:  # [vocab] bool, on the CPU
+    """What the row's grammar allows there (engine/sample/grammar.py); min_tokens also
+    masks the stops, unless the grammar allows nothing else."""
     allowed = row.request.grammar.allowed(row.prior_drafts)
-    vocab = logits.shape[1]
     if allowed.shape[0] != vocab:  # a draft vocabulary of another size: the rest is refused
         allowed = torch.cat([allowed, allowed.new_zeros(max(0, vocab - allowed.shape[0]))])
         allowed = allowed[:vocab]
@@ -87,7 +90,7 @@ def _apply_grammar(logits: torch.Tensor, i: int, row: RowSpec) -> None:
         without_stops[[t for t in row.request.stop_token_ids if t < vocab]] = False
         if bool(without_stops.any()):
             allowed = without_stops
-    logits[i].masked_fill_(~allowed.to(logits.device), float("-inf"))
+    return allowed
 
 
 def _masks_stops(row: RowSpec) -> bool:

@@ -43,7 +43,12 @@ class DraftLengthPolicy(Protocol):
 
     def choose(self, requests: list[Request], num_other_tokens: int = 0) -> DraftLengths: ...
 
-    def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None: ...
+    def observe(
+        self, request: Request, num_drafted: int, num_accepted: int, branches: int = 1
+    ) -> None:
+        """A verified step of `request`: drafts of depth num_drafted, num_accepted kept, from
+        a tree of `branches` candidates at its root (1: a chain)."""
+        ...
 
 
 class FixedDraftLength:
@@ -58,7 +63,9 @@ class FixedDraftLength:
         n = len(requests)
         return DraftLengths([self.max_draft_tokens] * n, [None] * n, self.branches)
 
-    def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+    def observe(
+        self, request: Request, num_drafted: int, num_accepted: int, branches: int = 1
+    ) -> None:
         pass
 
 
@@ -111,6 +118,9 @@ class AdaptiveDraftLength:
         self.prior_weight = prior_weight
         self._accepted = prior * prior_weight  # decayed engine-wide counts
         self._trials = prior_weight
+        # Tree steps by branch count: how often some root candidate was kept (decayed).
+        self._root_hits: dict[int, float] = {}
+        self._root_trials: dict[int, float] = {}
 
     @property
     def global_acceptance(self) -> float:
@@ -123,10 +133,34 @@ class AdaptiveDraftLength:
         est = (req.spec.accepted + w * self.global_acceptance) / (req.spec.trials + w)
         return float(min(max(est, 0.0), 0.99))
 
-    def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+    def observe(
+        self, request: Request, num_drafted: int, num_accepted: int, branches: int = 1
+    ) -> None:
         decay = 0.995
+        if branches > 1:  # the root is a trial of the tree; the path below it, of a chain
+            hit = num_accepted > 0
+            self._root_hits[branches] = decay * self._root_hits.get(branches, 0.0) + hit
+            self._root_trials[branches] = decay * self._root_trials.get(branches, 0.0) + 1
+            if not hit:
+                return
+            num_drafted, num_accepted = num_drafted - 1, num_accepted - 1
+            if num_drafted == 0:
+                return
         self._accepted = decay * self._accepted + num_accepted
         self._trials = decay * self._trials + num_accepted + (num_accepted < num_drafted)
+
+    def root_acceptance(self, a: np.ndarray, n: int) -> np.ndarray:
+        """The chance that one of n root candidates is kept, per request of acceptance a:
+        1 - (1 - a)^n as if the candidates were independent draws, scaled by how the tree
+        steps of n branches measured so far compare with that (candidates of one draft are
+        not independent: they tend to miss together), the formula weighing as a prior."""
+        g = self.global_acceptance
+        independent = 1 - (1 - g) ** n
+        w = self.prior_weight
+        measured = (self._root_hits.get(n, 0.0) + w * independent) / (
+            self._root_trials.get(n, 0.0) + w
+        )
+        return np.clip((1 - (1 - a) ** n) * measured / max(independent, 1e-9), 0.0, 0.99)
 
     def choose(self, requests: list[Request], num_other_tokens: int = 0) -> DraftLengths:
         batch, k_max = len(requests), self.max_draft_tokens
@@ -222,14 +256,14 @@ class AdaptiveDraftLength:
     ) -> tuple[int, int, float]:
         """The best draft tree for every request (N candidates for the next token, each
         continued to depth K), and its expected tokens per second. N candidates are taken to
-        find the target's token with probability 1 - (1 - a)^N (as if drawn independently),
-        the positions after it with a each; the pass pays N x K draft tokens and K draft
-        passes of N rows."""
+        find the target's token with `root_acceptance` (1 - (1 - a)^N as if drawn
+        independently, corrected by the tree steps measured), the positions after it with a
+        each; the pass pays N x K draft tokens and K draft passes of N rows."""
         rows, k_max = len(a), self.max_draft_tokens
         total_context = float(context.sum())
         best = (1, 0, 0.0)
         for n in range(2, self.max_branches + 1):
-            first = 1 - (1 - a) ** n  # [rows]
+            first = self.root_acceptance(a, n)  # [rows]
             depth = np.arange(1, k_max + 1)
             gains = first[:, None] * a[:, None] ** (depth[None, :] - 1)  # [rows, k_max]
             k = np.arange(1, k_max + 1)
