@@ -33,7 +33,9 @@ class PerRequestK:
     def choose(self, requests: list[Request], num_other_tokens: int = 0) -> DraftLengths:
         return DraftLengths([self.ks[r.request_id] for r in requests], [None] * len(requests))
 
-    def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+    def observe(
+        self, request: Request, num_drafted: int, num_accepted: int, branches: int = 1
+    ) -> None:
         pass
 
 
