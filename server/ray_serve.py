@@ -135,11 +135,6 @@ class TandemEngine:
                 await asyncio.wait({app}, timeout=10)
             app.cancel()
 
-    def status(self) -> dict[str, Any]:
-        """This replica's id and its engine's counters (tests, operators)."""
-        stats = self.state.engine.stats()
-        return {"replica": self.replica, "pid": os.getpid(), **_stats_dict(stats)}
-
     async def __del__(self) -> None:
         """Serve stops a replica after its in-flight requests finished (or the drain timed
         out): stop the engine."""

@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.tiny_models import build_model  # noqa: E402
+from tests.tiny_models import DRAFT_SHAPE, build_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,14 +33,7 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     return {
         "llama": target,
         "llama_draft": build_model(
-            root / "llama_draft",
-            "llama",
-            seed=1,
-            hidden_size=32,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            tokenizer_dir=target,
+            root / "llama_draft", "llama", seed=1, tokenizer_dir=target, **DRAFT_SHAPE
         ),
         "qwen2": build_model(root / "qwen2", "qwen2", seed=2, tokenizer_dir=target),
         "mistral": build_model(root / "mistral", "mistral", seed=3, tokenizer_dir=target),

@@ -36,12 +36,8 @@ def prompts_and_reference(tiny_dirs):
     return prompts, hf_greedy(tiny_dirs["llama"], prompts, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("draft", ["noisy", "target"])
-@pytest.mark.parametrize("pool", ["roomy", "tight"])
-def test_greedy_trees_equal_target_only(
-    tiny_dirs, noisy_draft, prompts_and_reference, monkeypatch, draft, pool
-):
-    prompts, reference = prompts_and_reference
+def _record_paths(monkeypatch) -> list[list[int]]:
+    """The accepted path of every greedy tree the verifier judges, as it judges them."""
     paths: list[list[int]] = []
     plain = verifier.verify_tree_greedy
 
@@ -51,6 +47,16 @@ def test_greedy_trees_equal_target_only(
         return path, token
 
     monkeypatch.setattr(verifier, "verify_tree_greedy", recording)
+    return paths
+
+
+@pytest.mark.parametrize("draft", ["noisy", "target"])
+@pytest.mark.parametrize("pool", ["roomy", "tight"])
+def test_greedy_trees_equal_target_only(
+    tiny_dirs, noisy_draft, prompts_and_reference, monkeypatch, draft, pool
+):
+    prompts, reference = prompts_and_reference
+    paths = _record_paths(monkeypatch)
     draft_dir = noisy_draft if draft == "noisy" else tiny_dirs["llama"]
     spec = SpecConfig(
         "draft", str(draft_dir), max_draft_tokens=3, draft_length="fixed", draft_branches=3
@@ -75,15 +81,7 @@ def test_greedy_ngram_trees_equal_target_only(tiny_dirs, monkeypatch, pool):
     """N-gram trees: distinct continuations of the context's suffix, one per branch."""
     prompts = [p * 3 for p in random_prompts([4, 6, 5, 7], vocab=300, seed=72)]  # repetitive
     reference = hf_greedy(tiny_dirs["llama"], prompts, MAX_TOKENS)
-    paths: list[list[int]] = []
-    plain = verifier.verify_tree_greedy
-
-    def recording(tree, argmax):
-        path, token = plain(tree, argmax)
-        paths.append(path)
-        return path, token
-
-    monkeypatch.setattr(verifier, "verify_tree_greedy", recording)
+    paths = _record_paths(monkeypatch)
     spec = SpecConfig("ngram", max_draft_tokens=3, draft_length="fixed", draft_branches=3)
     engine = make_engine(tiny_dirs["llama"], spec=spec, num_blocks=256 if pool == "roomy" else 24)
     for i, prompt in enumerate(prompts):

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 
 from server.tools import ToolCallParser, ToolSetup, parse_tool_calls
 from tests.server_helpers import MODEL, error_of, serve
-from tests.tiny_models import build_model
+from tests.tiny_models import DRAFT_SHAPE, build_model
 
 PROMPTS = [
     "Describe a pet as JSON.",
@@ -62,14 +62,7 @@ def long_dirs(tiny_dirs, tmp_path_factory):
     return {
         "llama": build_model(root / "target", max_positions=2048, tokenizer_dir=tokenizer),
         "llama_draft": build_model(
-            root / "draft",
-            seed=1,
-            hidden_size=32,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            max_positions=2048,
-            tokenizer_dir=tokenizer,
+            root / "draft", seed=1, max_positions=2048, tokenizer_dir=tokenizer, **DRAFT_SHAPE
         ),
     }
 

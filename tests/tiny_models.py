@@ -33,6 +33,8 @@ _CORPUS = [
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
     "import os\nimport sys\n\nif __name__ == '__main__':\n    main()\n",
 ]
+DRAFT_SHAPE = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
+"""The tiny draft model's shape beside the default tiny target."""
 FAMILIES = {
     "llama": LlamaConfig,
     "qwen2": Qwen2Config,

@@ -87,10 +87,8 @@ class Grammars:
             )
 
     def state(self, spec: GrammarSpec) -> GrammarState:
-        compiled = self._compile(spec)
-        if isinstance(compiled, str):
-            raise InvalidRequest(compiled, spec.param, "invalid_grammar")
-        return GrammarState(compiled.deep_copy(), self)
+        self.check(spec)  # found compiled: the server checked it off its event loop
+        return GrammarState(self._compile(spec).deep_copy(), self)
 
     def _compile(self, spec: GrammarSpec) -> Any:
         with self._lock:
