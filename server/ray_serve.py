@@ -15,8 +15,8 @@ deployments make the application:
   up to `--drain-timeout` for the in-flight ones, then its engine stops.
 - `TandemGateway`: the HTTP ingress. It forwards every request to an engine replica and
   streams the answer back; when a replica dies mid-request, only that replica's requests
-  fail, with an OpenAI error (503 `replica_unavailable` before any byte was sent, which the
-  official client retries on another replica; an SSE error event after), never a hang.
+  fail, with an OpenAI error (503 `replica_unavailable` for a whole answer, which the
+  official client retries on another replica; an SSE error event mid-stream), never a hang.
 
 Engine replicas mirror their counters into Ray's metrics, tagged by replica (each node
 exports them to Prometheus). Responses carry `x-tandem-replica`, the replica that served them.
@@ -159,10 +159,6 @@ _MIRRORED = ("num_running", "num_waiting", "num_blocks_free", "num_blocks_total"
              "generation_tokens")  # fmt: skip
 
 
-def _stats_dict(stats: Any) -> dict[str, Any]:
-    return {name: getattr(stats, name) for name in _MIRRORED}
-
-
 async def _mirror_metrics(state: Any, replica: str, period: float = 5.0) -> None:
     """Copy the engine's gauges and counters into Ray's metrics every `period` seconds."""
     from ray.util import metrics
@@ -174,8 +170,9 @@ async def _mirror_metrics(state: Any, replica: str, period: float = 5.0) -> None
     }
     while True:
         if state.engine is not None:
-            for name, value in _stats_dict(state.engine.stats()).items():
-                gauges[name].set(value, tags={"replica": replica})
+            stats = state.engine.stats()
+            for name, gauge in gauges.items():
+                gauge.set(getattr(stats, name), tags={"replica": replica})
         await asyncio.sleep(period)
 
 
@@ -206,11 +203,20 @@ class TandemGateway:
             return _unavailable(exc)
         headers = {k.decode(): v.decode() for k, v in start.get("headers", [])}
         headers.pop("content-length", None)  # the body is re-chunked
-        sse = headers.get("content-type", "").startswith("text/event-stream")
-        return StreamingResponse(_bodies(stream, sse), status_code=start["status"], headers=headers)
+        if headers.get("content-type", "").startswith("text/event-stream"):
+            return StreamingResponse(_bodies(stream), status_code=start["status"], headers=headers)
+        # A whole body (JSON) is read before answering: a replica that dies between the
+        # status line and the body is then still a 503, not a 200 with nothing in it.
+        try:
+            body = b"".join([message.get("body", b"") async for message in stream])
+        except Exception as exc:
+            if not _replica_died(exc):
+                raise
+            return _unavailable(exc)
+        return Response(body, status_code=start["status"], headers=headers)
 
 
-async def _bodies(stream: Any, sse: bool) -> AsyncIterator[bytes]:
+async def _bodies(stream: Any) -> AsyncIterator[bytes]:
     finished = False
     try:
         async for message in stream:
@@ -221,8 +227,8 @@ async def _bodies(stream: Any, sse: bool) -> AsyncIterator[bytes]:
         if not _replica_died(exc):
             raise
         finished = True
-        if sse:  # the stream cannot turn into a status code any more: an error event ends it
-            yield f"data: {json.dumps(_error_body(exc))}\n\n".encode()
+        # The stream cannot turn into a status code any more: an error event ends it.
+        yield f"data: {json.dumps(_error_body(exc))}\n\n".encode()
     finally:
         if not finished:  # the client went away: so does the replica's request
             stream.cancel()
