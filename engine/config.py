@@ -50,8 +50,9 @@ class ModelConfig:
     """auto = triton on CUDA when Triton is installed, cpu (Tandem's C kernel) on the CPU in
     float32 when it builds, else reference."""
     cuda_graphs: bool = True
-    """Run steps where every request feeds the same number of tokens on padded fixed shapes,
-    captured as CUDA graphs on CUDA. Needs the triton attention backend; ignored without it."""
+    """Run steps in which no request feeds more than 1 + K tokens (its draft tree's nodes
+    with trees) on padded fixed shapes, captured as CUDA graphs on CUDA. Needs the triton
+    attention backend; ignored without it."""
     model_impl: str = "auto"
     """Forward pass of both models: native = Tandem's own (engine/model/native/, Llama family),
     transformers = the Hugging Face module with Tandem's attention, auto = native where

@@ -6,11 +6,14 @@ conftest.py); on CUDA the same path is captured and replayed as CUDA graphs (gpu
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from engine.attention.backends import triton_available
 from engine.config import SpecConfig
+from engine.model.decode_graphs import DecodeGraphs
 from engine.model.inputs import SeqInput
 from engine.model.runner import ModelRunner
 from server.settings import load_settings
@@ -61,24 +64,36 @@ def _changed_slots(before, runner: ModelRunner) -> set[int]:
     return changed
 
 
-CASES = [(3, 1), (5, 5), (1, 2)]  # (requests, query tokens each): buckets 4, 8 and 1
+# Query lengths per request, and the shape they pad to: decodes (4 requests x 1), a
+# verification of 1 + K = 5 for five requests (8 x 5), one request of 2 (1 x 2), requests
+# whose K differ (4 x 3), and a draft tree (root, two children, a grandchild) beside a chain.
+CASES = [([1, 1, 1], (4, 1)), ([5] * 5, (8, 5)), ([2], (1, 2)), ([3, 1, 2], (4, 3))]
+TREE = ([4, 2], (2, 4))
+TREE_BITS = [0b1, 0b11, 0b101, 0b1011]  # r, a1 (child of r), b1 (child of r), a2 (of a1)
+TREE_DEPTH = [0, 1, 1, 2]
 
 
-def _check_padded_path(runner: ModelRunner, num_seqs: int, q: int, tol: float) -> None:
-    """Run one uniform batch on the padded path, then again eagerly from the same cache."""
+def _check_padded_path(
+    runner: ModelRunner, query_lens: list[int], tol: float, tree: bool = False
+) -> DecodeGraphs:
+    """Run one batch on the padded path, then again eagerly from the same cache."""
     assert runner.enable_decode_graphs(max_batch=8, max_query_len=5, max_model_len=128)
     graphs = runner.decode_graphs
+    assert graphs is not None
     prompts, tables = _prefill(runner)
-    assert graphs.steps == 0  # mixed query lengths ran eagerly
+    assert graphs.steps == 0  # mixed query lengths past max_query_len ran eagerly
     seqs = [
         SeqInput(list(range(7, 7 + q)), len(prompts[i]), tables[i], list(range(q)))
-        for i in range(num_seqs)
+        for i, q in enumerate(query_lens)
     ]
+    if tree:
+        n = len(prompts[0])
+        seqs[0] = replace(seqs[0], tree=TREE_BITS, positions=[n + d for d in TREE_DEPTH])
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
 
     padded = runner.forward(seqs)
     assert graphs.steps == 1
-    assert padded.shape == (num_seqs * q, runner.vocab_size)
+    assert padded.shape == (sum(query_lens), runner.vocab_size)
     new_slots = sorted(
         s.block_table[pos // BLOCK] * BLOCK + pos % BLOCK
         for s in seqs
@@ -100,19 +115,28 @@ def _check_padded_path(runner: ModelRunner, num_seqs: int, q: int, tol: float) -
             torch.testing.assert_close(
                 eager.flatten(0, 1)[new_slots], fixed.flatten(0, 1)[new_slots], rtol=tol, atol=tol
             )
+    return graphs
 
 
-@pytest.mark.parametrize(("num_seqs", "q"), CASES)
-def test_padded_path_gives_the_unpadded_logits(interpreted, tiny_dirs, num_seqs, q):
-    _check_padded_path(_runner(tiny_dirs["qwen2"]), num_seqs, q, 1e-4)  # GQA: 4 heads on 2
+@pytest.mark.parametrize(("query_lens", "shape"), [*CASES, TREE])
+def test_padded_path_gives_the_unpadded_logits(interpreted, tiny_dirs, query_lens, shape):
+    tree = (query_lens, shape) == TREE
+    runner = _runner(tiny_dirs["qwen2"])  # GQA: 4 heads on 2
+    graphs = _check_padded_path(runner, query_lens, 1e-4, tree)
+    assert list(graphs.batches) == [(*shape, tree)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("num_seqs", "q"), CASES)
-def test_cuda_graph_replay_gives_the_eager_logits(tiny_dirs, num_seqs, q):
+@pytest.mark.parametrize(("query_lens", "shape"), [*CASES, TREE])
+def test_cuda_graph_replay_gives_the_eager_logits(tiny_dirs, query_lens, shape):
+    tree = (query_lens, shape) == TREE
     runner = _runner(tiny_dirs["qwen2"], "cuda", torch.bfloat16)
-    _check_padded_path(runner, num_seqs, q, 5e-2)
-    assert [b.graph is not None for b in runner.decode_graphs.batches.values()] == [True]
+    graphs = _check_padded_path(runner, query_lens, 5e-2, tree)
+    # The 1 x 1 graph is captured at start-up; every shape used has its graph.
+    assert {key: b.graph is not None for key, b in graphs.batches.items()} == {
+        (1, 1, False): True,
+        (*shape, tree): True,
+    }
 
 
 def test_batches_that_do_not_fit_run_eagerly(interpreted, tiny_dirs):
@@ -130,13 +154,15 @@ def test_batches_that_do_not_fit_run_eagerly(interpreted, tiny_dirs):
         )
 
     step(3, 1)  # more requests than the largest bucket
-    step(2, 4)  # a longer query than 1 + K_max
+    step(2, 4)  # a longer query than max_query_len
     runner.forward([SeqInput([5], len(prompts[3]) + 4, tables[3], [0])])  # past max_model_len
     assert graphs.steps == 0
     step(2, 3)
     step(1, 1)
-    assert graphs.steps == 2
-    assert sorted(graphs.batches) == [(1, 1), (2, 3)]
+    runner.forward([SeqInput([5, 6], len(prompts[0]) + 4, tables[0], [1]),
+                    SeqInput([5], len(prompts[1]) + 4, tables[1], [0])])  # fmt: skip
+    assert graphs.steps == 3
+    assert sorted(graphs.batches) == [(1, 1, False), (2, 2, False), (2, 3, False)]
 
 
 def test_only_a_plain_lm_head_gets_decode_graphs(interpreted, tiny_dirs, monkeypatch):
@@ -161,7 +187,9 @@ def test_engine_greedy_tokens_are_the_same_with_and_without(interpreted, tiny_di
     spec = SpecConfig(
         method="draft", draft_model=str(tiny_dirs["llama_draft"]), draft_length="fixed"
     )
-    for spec_config in (None, spec):
+    tree = replace(spec, draft_branches=2, max_draft_tokens=2)  # tree passes take graphs too
+    ngram = SpecConfig(method="ngram", draft_length="fixed")  # K differs between requests
+    for spec_config in (None, spec, tree, ngram):
         outputs = {}
         for graphs in (True, False):
             engine = make_engine(
@@ -173,6 +201,8 @@ def test_engine_greedy_tokens_are_the_same_with_and_without(interpreted, tiny_di
             outputs[graphs] = drain(engine)
             if graphs:
                 assert all(r.decode_graphs.steps > 0 for r in engine.runners)
+                shapes = engine.runner.decode_graphs.batches
+                assert any(tree_shape for *_, tree_shape in shapes) == (spec_config is tree)
             else:
                 assert all(r.decode_graphs is None for r in engine.runners)
         assert outputs[True] == outputs[False]

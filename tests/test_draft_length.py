@@ -151,13 +151,15 @@ def test_nonneg_lstsq_recovers_costs_and_never_goes_negative():
 
 def test_calibration_times_each_table_size_with_exactly_that_many_tokens():
     """A table entry for n tokens must time a pass of n tokens (24 was once timed as 2 x 16)."""
-    for n in range(1, 600):
-        chunks = table_chunks(n)
-        assert sum(chunks) == n and max(chunks) <= _TABLE_CHUNK
-        assert max(chunks) - min(chunks) <= 1
+    for chunk in (_TABLE_CHUNK, 5):  # 5: a runner on decode graphs of up to 1 + 4 tokens
+        for n in range(1, 600):
+            chunks = table_chunks(n, chunk)
+            assert sum(chunks) == n and max(chunks) <= chunk
+            assert max(chunks) - min(chunks) <= 1
 
     class Recorder:
         device = torch.device("cpu")
+        decode_graphs = None
 
         def __init__(self) -> None:
             self.passes: list[int] = []
@@ -319,6 +321,27 @@ def test_auto_branches_draft_trees_only_where_passes_are_flat():
     )
     assert per_token.branches == 1
     assert AdaptiveDraftLength(4, flat).choose(_requests(1, 500, 1000, temperature=0)).branches == 1
+
+
+def test_trees_measured_slower_than_predicted_are_dropped():
+    """Tree steps learn their own cost factor: where walking a tree costs more than the
+    passes' prediction says (the host's work per node, one draft pass of N rows per level),
+    auto goes back to chains, and the chains' prediction is left alone."""
+    cost = memory_then_compute_bound()
+    policy = AdaptiveDraftLength(4, cost, max_branches=4)
+    requests = _requests(1, accepted=500, trials=1000, temperature=0)
+    choice = policy.choose(requests)
+    assert choice.branches > 1
+    n, k = choice.branches, choice.ks[0]
+    chain_before = cost.target_time(1 + k)
+    shape = PassShape.of([1 + n * k], [100 + n * k])
+    predicted = float(cost.target_time(shape.num_tokens, shape.kv_tokens, shape.qk_pairs, n))
+    for _ in range(20):  # every tree step takes four times what was predicted
+        cost.observe_target(shape, 4 * predicted, branches=n)
+        cost.observe_draft(k, n * k, 0, 4 * float(cost.draft_time(k, n * k, 0, n)), branches=n)
+    assert cost.target_time(1 + k) == chain_before
+    assert cost.target_time(1 + k, branches=n) > 3 * chain_before
+    assert policy.choose(requests).branches != n
 
 
 def test_auto_branches_are_a_chain_under_a_fixed_k():

@@ -33,7 +33,10 @@ def _path(node: str) -> list[str]:
 
 
 def _runner(tiny_dirs, backend: str, impl: str) -> ModelRunner:
-    runner = ModelRunner(str(tiny_dirs["llama"]), torch.device("cpu"), torch.float32, backend, impl)
+    # Triton runs compiled on a GPU where there is one, else in its interpreter on the CPU.
+    gpu = backend == "triton" and torch.cuda.is_available()
+    device = torch.device("cuda" if gpu else "cpu")
+    runner = ModelRunner(str(tiny_dirs["llama"]), device, torch.float32, backend, impl)
     if backend == "cpu":
         use_cpu_kernels(runner)
     runner.allocate_kv(64, BLOCK)

@@ -189,10 +189,15 @@ def tree_bits(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
     [num_seqs] int64 tree bases), or None when no request has a tree."""
     if not layout.trees:
         return None
-    pairs = list(zip(layout.query_lens, layout.trees, strict=True))
-    bits = [b for q, t in pairs for b in (t.bits if t else [0] * q)]
-    bases = [t.base if t else 0 for _, t in pairs]
+    bits, bases = tree_lists(layout.query_lens, layout.trees)
     return torch.tensor(bits, dtype=torch.int64), torch.tensor(bases, dtype=torch.int64)
+
+
+def tree_lists(query_lens: list[int], trees: list[Tree | None]) -> tuple[list[int], list[int]]:
+    """Every new token's tree bits (0 = causal) and every request's tree base (0 without)."""
+    pairs = list(zip(query_lens, trees, strict=True))
+    bits = [b for q, t in pairs for b in (t.bits if t else [0] * q)]
+    return bits, [t.base if t else 0 for _, t in pairs]
 
 
 def paged_attention_forward(

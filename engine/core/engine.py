@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.core.kv_budget import num_kv_blocks
 from engine.core.outputs import RequestOutput
 from engine.core.request import Request, SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerOutput, make_output
+from engine.core.scheduler import FORCED_MAX, Scheduler, SchedulerOutput, make_output
 from engine.core.stats import EngineStats
 from engine.core.validation import check_request
 from engine.cpu import kernels as cpu_kernels
@@ -199,6 +199,7 @@ class LLMEngine:
             return []
         try:
             tables = [self.kv.block_table(s.request.request_id) for s in sched.scheduled]
+            captures = self._graph_captures()
             start = time.perf_counter()
             drafts = self.proposer.propose(sched, tables) if self.proposer else None
             drafts = with_forced_drafts(sched, drafts)
@@ -208,7 +209,9 @@ class LLMEngine:
         except Exception as exc:  # a failed forward fails this step's requests, not the engine
             logger.exception("engine step failed")
             return self._fail(sched, f"internal error in the engine step: {exc}")
-        self._observe_timing(sched, drafts, drafted - start, verified - drafted)
+        # A step that captured a CUDA graph says nothing about what steps cost.
+        timed = self._graph_captures() == captures
+        self._observe_timing(sched, drafts, drafted - start, verified - drafted, timed)
         self.totals.forward_seconds += results.forward_seconds
         outputs = self.scheduler.update(sched, results.tokens, results.prompt_logprobs)
         self._count(sched, outputs)
@@ -246,12 +249,16 @@ class LLMEngine:
         if not self.scheduler.has_work():
             assert self.kv.num_free_blocks == self.kv.num_blocks, "idle engine holds KV blocks"
 
+    def _graph_captures(self) -> int:
+        return sum(r.decode_graphs.captures for r in self.runners if r.decode_graphs is not None)
+
     def _observe_timing(
         self,
         sched: SchedulerOutput,
         drafts: DraftBatch | None,
         draft_seconds: float,
         target_seconds: float,
+        representative: bool = True,
     ) -> None:
         num_drafts = [len(d) for d in drafts.token_ids] if drafts else [0] * len(sched.scheduled)
         # The proposer's drafts: a grammar's forced ones cost it nothing.
@@ -259,20 +266,22 @@ class LLMEngine:
         self.totals.draft_seconds += draft_seconds
         self.totals.target_seconds += target_seconds
         self.totals.draft_passes += max(proposed, default=0)
-        if self.cost_model is None:
+        if self.cost_model is None or not representative:
             return
         # Called before the scheduler's update, so num_computed_tokens is still this step's start.
         query_lens, context_lens = [], []
         for item, k in zip(sched.scheduled, num_drafts, strict=True):
             query_lens.append(item.num_new_tokens + k)
             context_lens.append(item.request.num_computed_tokens + item.num_new_tokens + k)
+        branches = max((item.branches for item in sched.scheduled), default=1)
         if any(proposed) and drafts is not None:
             # Charged for every token the draft model ran, prefill chunks included: counting
             # only the drafts would read a step with a prefill chunk as a slow draft.
             self.cost_model.observe_draft(
-                max(proposed), drafts.fed_tokens, drafts.fed_pairs, draft_seconds
+                max(proposed), drafts.fed_tokens, drafts.fed_pairs, draft_seconds, branches
             )
-        self.cost_model.observe_target(PassShape.of(query_lens, context_lens), target_seconds)
+        shape = PassShape.of(query_lens, context_lens)
+        self.cost_model.observe_target(shape, target_seconds, branches)
 
     def _count(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         t = self.totals
@@ -325,7 +334,10 @@ class LLMEngine:
 
     def _enable_decode_graphs(self) -> bool:
         spec = self.config.spec
-        max_query_len = 1 + (spec.max_draft_tokens if spec.enabled else 0)
+        # A verification feeds 1 + K tokens (K up to FORCED_MAX for grammar-forced drafts,
+        # speculation on or off), a draft tree's pass 1 + its nodes.
+        drafted = spec.max_draft_tokens * spec.max_branches if spec.enabled else 0
+        max_query_len = 1 + max(drafted, FORCED_MAX)
         max_batch = min(self.config.scheduler.max_num_seqs, BATCH_BUCKETS[-1])
         enabled = [
             runner.enable_decode_graphs(max_batch, max_query_len, self.max_model_len)

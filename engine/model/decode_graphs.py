@@ -1,17 +1,21 @@
-"""Decode steps on fixed shapes: padded batch buckets, static buffers, CUDA graphs.
+"""Small steps on fixed shapes: padded buckets, static buffers, CUDA graphs.
 
-A forward in which every request feeds the same number q of tokens (decode q = 1, a
-verification of 1 + K with one K, a draft pass) is padded up to the next batch bucket and
-run from buffers that never move: input ids, positions, slot mapping, block tables, context
-lengths and query starts. On CUDA the model body is captured once per (bucket, q) as a CUDA
-graph and replayed, so a small step costs one launch instead of hundreds; elsewhere the same
-padded path runs eagerly, which is how the CPU tests check it.
+A forward of up to 64 requests that each feed at most `max_query_len` tokens (decodes,
+verifications of 1 + K tokens whatever each request's K, draft passes, draft trees) is padded
+up to a batch bucket and a query-length bucket and run from buffers that never move: input
+ids, positions, slot mapping, block tables, context lengths, query starts and, for a step
+with draft trees, every token's tree bits and every request's tree base. On CUDA the model
+body is captured once per (batch bucket, query bucket, tree or not) as a CUDA graph and
+replayed, so a small step costs one launch instead of hundreds; elsewhere the same padded
+path runs eagerly, which is how the CPU tests check it.
 
-Padding requests have no query tokens (their query_start_loc entries repeat), so the Triton
-attention kernel skips them; padding tokens write their K/V into the runner's scratch block,
-which no request owns. The LM head runs after the body on the rows wanted, so a graph keeps
-[tokens, hidden] states rather than [tokens, vocab] logits; `head_is_plain` checks once that
-the model's logits are exactly that LM head applied to the body's output.
+The real tokens are packed as an eager step packs them, the padding tokens after them. The
+attention metadata describes only the real requests (padding requests have no query tokens:
+their query_start_loc entries repeat the real total), so the Triton attention kernel skips
+the padding, whose K/V go into the runner's scratch block, which no request owns. The LM
+head runs after the body on the rows wanted, so a graph keeps [tokens, hidden] states rather
+than [tokens, vocab] logits; `head_is_plain` checks once that the model's logits are exactly
+that LM head applied to the body's output.
 
 Graphs are captured the first time their shape is needed, from one memory pool per runner;
 the smallest shape is captured at start-up so that a stack that cannot capture fails there.
@@ -26,16 +30,18 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.paged import AttentionBackend, AttentionMetadata
+from engine.attention.paged import AttentionBackend, AttentionMetadata, Tree, tree_lists
 
 logger = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+QUERY_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+"""Query lengths a shape is padded to: exact where chains live (1 + K), coarser for trees."""
 
 
 @dataclass
 class StaticBatch:
-    """The buffers of one (bucket, q) shape; the metadata and graph point at them."""
+    """The buffers of one (bucket, q, tree) shape; the metadata and graph point at them."""
 
     batch: int
     query_len: int
@@ -43,7 +49,8 @@ class StaticBatch:
     positions: torch.Tensor  # [1, batch * q]
     metadata: AttentionMetadata
     """slot_mapping [batch * q], block_tables [batch, width], context_lens [batch],
-    query_start_loc [batch + 1], max_query_len q."""
+    query_start_loc [batch + 1], max_query_len q; with trees, tree [batch * q] int64 and
+    tree_base [batch] int32."""
     hidden: torch.Tensor | None = None  # [1, batch * q, hidden] what the body last wrote
     graph: torch.cuda.CUDAGraph | None = None
 
@@ -71,24 +78,27 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         self.width = max_blocks_per_seq
         self.max_query_len = max_query_len
+        self.query_buckets = [b for b in QUERY_BUCKETS if b < max_query_len] + [max_query_len]
         top = next((b for b in BATCH_BUCKETS if b >= max_batch), BATCH_BUCKETS[-1])
         self.buckets = [b for b in BATCH_BUCKETS if b <= top]
         self.device = device
         self.capture = device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.batches: dict[tuple[int, int], StaticBatch] = {}
+        self.batches: dict[tuple[int, int, bool], StaticBatch] = {}
         self.steps = 0
         """Forwards that took this path (for tests and logs)."""
+        self.captures = 0
+        """Graphs captured so far: a step that captured one took far longer than a replay."""
         if self.capture:
-            self._batch(1, 1)
+            self._batch(1, 1, False)
 
     def fits(self, query_lens: list[int], context_lens: list[int]) -> bool:
-        """Whether a batch can run here: one query length, few enough requests, short enough."""
-        q = query_lens[0] if query_lens else 0
+        """Whether a batch can run here: few enough requests, none feeding more than
+        max_query_len tokens (nor none), none longer than the block tables."""
         return (
             0 < len(query_lens) <= self.buckets[-1]
-            and 0 < q <= self.max_query_len
-            and all(n == q for n in query_lens)
+            and 0 < min(query_lens)
+            and max(query_lens) <= self.max_query_len
             and max(context_lens) <= self.width * self.block_size
         )
 
@@ -99,13 +109,18 @@ class DecodeGraphs:
         context_lens: list[int],
         block_tables: list[list[int]],
         logit_rows: list[int],
+        query_lens: list[int],
+        trees: list[Tree | None] | None = None,
     ) -> torch.Tensor:  # [len(logit_rows), hidden]
         """The body's output at logit_rows (indices into the packed tokens) for a batch that
         `fits`; the LM head is the caller's."""
-        n = len(context_lens)
-        q = len(token_ids) // n
-        static = self._batch(next(b for b in self.buckets if b >= n), q)
-        self._fill(static, token_ids, positions, context_lens, block_tables)
+        n, longest = len(context_lens), max(query_lens)
+        bucket = next(b for b in self.buckets if b >= n)
+        q = next(b for b in self.query_buckets if b >= longest)
+        has_tree = trees is not None and any(t is not None for t in trees)
+        static = self._batch(bucket, q, has_tree)
+        layout = (context_lens, block_tables, query_lens, trees if has_tree else None)
+        self._fill(static, token_ids, positions, *layout)
         if static.graph is not None:
             static.graph.replay()
         else:
@@ -118,14 +133,14 @@ class DecodeGraphs:
     def _body(self, static: StaticBatch) -> torch.Tensor:
         return self.body(static.input_ids, static.positions, static.metadata)
 
-    def _batch(self, bucket: int, q: int) -> StaticBatch:
-        static = self.batches.get((bucket, q))
+    def _batch(self, bucket: int, q: int, tree: bool) -> StaticBatch:
+        static = self.batches.get((bucket, q, tree))
         if static is None:
-            static = self._new_batch(bucket, q)
-            self.batches[(bucket, q)] = static
+            static = self._new_batch(bucket, q, tree)
+            self.batches[(bucket, q, tree)] = static
         return static
 
-    def _new_batch(self, bucket: int, q: int) -> StaticBatch:
+    def _new_batch(self, bucket: int, q: int, tree: bool) -> StaticBatch:
         tokens = bucket * q
         scratch_slot = self.scratch_block * self.block_size
         device = self.device
@@ -138,6 +153,9 @@ class DecodeGraphs:
             context_lens=torch.zeros(bucket, dtype=torch.int32, device=device),
             max_query_len=q,
         )
+        if tree:  # all zeros: causal, which is what padding and chains get
+            metadata.tree = torch.zeros(tokens, dtype=torch.int64, device=device)
+            metadata.tree_base = torch.zeros(bucket, dtype=torch.int32, device=device)
         static = StaticBatch(
             batch=bucket,
             query_len=q,
@@ -150,7 +168,8 @@ class DecodeGraphs:
                 self._capture(static)
             except RuntimeError as exc:
                 raise RuntimeError(
-                    f"capturing a CUDA graph ({bucket} requests x {q} tokens) failed: {exc}; "
+                    f"capturing a CUDA graph ({bucket} requests x {q} tokens"
+                    f"{', draft trees' if tree else ''}) failed: {exc}; "
                     "start with --cuda-graphs off to run every step eagerly"
                 ) from exc
         return static
@@ -170,8 +189,12 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             static.hidden = self._body(static)
         static.graph = graph
+        self.captures += 1
         logger.info(
-            "captured a CUDA graph for %d requests x %d tokens", static.batch, static.query_len
+            "captured a CUDA graph for %d requests x %d tokens%s",
+            static.batch,
+            static.query_len,
+            ", draft trees" if static.metadata.tree is not None else "",
         )
 
     def _fill(
@@ -181,16 +204,23 @@ class DecodeGraphs:
         positions: list[int],
         context_lens: list[int],
         block_tables: list[list[int]],
+        query_lens: list[int],
+        trees: list[Tree | None] | None,
     ) -> None:
-        """Copy the batch into the static buffers; padding stays padding."""
-        n, q, bucket = len(context_lens), static.query_len, static.batch
-        real, pad = n * q, (bucket - n) * q
+        """Copy the batch into the static buffers; padding stays padding (the tree bits past
+        the real tokens too: no query reads them)."""
+        n, bucket = len(context_lens), static.batch
+        real = len(token_ids)
+        pad = bucket * static.query_len - real
         bs = self.block_size
         slots = [
             table[pos // bs] * bs + pos % bs
-            for ctx, table in zip(context_lens, block_tables, strict=True)
+            for ctx, table, q in zip(context_lens, block_tables, query_lens, strict=True)
             for pos in range(ctx - q, ctx)
         ]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
         scratch = self.scratch_block * bs
         used = max(-(-ctx // bs) for ctx in context_lens)
         tables = [(table[:used] + [0] * used)[:used] for table in block_tables]
@@ -202,8 +232,12 @@ class DecodeGraphs:
             (static.positions[0], positions + [0] * pad),
             (md.slot_mapping, slots + [scratch] * pad),
             (md.context_lens, context_lens + [0] * (bucket - n)),
-            (md.query_start_loc, list(range(0, real + 1, q)) + [real] * (bucket - n)),
+            (md.query_start_loc, starts + [real] * (bucket - n)),
         ]
+        if trees is not None:
+            assert md.tree is not None and md.tree_base is not None
+            bits, bases = tree_lists(query_lens, trees)
+            host += [(md.tree[:real], bits), (md.tree_base[:n], bases)]
         for target, values in host:
             target.copy_(torch.tensor(values, dtype=target.dtype), non_blocking=True)
         # Rows past n and columns past `used` keep stale ids: no query reads them.

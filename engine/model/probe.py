@@ -13,7 +13,11 @@ from engine.attention import paged as attention
 from engine.attention.paged import AttentionBackend
 from engine.model.native import NativeForward
 
-NATIVE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+# bfloat16: the fused Triton kernels on CUDA (engine/model/native/triton_ops.py) round once
+# where torch rounds after every operator, and add the residuals inside the GEMMs; over
+# SmolLM2-135M's 30 layers that measured 4.3e-2 on an H100 (the torch operators: 0). A bug
+# (a wrong rotation, a missed cache write) is off by the logits' own size.
+NATIVE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
 
 
 @torch.inference_mode()

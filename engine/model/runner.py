@@ -2,9 +2,10 @@
 
 The runner loads any `AutoModelForCausalLM` whose attention goes through transformers'
 AttentionInterface, owns that model's KV tensors, and turns a list of `SeqInput`s (what each
-request feeds this step) into one packed forward that returns the logits asked for. Batches
-in which every request feeds the same number of tokens can run on fixed shapes (CUDA graphs
-on CUDA; engine/model/decode_graphs.py) once `enable_decode_graphs` has been called. For
+request feeds this step) into one packed forward that returns the logits asked for. Small
+batches (each request feeding a few tokens: decodes, verifications, draft passes and trees)
+can run on fixed shapes (CUDA graphs on CUDA; engine/model/decode_graphs.py) once
+`enable_decode_graphs` has been called. For
 architectures registered in engine/model/native/, the pass can run Tandem's own forward on the same
 weights (`model_impl`), checked against transformers' on a probe batch first.
 
@@ -131,7 +132,7 @@ class ModelRunner:
         self.native: NativeForward | None = None
         self.model_impl_setting = model_impl
         self.kernels = "torch"
-        """What runs this model's layers: torch, or what engine/model/on_cpu.py switched on."""
+        """What runs the layers: torch, triton (native, CUDA) or engine/model/on_cpu.py's."""
         if model_impl != "transformers":
             self.native = self._load_native(strict=model_impl == "native")
         self.model_impl = "native" if self.native is not None else "transformers"
@@ -155,10 +156,12 @@ class ModelRunner:
     def _load_native(self, strict: bool) -> NativeForward | None:
         native, why = build_native(self.model)
         if native is not None:
+            self.kernels = "triton" if native.use_triton_ops() else "torch"
             error = self.native_error(native)
             if error > NATIVE_TOLERANCE[self.dtype]:
                 native, why = None, f"its logits differ from transformers' by {error:.2e}"
         if native is None:
+            self.kernels = "torch"
             if strict:
                 raise ValueError(f"--model-impl native: {self.name}: {why}")
             logger.info("%s runs through transformers: %s", self.name, why)
@@ -235,7 +238,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def enable_decode_graphs(self, max_batch: int, max_query_len: int, max_model_len: int) -> bool:
-        """Run batches of up to max_batch requests that all feed the same q <= max_query_len
+        """Run batches of up to max_batch requests that each feed at most max_query_len
         tokens on padded fixed shapes, captured as CUDA graphs on CUDA. Call after
         allocate_kv. Needs a graph-safe backend (triton: its metadata is all tensors) and a
         model whose logits are its LM head applied to its body's output; returns whether it
@@ -317,8 +320,9 @@ class ModelRunner:
         if any(s.tree for s in seqs):
             trees = [s.attention_tree() for s in seqs]
         graphs = self.decode_graphs
-        if graphs is not None and trees is None and graphs.fits(query_lens, context_lens):
-            hidden = graphs.run(token_ids, positions, context_lens, tables, logit_index)
+        if graphs is not None and graphs.fits(query_lens, context_lens):
+            batch = (context_lens, tables, logit_index, query_lens, trees)
+            hidden = graphs.run(token_ids, positions, *batch)
             return self._widen(self._graph_head(hidden).float())  # [num_logits, vocab]
         metadata = attention.build_metadata(
             self.kv_caches,

@@ -46,6 +46,8 @@ def calibration_key(runners: list[ModelRunner], settings: dict) -> str:
         h.update(json.dumps(runner.hf_config.to_dict(), sort_keys=True, default=str).encode())
         h.update(f"{runner.device} {runner.dtype} {runner.model_impl}".encode())
         h.update(type(runner.attention_backend).__name__.encode())
+        graphs = runner.decode_graphs  # which passes run as graphs changes what they cost
+        h.update(f"graphs {graphs.max_query_len if graphs is not None else 0}".encode())
         head = runner.head_tokens
         h.update(f"{runner.kernels} {None if head is None else head.tolist()}".encode())
         model_dir = Path(runner.name)
@@ -143,11 +145,14 @@ def calibrate_runners(
     def timed(runner: ModelRunner, seqs: list[SeqInput], n: int = repeats) -> float:
         return _min_time(lambda: (runner.forward(seqs), sync()), n)
 
-    # The weights' cost by token count: short sequences, so attention stays small.
+    # The weights' cost by token count: short sequences, so attention stays small. With
+    # decode graphs, sequences short enough to take them, as verifications and drafts do.
     sizes = _log_sizes(max_tokens)
+    graphs = target.decode_graphs
+    chunk = min(_TABLE_CHUNK, graphs.max_query_len) if graphs is not None else _TABLE_CHUNK
     table = []
     for n in sizes:
-        chunks = table_chunks(n)
+        chunks = table_chunks(n, chunk)
         table.append(timed(target, sequences(chunks, chunks)))
     cost = CostModel(sizes, table, 0.0, 0.0)
 
@@ -186,10 +191,10 @@ def calibrate_runners(
     return cost
 
 
-def table_chunks(num_tokens: int) -> list[int]:
+def table_chunks(num_tokens: int, chunk: int = _TABLE_CHUNK) -> list[int]:
     """Query lengths of the sequences that time a pass of exactly `num_tokens` tokens: as
-    few as keep each at most `_TABLE_CHUNK`, as even as they divide."""
-    count = -(-num_tokens // _TABLE_CHUNK)
+    few as keep each at most `chunk`, as even as they divide."""
+    count = -(-num_tokens // chunk)
     return [num_tokens // count + (i < num_tokens % count) for i in range(count)]
 
 

@@ -15,7 +15,10 @@ The start-up fit (engine/spec/calibration.py) is cached per machine, models and 
 later starts skip it; `--recalibrate on` forces a fresh one. Every real step then rescales its
 prediction by the measured/predicted ratio (a running mean at first, an EMA after that,
 one step's ratio clipped to [0.5, 2] so a pause on a shared machine moves the model a little,
-not a lot).
+not a lot). Steps with draft trees of N branches learn one more factor each for target and
+draft: what they cost beyond that prediction (walking a tree's nodes on the host, a draft
+pass of N rows per level), so `--draft-branches auto` stops choosing trees on a machine
+where they do not pay.
 
 The verifier capacity P is the number of tokens a target pass takes for about the cost of a
 single-token pass (within `CAPACITY_SLACK`).
@@ -90,24 +93,34 @@ class CostModel:
         self.draft_per_pair = draft_per_pair
         self.target_scale = _Scale()
         self.draft_scale = _Scale()
+        self.tree_scales: dict[int, tuple[_Scale, _Scale]] = {}
+        """Per tree width N > 1: (target, draft) cost beyond the two scales above."""
 
     def target_time(
         self,
         num_tokens: np.ndarray | float,
         kv_tokens: np.ndarray | float = 0.0,
         qk_pairs: np.ndarray | float = 0.0,
+        branches: int = 1,
     ) -> np.ndarray:
-        return self.target_scale.value * self._target_calibrated(num_tokens, kv_tokens, qk_pairs)
+        scale = self.target_scale.value * self._tree_scale(branches, 0)
+        return scale * self._target_calibrated(num_tokens, kv_tokens, qk_pairs)
 
     def draft_time(
         self,
         num_passes: np.ndarray | float,
         num_drafts: np.ndarray | float,
         qk_pairs: np.ndarray | float = 0.0,
+        branches: int = 1,
     ) -> np.ndarray:
         """Seconds for `num_passes` draft passes proposing `num_drafts` tokens in total whose
-        queries attend `qk_pairs` keys in total."""
-        return self.draft_scale.value * self._draft_calibrated(num_passes, num_drafts, qk_pairs)
+        queries attend `qk_pairs` keys in total (as trees of `branches` when > 1)."""
+        scale = self.draft_scale.value * self._tree_scale(branches, 1)
+        return scale * self._draft_calibrated(num_passes, num_drafts, qk_pairs)
+
+    def _tree_scale(self, branches: int, which: int) -> float:
+        scales = self.tree_scales.get(branches)
+        return scales[which].value if scales is not None else 1.0
 
     def _target_calibrated(
         self,
@@ -150,15 +163,24 @@ class CostModel:
         ok = self.sizes[self.target_seconds <= limit]
         return int(ok.max()) if ok.size else 1
 
-    def observe_target(self, shape: PassShape, seconds: float) -> None:
+    def observe_target(self, shape: PassShape, seconds: float, branches: int = 1) -> None:
         calibrated = self._target_calibrated(shape.num_tokens, shape.kv_tokens, shape.qk_pairs)
-        self.target_scale.observe(seconds, float(calibrated))
+        self._observe(0, self.target_scale, seconds, float(calibrated), branches)
 
     def observe_draft(
-        self, num_passes: int, num_drafts: int, qk_pairs: int, seconds: float
+        self, num_passes: int, num_drafts: int, qk_pairs: int, seconds: float, branches: int = 1
     ) -> None:
         calibrated = self._draft_calibrated(num_passes, num_drafts, qk_pairs)
-        self.draft_scale.observe(seconds, float(calibrated))
+        self._observe(1, self.draft_scale, seconds, float(calibrated), branches)
+
+    def _observe(
+        self, which: int, scale: _Scale, seconds: float, calibrated: float, branches: int
+    ) -> None:
+        if branches <= 1:
+            scale.observe(seconds, calibrated)
+        else:  # a tree's cost beyond the chains' scale
+            tree = self.tree_scales.setdefault(branches, (_Scale(), _Scale()))
+            tree[which].observe(seconds, scale.value * calibrated)
 
     def to_dict(self) -> dict:
         """The start-up fit (not the online scale), as JSON-able numbers."""

@@ -205,13 +205,14 @@ class AdaptiveDraftLength:
         passes: np.ndarray,
         decode_pairs: float,
         draft_pairs: np.ndarray,
+        branches: int = 1,
     ) -> np.ndarray:
         """Predicted step time: the target pass holds base_tokens (prefill tokens and every
         request's last token, each of the latter a query over its context: decode_pairs) plus
         the drafts, each of which is one more query over its request's context."""
         return self.cost.target_time(
-            base_tokens + drafts, decode_pairs, decode_pairs + draft_pairs
-        ) + self.cost.draft_time(passes, drafts, draft_pairs)
+            base_tokens + drafts, decode_pairs, decode_pairs + draft_pairs, branches
+        ) + self.cost.draft_time(passes, drafts, draft_pairs, branches)
 
     def _best_uniform(
         self, gains: np.ndarray, context: np.ndarray, num_other: int
@@ -269,7 +270,7 @@ class AdaptiveDraftLength:
             k = np.arange(1, k_max + 1)
             tokens = rows + np.cumsum(gains.sum(axis=0))
             seconds = self._seconds(
-                num_other + rows, rows * k * n, k, total_context, k * n * total_context
+                num_other + rows, rows * k * n, k, total_context, k * n * total_context, n
             )
             rates = tokens / seconds
             i = int(np.argmax(rates))

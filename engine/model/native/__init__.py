@@ -42,6 +42,10 @@ class NativeForward(Protocol):
         if it now runs on them, False (changing nothing) if it cannot."""
         ...
 
+    def use_triton_ops(self) -> bool:
+        """On CUDA, switch to fused Triton kernels where this forward can; as above."""
+        ...
+
 
 @dataclass(frozen=True)
 class Implementation:

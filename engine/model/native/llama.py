@@ -11,6 +11,8 @@ per-call Python, not arithmetic. The default draft (2 layers) runs about 670 tor
 in 1.2 ms per pass through transformers' Llama, against 0.7 ms here; a verification pass
 saves one linear call per layer for q/k/v and one for gate/up. The runner checks this forward
 against transformers' on a probe batch before using it (engine/model/native/__init__.py).
+On CUDA the same is true of kernel launches rather than Python: `forward_triton` runs a
+layer as about nine kernels (engine/model/native/triton_ops.py) instead of about 35.
 """
 
 from __future__ import annotations
@@ -127,6 +129,33 @@ class _Layer(nn.Module):
         act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
         return hidden + self.down_proj(act)
 
+    def forward_triton(
+        self,
+        hidden: torch.Tensor,  # [tokens, hidden]
+        positions: torch.Tensor,  # [tokens] int64
+        cos: torch.Tensor,  # [max positions, head_dim]: the whole table
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`forward` on CUDA through engine/model/native/triton_ops.py: the norms, rotary +
+        cache write and SiLU x up as one kernel each, the residuals added in the GEMMs.
+        Needs no q/k norms and no biases on o_proj and down_proj."""
+        from engine.model.native import triton_ops
+
+        n, heads, d = hidden.shape[0], self.num_heads, self.head_dim
+        norm = self.input_norm
+        qkv = self.qkv(triton_ops.rms_norm(hidden, norm.weight, norm.variance_epsilon))
+        key_cache, value_cache = metadata.kv_caches[self.layer_idx]
+        q = triton_ops.rotary_cache(
+            qkv, cos, sin, positions, metadata.slot_mapping, key_cache, value_cache,
+            heads, self.num_kv_heads, d,
+        )  # fmt: skip
+        attn = metadata.backend.attend(q, key_cache, value_cache, metadata, self.scaling)
+        hidden = torch.addmm(hidden, attn.view(n, heads * d), self.o_proj.weight.t())
+        norm = self.post_norm
+        gate_up = self.gate_up(triton_ops.rms_norm(hidden, norm.weight, norm.variance_epsilon))
+        return torch.addmm(hidden, triton_ops.silu_mul(gate_up), self.down_proj.weight.t())
+
     def forward_cpu(
         self,
         hidden: torch.Tensor,  # [tokens, hidden] float32; updated in place and returned
@@ -181,6 +210,7 @@ class LlamaForward(nn.Module):
         self.register_buffer("cos", (emb.cos() * scaling).to(device, dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(device, dtype), persistent=False)
         self.cpu_kernels = False
+        self.triton_ops = False
         self.one_call = False
         self._stack: tuple[tuple, ctypes.Array] | None = None
         """(key, cpu_kernels.Layer array) for `cpu_kernels.layers`; see `_layer_stack`."""
@@ -204,6 +234,20 @@ class LlamaForward(nn.Module):
         """Whether `_forward_stack` may run the layers: they share shapes and norm epsilon."""
         return True
 
+    def use_triton_ops(self) -> bool:
+        """Run each layer through `_Layer.forward_triton` (CUDA with Triton, no q/k norms, no
+        o/down biases); False, changing nothing, where that does not apply."""
+        from engine.attention.backends import triton_available
+
+        layers_ok = all(
+            x.q_norm is None and x.o_proj.bias is None and x.down_proj.bias is None
+            for x in self.layers
+        )
+        if self.embed_tokens.weight.device.type != "cuda" or not layers_ok:
+            return False
+        self.triton_ops = triton_available()
+        return self.triton_ops
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [tokens]
@@ -214,9 +258,10 @@ class LlamaForward(nn.Module):
         if self.one_call and metadata.kernel_seqs is not None and not metadata.groups:
             # Every request is the attention kernel's: all layers in one C call.
             return self._forward_stack(hidden, positions, metadata)
-        if self.cpu_kernels:
+        if self.cpu_kernels or self.triton_ops:
             for layer in self.layers:
-                hidden = layer.forward_cpu(hidden, positions, self.cos, self.sin, metadata)
+                run = layer.forward_cpu if self.cpu_kernels else layer.forward_triton
+                hidden = run(hidden, positions, self.cos, self.sin, metadata)
             return hidden
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
@@ -275,4 +320,9 @@ class LlamaForward(nn.Module):
             head: PackedLinear = self.lm_head
             x = cpu_kernels.rms_norm(hidden, self.norm.weight, self.norm.variance_epsilon)
             return head.rows(x)
+        if self.triton_ops:
+            from engine.model.native import triton_ops
+
+            x = triton_ops.rms_norm(hidden, self.norm.weight, self.norm.variance_epsilon)
+            return self.lm_head(x)
         return self.lm_head(_rms_norm(hidden, self.norm.weight, self.norm.variance_epsilon))
