@@ -7,6 +7,7 @@ verifies, and output tokens/s of speculation settings on held-out chat prompts.
   python -m bench.default_engine agreement --model DIR --quantization int8
   python -m bench.default_engine speed --temperature 0.7 --verification token block seeded
   python -m bench.default_engine speed --configs K=2 K=3 --branches 1 2 3   # draft trees
+  python -m bench.default_engine speed --configs off ngram --model FILE.gguf  # any GGUF, n-gram
 
 `--verification` runs every config once per verifier: token or block (sampled drafts verified
 token by token or as a block), or seeded (each request brings a seed: the coupled sampler).
@@ -26,7 +27,11 @@ default: the SmolLM2 GGUF on its own blocks, `models/draft`.
 from __future__ import annotations
 
 import argparse
+import copy
+import gc
+import itertools
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -36,6 +41,7 @@ from bench.chat_prompts import bench_messages
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from engine.core.engine import LLMEngine
 from engine.core.request import SamplingParams
+from engine.core.stats import EngineStats
 from engine.model.files import prepare
 from engine.model.inputs import SeqInput
 from engine.model.quantization import METHODS
@@ -53,6 +59,7 @@ CONFIGS = {
     "adaptive": SpecConfig(
         method="draft", draft_model=DRAFT, max_draft_tokens=4, draft_length="adaptive"
     ),
+    "ngram": SpecConfig(method="ngram", max_draft_tokens=4, draft_length="adaptive"),
 }
 
 
@@ -60,7 +67,7 @@ def engine(spec: SpecConfig, model: str = TARGET, quantization: str = "none") ->
     return LLMEngine(
         EngineConfig(
             model=ModelConfig(model=prepare(model), quantization=quantization),
-            cache=CacheConfig(block_size=16, memory_gb=1.0),
+            cache=CacheConfig(block_size=16, memory_gb=1.0, gpu_memory_utilization=0.3),
             scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512),
             spec=spec,
         )
@@ -71,14 +78,21 @@ def passes(model: str, quantization: str, context: int = 150, repeats: int = 30)
     """Best-of-`repeats` time of one target pass feeding 1..5 tokens after `context`."""
     runner = engine(CONFIGS["off"], model, quantization).runner
     table = list(range(-(-context // 16) + 1))
+
+    def sync() -> None:  # a GPU pass is done when the device says so, not when forward returns
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+
     for q in range(1, 6):
         seqs = [SeqInput(list(range(100, 100 + q)), context - q, table, list(range(q)))]
         for _ in range(5):
             runner.forward(seqs)
         best = float("inf")
         for _ in range(repeats):
+            sync()
             start = time.perf_counter()
             runner.forward(seqs)
+            sync()
             best = min(best, time.perf_counter() - start)
         print(f"target pass, {q} token(s): {best * 1e3:.2f} ms")
 
@@ -108,28 +122,22 @@ def speed(
 ) -> None:
     seeded = verification == "seeded"
     spec = replace(CONFIGS[name], verification="block" if seeded else verification)
-    if spec.method == "draft":
+    if spec.method != "off":
         spec = replace(spec, draft_branches=branches, tree_drafts=tree_drafts)
     eng = engine(spec, model, quantization)
-    prompts = _prompts(eng.config.model.model, requests)
+    # Warm-up requests (other prompts, same concurrency) first: they capture the CUDA graphs
+    # of the shapes the run will use, which a long-running server has done long before.
+    warm = max(concurrency, 4)
+    prompts = _prompts(eng.config.model.model, requests + warm)
 
     def params(i: int) -> SamplingParams:
         seed = 1000 + i if seeded else None
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
 
-    queue = iter(enumerate(prompts))
-    for i, prompt in zip(range(concurrency), queue, strict=False):
-        eng.add_request(str(i), prompt[1], params(i))
-    tokens, start = 0, time.perf_counter()
-    while eng.has_work():
-        for out in eng.step():
-            tokens += len(out.new_token_ids)
-            if out.finished:
-                nxt = next(queue, None)
-                if nxt is not None:
-                    eng.add_request(str(nxt[0]), nxt[1], params(nxt[0]))
-    seconds = time.perf_counter() - start
-    s = eng.stats()
+    _closed_loop(eng, list(enumerate(prompts[requests:], start=requests)), concurrency, params)
+    before = copy.deepcopy(eng.stats())
+    tokens, seconds = _closed_loop(eng, list(enumerate(prompts[:requests])), concurrency, params)
+    s = _since(eng.stats(), before)
     accepted = " / ".join(
         f"{a} of {d}"
         for a, d in zip(s.spec_accepted_by_position, s.spec_drafted_by_position, strict=True)
@@ -145,6 +153,53 @@ def speed(
         f"draft {100 * share:.0f}% of engine time, {s.spec_tree_steps} tree steps",
         flush=True,
     )
+    del eng  # the next config's engine sizes its KV pool from the memory left
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _closed_loop(
+    eng: LLMEngine,
+    prompts: list[tuple[int, list[int]]],
+    concurrency: int,
+    params: Callable[[int], SamplingParams],
+) -> tuple[int, float]:
+    """Run `prompts` (index, tokens) with `concurrency` in flight; output tokens, seconds."""
+    queue = iter(prompts)
+    for i, prompt in itertools.islice(queue, concurrency):
+        eng.add_request(str(i), prompt, params(i))
+    tokens, start = 0, time.perf_counter()
+    while eng.has_work():
+        for out in eng.step():
+            tokens += len(out.new_token_ids)
+            if out.finished:
+                nxt = next(queue, None)
+                if nxt is not None:
+                    eng.add_request(str(nxt[0]), nxt[1], params(nxt[0]))
+    return tokens, time.perf_counter() - start
+
+
+def _since(after: EngineStats, before: EngineStats) -> EngineStats:
+    """The counters `speed` prints, as counted after `before`."""
+    return replace(
+        after,
+        spec_accepted_by_position=_minus(
+            after.spec_accepted_by_position, before.spec_accepted_by_position
+        ),
+        spec_drafted_by_position=_minus(
+            after.spec_drafted_by_position, before.spec_drafted_by_position
+        ),
+        spec_accepted_tokens=after.spec_accepted_tokens - before.spec_accepted_tokens,
+        spec_verify_passes=after.spec_verify_passes - before.spec_verify_passes,
+        spec_tree_steps=after.spec_tree_steps - before.spec_tree_steps,
+        draft_seconds=after.draft_seconds - before.draft_seconds,
+        step_seconds=after.step_seconds - before.step_seconds,
+    )
+
+
+def _minus(after: list[int], before: list[int]) -> list[int]:
+    return [a - (before[i] if i < len(before) else 0) for i, a in enumerate(after)]
 
 
 def agreement(model: str, quantization: str, requests: int, max_tokens: int) -> None:

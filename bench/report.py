@@ -319,6 +319,7 @@ def main() -> None:
         "chat_runs_cpu.md",
         "quantization_cpu.md",
         "verification_cpu.md",
+        "gpu_default_pair.md",
         "structured_cpu.md",
         "peers_tiny_avx512_cpu.md",
     ):
