@@ -47,6 +47,30 @@ def test_high_acceptance_alone_drafts_k_max():
     assert choice.ks == [8] and choice.reasons == [None]
 
 
+def test_a_decision_is_reused_only_while_its_inputs_round_alike(monkeypatch):
+    policy = AdaptiveDraftLength(4, memory_then_compute_bound(), max_branches=3)
+    decisions = []
+    decide = policy._decide
+    monkeypatch.setattr(policy, "_decide", lambda *a: decisions.append(1) or decide(*a))
+    fresh = AdaptiveDraftLength(4, memory_then_compute_bound(), max_branches=3)
+
+    reqs = _requests(2, accepted=500, trials=1000, temperature=0)
+    first = policy.choose(reqs)
+    assert policy.choose(reqs) == first == fresh.choose(reqs)
+    reqs[0].spec.accepted = 501  # rounds alike: the same decision, not recomputed
+    assert policy.choose(reqs) == first and len(decisions) == 1
+    for changed in (
+        lambda: setattr(reqs[0].spec, "accepted", 100),  # acceptance
+        lambda: reqs[1].prompt_token_ids.extend([1] * 64),  # context
+        lambda: policy.cost.target_scale.observe(2.0, 1.0),  # the cost model's online scale
+    ):
+        changed()
+        again = policy.choose(reqs)
+        assert again == AdaptiveDraftLength(4, policy.cost, max_branches=3).choose(reqs)
+    assert len(decisions) == 4
+    assert policy.choose(reqs, num_other_tokens=64) is not None and len(decisions) == 5
+
+
 def test_large_batch_on_compute_bound_target_drafts_less():
     policy = AdaptiveDraftLength(8, memory_then_compute_bound())
     alone = policy.choose(_requests(1, accepted=700, trials=1000, temperature=0)).ks[0]
