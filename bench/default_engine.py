@@ -18,7 +18,9 @@ the checkpoint's own greedy answers to the held-out prompts, teacher-forced thro
 model, and how often its argmax is the same token (transformers' forward, float32).
 
 `speed` runs requests of the held-out instructions (bench/chat_prompts.py) at --temperature
-(greedy by default) up to --max-tokens each, --concurrency at a time, and prints tok/s
+(greedy by default) up to --max-tokens each, --concurrency at a time, after max(concurrency,
+4) warm-up requests on other instructions (on CUDA they capture the graphs the run needs; the
+counters below leave them out), and prints tok/s
 (prefills included), the draft tokens accepted at each position, tokens per verifying pass and
 the draft's share of engine time. Models as served by
 default: the SmolLM2 GGUF on its own blocks, `models/draft`.
