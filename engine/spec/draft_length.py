@@ -156,13 +156,17 @@ class AdaptiveDraftLength:
         1 - (1 - a)^n as if the candidates were independent draws, scaled by how the tree
         steps of n branches measured so far compare with that (candidates of one draft are
         not independent: they tend to miss together), the formula weighing as a prior."""
-        g = self.global_acceptance
-        independent = 1 - (1 - g) ** n
+        return np.clip((1 - (1 - a) ** n) * self._root_factor(n), 0.0, 0.99)
+
+    def _root_factor(self, n: int) -> float:
+        """Measured root acceptance of n-branch trees over the independence formula's, the
+        formula weighing as a prior (`root_acceptance`)."""
+        independent = 1 - (1 - self.global_acceptance) ** n
         w = self.prior_weight
         measured = (self._root_hits.get(n, 0.0) + w * independent) / (
             self._root_trials.get(n, 0.0) + w
         )
-        return np.clip((1 - (1 - a) ** n) * measured / max(independent, 1e-9), 0.0, 0.99)
+        return measured / max(independent, 1e-9)
 
     def choose(self, requests: list[Request], num_other_tokens: int = 0) -> DraftLengths:
         batch, k_max = len(requests), self.max_draft_tokens
@@ -191,25 +195,23 @@ class AdaptiveDraftLength:
         return DraftLengths([int(k) for k in ks], list(reasons), branches)
 
     def _inputs_key(self, a: np.ndarray, context: np.ndarray, num_other: int) -> tuple:
-        """What a decision depends on, rounded to 2% (acceptance, the online cost scales, the
-        measured tree roots) and 32 tokens (contexts, other tokens): a step whose inputs
-        round alike reuses the decision, which costs 0.1-0.2 ms of numpy to make; inputs
-        that close sit within the rounding of their predicted rates anyway."""
+        """What a decision depends on, rounded: acceptance and the tree roots' factors to
+        1/32, the cost model's online factors to 4%, contexts and other tokens to 32. A step
+        whose inputs round alike reuses the decision (0.1-0.2 ms of numpy to make); inputs
+        that close predict rates within a few percent of each other."""
         cost = self.cost
         scales = [cost.target_scale.value, cost.draft_scale.value]
         for n in sorted(cost.tree_scales):
             scales += [n, cost.tree_scales[n][0].value, cost.tree_scales[n][1].value]
-        roots = [
-            (n, self._root_hits[n] / max(self._root_trials[n], 1e-9))
-            for n in sorted(self._root_hits)
-        ]
+        trees: tuple = ()
+        if self.max_branches > 1:
+            trees = tuple(round(32 * self._root_factor(n)) for n in range(2, self.max_branches + 1))
         return (
             num_other // 32,
-            tuple((a * 50).astype(np.int64).tolist()),
+            tuple((a * 32).astype(np.int64).tolist()),
             tuple((context // 32).astype(np.int64).tolist()),
-            tuple(round(x * 50) for x in scales),
-            tuple((n, round(r * 50)) for n, r in roots),
-            round(self.global_acceptance * 50),
+            tuple(round(x * 25) for x in scales),
+            trees,
         )
 
     def _decide(

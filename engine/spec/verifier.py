@@ -22,6 +22,7 @@ from engine.sample.rejection_sampler import PAD, greedy_verify, rejection_sample
 from engine.sample.sampler import (
     RowSpec,
     apply_penalties_and_masks,
+    argmax,
     couple_seeded_rows,
     logits_to_probs,
     request_uniforms,
@@ -148,7 +149,7 @@ class Verifier:
         wants_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw = logits.clone() if wants_logprobs else logits
         if all(r.params.greedy for r in reqs):
-            best = apply_penalties_and_masks(logits, rows).argmax(dim=-1).tolist()
+            best = argmax(apply_penalties_and_masks(logits, rows)).tolist()
             emitted = greedy_verify(best, drafted)
             self._emit(reqs, num_drafts, emitted, raw, result)
             return
@@ -193,7 +194,7 @@ class Verifier:
         logits = apply_penalties_and_masks(logits, rows)
         greedy = all(r.params.greedy for r in reqs)
         if greedy:
-            best = logits.argmax(dim=-1).tolist()
+            best = argmax(logits).tolist()
         else:
             probs = couple_seeded_rows(logits_to_probs(logits, rows), rows)
             counts = [len(t.tokens) + 1 for t in shapes]

@@ -31,6 +31,7 @@ from engine.model.runner import ModelRunner
 from engine.sample.sampler import (
     RowSpec,
     apply_penalties_and_masks,
+    argmax,
     coupled_tokens,
     logits_to_probs,
     request_uniforms,
@@ -188,7 +189,9 @@ class DraftModelProposer:
         rows = [RowSpec(req, prior) for req, prior, _ in entries]  # earlier drafts count
         logits = apply_penalties_and_masks(logits, rows)
         if not want_q:  # all greedy
-            top = logits.topk(max(n for _, _, n in entries), dim=-1).indices.tolist()
+            n_max = max(n for _, _, n in entries)
+            picked = argmax(logits)[:, None] if n_max == 1 else logits.topk(n_max, dim=-1).indices
+            top = picked.tolist()
             return [(top[j][:n], None) for j, (_, _, n) in enumerate(entries)]
         q = logits_to_probs(logits, rows)
         reqs = [req for req, _, _ in entries]
