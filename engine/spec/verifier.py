@@ -26,6 +26,7 @@ from engine.sample.sampler import (
     couple_seeded_rows,
     logits_to_probs,
     request_uniforms,
+    sample_from,
     token_logprobs,
 )
 from engine.sample.tree_verifier import DraftTree, verify_tree, verify_tree_greedy
@@ -155,12 +156,16 @@ class Verifier:
             return
         probs = logits_to_probs(apply_penalties_and_masks(logits, rows), rows)
         probs = couple_seeded_rows(probs, rows)
+        uniform = request_uniforms(reqs, [k + 1 for k in num_drafts], self.device)
+        if not any(num_drafts):  # plain sampling: what rejection_sample's bonus draw does
+            emitted = [[t] for t in sample_from(probs, uniform).tolist()]
+            self._emit(reqs, num_drafts, emitted, raw, result)
+            return
         draft_ids = torch.tensor(
             [t for d in drafted for t in d], dtype=torch.long, device=self.device
         )
         # Only sampling (decoding) requests get drafts, so the probs line up with reqs.
         draft_probs = drafts.probs if drafts is not None else None
-        uniform = request_uniforms(reqs, [k + 1 for k in num_drafts], self.device)
         out = rejection_sample(
             probs, draft_ids, draft_probs, num_drafts, uniform, self.method
         ).tolist()
