@@ -112,17 +112,18 @@ def logits_to_probs(
     params = [row.request.params for row in rows]
     if all(p.greedy for p in params):  # the common case; skips the softmax and the blend
         return torch.zeros_like(logits).scatter_(1, argmax(logits)[:, None], 1.0)
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-    temperature = torch.tensor(
-        [p.temperature if not p.greedy else 1.0 for p in params],
-        dtype=logits.dtype,
-        device=logits.device,
-    )
-    scaled = logits / temperature[:, None]
+    temperatures = [p.temperature if not p.greedy else 1.0 for p in params]
+    if len(set(temperatures)) == 1:  # one request, or one setting: a scalar divides the same
+        scaled = logits / temperatures[0]
+    else:
+        scaled = (
+            logits / torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[:, None]
+        )
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy):
         scaled = _top_k_top_p(scaled, params)
     probs = torch.softmax(scaled, dim=-1)
-    if bool(greedy.any()):
+    if any(p.greedy for p in params):
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         one_hot = torch.zeros_like(probs)
         one_hot.scatter_(1, argmax(logits)[:, None], 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
