@@ -97,10 +97,10 @@ class EngineCollector(Collector):
             "Grammar-forced drafts the target kept.",
             stats.grammar_forced_accepted,
         )
-        yield CounterMetricFamily(
-            "tandem_grammar_seconds",
+        yield _counter(
+            "grammar_seconds",
             "Of the engine steps' wall time, structured output's grammar masks and matchers.",
-            value=stats.grammar_seconds,
+            stats.grammar_seconds,
         )
         sol = GaugeMetricFamily(
             "tandem_spec_speed_of_light",

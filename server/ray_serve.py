@@ -33,10 +33,11 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from server.errors import APIError, error_response
 from server.settings import load_settings
 from server.state import Status
 
@@ -200,7 +201,7 @@ class TandemGateway:
         except Exception as exc:
             if not _replica_died(exc):
                 raise
-            return _unavailable(exc)
+            return error_response(_replica_error(exc))
         headers = {k.decode(): v.decode() for k, v in start.get("headers", [])}
         headers.pop("content-length", None)  # the body is re-chunked
         if headers.get("content-type", "").startswith("text/event-stream"):
@@ -212,7 +213,7 @@ class TandemGateway:
         except Exception as exc:
             if not _replica_died(exc):
                 raise
-            return _unavailable(exc)
+            return error_response(_replica_error(exc))
         return Response(body, status_code=start["status"], headers=headers)
 
 
@@ -228,26 +229,18 @@ async def _bodies(stream: Any) -> AsyncIterator[bytes]:
             raise
         finished = True
         # The stream cannot turn into a status code any more: an error event ends it.
-        yield f"data: {json.dumps(_error_body(exc))}\n\n".encode()
+        yield f"data: {json.dumps(_replica_error(exc).body())}\n\n".encode()
     finally:
         if not finished:  # the client went away: so does the replica's request
             stream.cancel()
 
 
-def _error_body(exc: BaseException) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": "The replica serving this request stopped before it finished "
-            f"({type(exc).__name__}); retry the request.",
-            "type": "server_error",
-            "param": None,
-            "code": "replica_unavailable",
-        }
-    }
-
-
-def _unavailable(exc: BaseException) -> JSONResponse:
-    return JSONResponse(_error_body(exc), status_code=503, headers={"Retry-After": "1"})
+def _replica_error(exc: BaseException) -> APIError:
+    message = (
+        f"The replica serving this request stopped before it finished ({type(exc).__name__}); "
+        "retry the request."
+    )
+    return APIError(message, 503, code="replica_unavailable", headers={"Retry-After": "1"})
 
 
 def build_app(

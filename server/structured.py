@@ -18,9 +18,12 @@ from server.state import ServerState
 
 _COMBINERS = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "patternProperties",
               "unevaluatedProperties", "dependentSchemas")  # fmt: skip
-_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+# Where closing a subschema keeps the output valid for the original. Not under not, if/then/
+# else, contains or dependentSchemas: closing there changes what the original accepts (a
+# closed `not` lets through what the open one refused); llguidance refuses those anyway.
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SCHEMAS = ("items", "additionalProperties")
 
 
 def closed(schema: Any, close: bool = True) -> Any:

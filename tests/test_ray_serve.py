@@ -10,7 +10,6 @@ drains the replica it removes. Skipped without Ray (the `ray` extra; `make test`
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from tests.deploy_helpers import free_port
 from tests.server_helpers import serve
 
 ray = pytest.importorskip("ray")
@@ -42,10 +42,7 @@ def _flags(tiny_dirs) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_dirs, tmp_path_factory):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     log = tmp_path_factory.mktemp("ray") / "serve.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a Ray of its own
     env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")  # a loopback test cluster

@@ -24,6 +24,7 @@ Only the Triton backend reads its metadata from tensors alone, so only it can ru
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -218,9 +219,7 @@ class DecodeGraphs:
             for ctx, table, q in zip(context_lens, block_tables, query_lens, strict=True)
             for pos in range(ctx - q, ctx)
         ]
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
+        starts = [0, *itertools.accumulate(query_lens)]
         scratch = self.scratch_block * bs
         used = max(-(-ctx // bs) for ctx in context_lens)
         tables = [(table[:used] + [0] * used)[:used] for table in block_tables]

@@ -76,19 +76,21 @@ class Grammars:
         self._compiled: OrderedDict[GrammarSpec, Any] = OrderedDict()  # spec: matcher | error
         self._lock = threading.Lock()
 
-    def check(self, spec: GrammarSpec) -> None:
-        """Compile (or find compiled) `spec`; raise InvalidRequest naming its field if it
-        does not compile. May take a while for a large schema: call it off an event loop."""
+    def check(self, spec: GrammarSpec) -> Any:
+        """Compile (or find compiled) `spec` and return its matcher; raise InvalidRequest
+        naming its field if it does not compile. May take a while for a large schema: call
+        it off an event loop."""
         compiled = self._compile(spec)
         if isinstance(compiled, str):
             first_line = (compiled.strip().splitlines() or ["unknown error"])[0]
             raise InvalidRequest(
                 f"The grammar does not compile: {first_line}", spec.param, "invalid_grammar"
             )
+        return compiled
 
     def state(self, spec: GrammarSpec) -> GrammarState:
-        self.check(spec)  # found compiled: the server checked it off its event loop
-        return GrammarState(self._compile(spec).deep_copy(), self)
+        # Found compiled: the server checked it off its event loop.
+        return GrammarState(self.check(spec).deep_copy(), self)
 
     def _compile(self, spec: GrammarSpec) -> Any:
         with self._lock:

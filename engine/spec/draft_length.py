@@ -181,9 +181,8 @@ class AdaptiveDraftLength:
             if len(self._decided) >= 4096:
                 self._decided.clear()
             self._decided[key] = decided
-        ks_list, reasons, branches = decided
-        ks = np.array(ks_list, dtype=np.int64)
-        if ks.any():
+        ks, reasons, branches = decided
+        if any(ks):
             self._steps_without_drafts = 0
             self._probe_every = self.probe_interval
         else:
@@ -191,8 +190,8 @@ class AdaptiveDraftLength:
             if self._steps_without_drafts >= self._probe_every:
                 self._steps_without_drafts = 0
                 self._probe_every = min(2 * self._probe_every, self.max_probe_interval)
-                ks[:] = 1
-        return DraftLengths([int(k) for k in ks], list(reasons), branches)
+                ks = [1] * batch
+        return DraftLengths(list(ks), list(reasons), branches)
 
     def _inputs_key(self, a: np.ndarray, context: np.ndarray, num_other: int) -> tuple:
         """What a decision depends on, rounded: acceptance and the tree roots' factors to
@@ -200,9 +199,9 @@ class AdaptiveDraftLength:
         whose inputs round alike reuses the decision (0.1-0.2 ms of numpy to make); inputs
         that close predict rates within a few percent of each other."""
         cost = self.cost
-        scales = [cost.target_scale.value, cost.draft_scale.value]
-        for n in sorted(cost.tree_scales):
-            scales += [n, cost.tree_scales[n][0].value, cost.tree_scales[n][1].value]
+        widths = sorted(cost.tree_scales)
+        scales = [cost.target_scale, cost.draft_scale]
+        scales += [s for n in widths for s in cost.tree_scales[n]]
         trees: tuple = ()
         if self.max_branches > 1:
             trees = tuple(round(32 * self._root_factor(n)) for n in range(2, self.max_branches + 1))
@@ -210,7 +209,8 @@ class AdaptiveDraftLength:
             num_other // 32,
             tuple((a * 32).astype(np.int64).tolist()),
             tuple((context // 32).astype(np.int64).tolist()),
-            tuple(round(x * 25) for x in scales),
+            tuple(widths),
+            tuple(round(25 * s.value) for s in scales),
             trees,
         )
 
