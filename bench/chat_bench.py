@@ -60,6 +60,8 @@ CONFIGS = {
     "draft-fixed-4": ["--speculative-method", "draft", "--draft-length", "fixed",
                       "--max-draft-tokens", "4"],
     "draft-adaptive": ["--speculative-method", "draft", "--draft-length", "adaptive"],
+    "eagle-adaptive": ["--speculative-method", "draft", "--draft-model", "models/eagle",
+                       "--draft-length", "adaptive"],
 }  # fmt: skip
 
 

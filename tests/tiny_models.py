@@ -107,3 +107,31 @@ def build_model(
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def build_feature_draft(
+    out_dir: Path, target_dir: Path, *, seed: int = 0, head_tokens: list[int] | None = None
+):
+    """A random feature draft (EAGLE) for the model in target_dir, written as
+    scripts/train_eagle.py writes a trained one; returns (out_dir, the training-side module
+    holding exactly the saved, bfloat16-rounded weights)."""
+    from transformers import AutoConfig
+
+    from scripts.train_eagle import FeatureDraft, write_draft
+
+    config = AutoConfig.from_pretrained(target_dir)
+    torch.manual_seed(seed)
+    model = FeatureDraft(
+        config.hidden_size,
+        2 * config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.rms_norm_eps,
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # norms: not all ones, so a swapped norm would show
+                p.uniform_(0.5, 1.5)
+            p.copy_(p.to(torch.bfloat16).float())  # what the file holds
+    write_draft(model, config, Path(out_dir), head_tokens)
+    return Path(out_dir), model

@@ -75,7 +75,7 @@ class LLMEngine:
             config.spec,
             self.device,
             dtype,
-            self.vocab_size,
+            self.runner,
             self.attention_backend,
             config.model.model_impl,
             quantization,
@@ -206,6 +206,9 @@ class LLMEngine:
             drafted = time.perf_counter()
             results = self.verifier.run(self.runner, sched, tables, drafts)
             verified = time.perf_counter()  # run() ends with a host copy, so the GPU is done
+            if hasattr(self.proposer, "observe"):  # a feature draft reads the target's pass
+                self.proposer.observe(sched, drafts)
+                start -= time.perf_counter() - verified  # the draft's time, not the target's
         except Exception as exc:  # a failed forward fails this step's requests, not the engine
             logger.exception("engine step failed")
             return self._fail(sched, f"internal error in the engine step: {exc}")

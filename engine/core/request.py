@@ -169,6 +169,9 @@ class Request:
     """Tokens of all_token_ids whose K/V are in the cache (verified only)."""
     num_draft_computed_tokens: int = 0
     """Tokens whose K/V the draft model holds (it may lag when K was 0 for a while)."""
+    draft_features: Any = None
+    """A feature draft's store of the target's hidden states it has yet to feed
+    (engine/spec/proposers/eagle.py); None for other proposers."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at admission."""
     num_preemptions: int = 0

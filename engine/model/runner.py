@@ -9,17 +9,13 @@ can run on fixed shapes (CUDA graphs on CUDA; engine/model/decode_graphs.py) onc
 architectures registered in engine/model/native/, the pass can run Tandem's own forward on the same
 weights (`model_impl`), checked against transformers' on a probe batch first.
 
-A model directory may hold `head_tokens.json` ({"token_ids": [...]}): the runner then computes
-logits for those tokens only (a draft whose LM head covers the tokens it may ever propose, as
-in frequency-ranked drafting) and gives every other token a logit of -1e30, so callers still
-see the full vocabulary and a sampled draft's q is exactly the distribution it drew from.
+A model directory may hold `head_tokens.json`: the runner then computes logits for those
+tokens only (engine/model/head.py).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -28,6 +24,7 @@ from engine.attention import paged as attention
 from engine.attention.backends import BACKENDS
 from engine.model.decode_graphs import DecodeGraphs
 from engine.model.files import gguf_source
+from engine.model.head import OUTSIDE_HEAD, restrict_head
 from engine.model.inputs import SeqInput
 from engine.model.native import MODEL_IMPLS, NativeForward, build_native
 from engine.model.probe import NATIVE_TOLERANCE, native_error
@@ -36,32 +33,6 @@ from engine.model.quantization import round_weights
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-HEAD_TOKENS_FILE = "head_tokens.json"
-# The logit of a token outside a restricted head: probability exactly 0 next to any real
-# logit, finite so that penalties and temperature keep it finite (no NaN even if a mask
-# removed every head token).
-_OUTSIDE_HEAD = -1e30
-
-
-def restrict_head(model: torch.nn.Module, model_path: str) -> torch.Tensor | None:
-    """Swap the LM head of `model` for one over the token ids in `model_path`'s
-    head_tokens.json, if there is one; return those ids (None: the full vocabulary)."""
-    path = Path(model_path) / HEAD_TOKENS_FILE
-    if not path.is_file():
-        return None
-    full = model.get_output_embeddings()
-    vocab = full.weight.shape[0]
-    ids = json.loads(path.read_text())["token_ids"]
-    if not ids or len(set(ids)) != len(ids) or not all(0 <= i < vocab for i in ids):
-        raise ValueError(f"{path}: token_ids must be distinct token ids below {vocab}")
-    index = torch.tensor(ids, dtype=torch.long, device=full.weight.device)
-    head = torch.nn.Linear(full.in_features, len(ids), bias=full.bias is not None)
-    with torch.no_grad():
-        head.weight = torch.nn.Parameter(full.weight.detach().index_select(0, index).clone())
-        if full.bias is not None:
-            head.bias = torch.nn.Parameter(full.bias.detach().index_select(0, index).clone())
-    model.set_output_embeddings(head)
-    return index
 
 
 def resolve_device(name: str) -> torch.device:
@@ -87,7 +58,10 @@ class ModelRunner:
         attention_backend: str = "reference",
         model_impl: str = "auto",
         quantization: str = "none",
+        model: torch.nn.Module | None = None,
     ) -> None:
+        """`model`: an already built model to run instead of loading model_path's weights
+        (a feature draft sharing the target's embedding, engine/spec/proposers/eagle.py)."""
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}")
         attention.register()
@@ -96,7 +70,7 @@ class ModelRunner:
         self.attention_backend = BACKENDS[attention_backend]
         self.name = model_path
         self.hf_config = AutoConfig.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(
+        self.model = model or AutoModelForCausalLM.from_pretrained(
             model_path, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
         )
         self.model.to(device).eval()
@@ -136,6 +110,11 @@ class ModelRunner:
         if model_impl != "transformers":
             self.native = self._load_native(strict=model_impl == "native")
         self.model_impl = "native" if self.native is not None else "transformers"
+        self.hidden_rows = False
+        """Set by a proposer that reads this model's hidden states: `last_hidden` then holds
+        every fed token's row (a fixed-shape step only runs when every row is a logit row)."""
+        self.last_hidden: torch.Tensor | None = None
+        """The native forward's body output (before the final norm) of the last pass."""
 
     def _quantize(self, method: str) -> str:
         """Round the weights to `method` (engine/model/quantization.py); what is then served."""
@@ -320,9 +299,10 @@ class ModelRunner:
         if any(s.tree for s in seqs):
             trees = [s.attention_tree() for s in seqs]
         graphs = self.decode_graphs
-        if graphs is not None and graphs.fits(query_lens, context_lens):
+        all_rows = not self.hidden_rows or len(logit_index) == len(token_ids)
+        if graphs is not None and all_rows and graphs.fits(query_lens, context_lens):
             batch = (context_lens, tables, logit_index, query_lens, trees)
-            hidden = graphs.run(token_ids, positions, *batch)
+            hidden = self.last_hidden = graphs.run(token_ids, positions, *batch)
             return self._widen(self._graph_head(hidden).float())  # [num_logits, vocab]
         metadata = attention.build_metadata(
             self.kv_caches,
@@ -338,7 +318,7 @@ class ModelRunner:
         position_ids = torch.tensor(positions, device=self.device)
         rows = torch.tensor(logit_index, dtype=torch.long, device=self.device)
         if self.native is not None:
-            hidden = self.native(input_ids, position_ids, metadata)
+            hidden = self.last_hidden = self.native(input_ids, position_ids, metadata)
             return self._widen(self.native.logits(hidden.index_select(0, rows)).float())
         return self._widen(self.hf_logits(input_ids, position_ids, metadata, rows).float())
 
@@ -346,5 +326,5 @@ class ModelRunner:
         """Logits of a restricted head [rows, head tokens] -> [rows, vocab]."""
         if self.head_tokens is None:
             return logits
-        out = logits.new_full((logits.shape[0], self.vocab_size), _OUTSIDE_HEAD)
+        out = logits.new_full((logits.shape[0], self.vocab_size), OUTSIDE_HEAD)
         return out.index_copy_(1, self.head_tokens, logits)

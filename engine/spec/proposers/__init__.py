@@ -4,9 +4,19 @@ from __future__ import annotations
 
 from engine.spec.proposers.base import PROPOSERS, DraftBatch, Proposer, build_proposer
 from engine.spec.proposers.draft_model import DraftModelProposer
+from engine.spec.proposers.eagle import EagleProposer, is_feature_draft
 from engine.spec.proposers.ngram import NgramProposer
 
-PROPOSERS["draft"] = DraftModelProposer.from_config
+
+def _draft_model(config, *args) -> Proposer:
+    """--speculative-method draft: a small model of its own, or a feature draft (EAGLE) when
+    the directory holds one."""
+    if config.draft_model and is_feature_draft(config.draft_model):
+        return EagleProposer.from_config(config, *args)
+    return DraftModelProposer.from_config(config, *args)
+
+
+PROPOSERS["draft"] = _draft_model
 PROPOSERS["ngram"] = NgramProposer.from_config
 
 __all__ = ["PROPOSERS", "DraftBatch", "Proposer", "build_proposer"]

@@ -12,6 +12,7 @@ from engine.config import SpecConfig
 
 if TYPE_CHECKING:
     from engine.core.scheduler import SchedulerOutput
+    from engine.model.runner import ModelRunner
 
 
 @dataclass
@@ -84,9 +85,11 @@ class Proposer(Protocol):
     def propose(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch: ...
 
 
-# (config, device, dtype, target vocabulary size, attention backend name, model impl,
+# (config, device, dtype, the target's runner, attention backend name, model impl,
 # weight quantization) -> proposer
-ProposerFactory = Callable[[SpecConfig, torch.device, torch.dtype, int, str, str, str], Proposer]
+ProposerFactory = Callable[
+    [SpecConfig, torch.device, torch.dtype, "ModelRunner", str, str, str], Proposer
+]
 PROPOSERS: dict[str, ProposerFactory] = {}
 
 
@@ -94,7 +97,7 @@ def build_proposer(
     config: SpecConfig,
     device: torch.device,
     dtype: torch.dtype,
-    target_vocab: int,
+    target: ModelRunner,
     attention_backend: str = "reference",
     model_impl: str = "auto",
     quantization: str = "none",
@@ -102,5 +105,5 @@ def build_proposer(
     if not config.enabled:
         return None
     return PROPOSERS[config.method](
-        config, device, dtype, target_vocab, attention_backend, model_impl, quantization
+        config, device, dtype, target, attention_backend, model_impl, quantization
     )

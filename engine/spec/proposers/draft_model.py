@@ -61,7 +61,7 @@ class DraftModelProposer:
         config: SpecConfig,
         device: torch.device,
         dtype: torch.dtype,
-        target_vocab: int,
+        target: ModelRunner,
         attention_backend: str,
         model_impl: str,
         quantization: str,
@@ -70,7 +70,7 @@ class DraftModelProposer:
         runner = ModelRunner(
             config.draft_model, device, dtype, attention_backend, model_impl, quantization
         )
-        return cls(runner, target_vocab, config.tree_drafts)
+        return cls(runner, target.vocab_size, config.tree_drafts)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.runner.kv_bytes_per_block(block_size)

@@ -11,6 +11,7 @@ from engine.spec.proposers.base import DraftBatch
 
 if TYPE_CHECKING:
     from engine.core.scheduler import SchedulerOutput
+    from engine.model.runner import ModelRunner
 
 
 def prompt_lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
@@ -53,7 +54,7 @@ class NgramProposer:
         config: SpecConfig,
         device: torch.device,
         dtype: torch.dtype,
-        target_vocab: int,
+        target: ModelRunner,
         attention_backend: str,
         model_impl: str,
         quantization: str,

@@ -1,0 +1,250 @@
+"""A feature draft (EAGLE, Li et al. 2024): one decoder layer that reads the target's hidden states.
+
+A small draft model has to work out from the tokens alone where the target is heading. This
+one is told: its input at position p is the token x_p (through the target's own embedding)
+beside the target's last hidden state at p - 1, after the target's final norm (the vector the
+target's LM head turned into the logits for x_p). One Llama decoder layer then predicts the
+target's hidden state at p, and the target's LM head rows for the draft's head tokens turn
+that into the draft's logits for x_(p+1). Past the first draft the input is the draft's own
+prediction at p - 1 (scripts/train_eagle.py trains for that). A directory whose config.json
+says `"tandem_draft": {"kind": "eagle"}` holds the layer, the input projection (`fc`) and the
+norm; the embedding and the head rows come from the target at load.
+
+The draft keeps its KV in the target's blocks, as a draft model does
+(engine/spec/proposers/draft_model.py), and `Request.num_draft_computed_tokens` is how far its
+cache holds keys computed from real features. A step, for every request with K > 0:
+  pass 1: feed the tokens the draft has not seen (from num_draft_computed_tokens to the last
+          sampled one), each with the target's feature one position earlier -> x_1;
+  pass i: feed x_(i-1) with the draft's own feature from pass i - 1 -> x_i.
+Keys written from predicted features are not kept: progress goes back to the last sampled
+token, and the next step feeds the verified tokens again with the target's features.
+The target's features come from its verification pass (`observe`, through
+`ModelRunner.last_hidden`); a request keeps those it has not fed yet (`_Features`). Prompts
+are fed when the request first drafts, not beside the target's prefill (their features do not
+exist before it). Drafts are chains; sampling, seeded coupling and the verifiers are those of
+the draft model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine.attention import paged as attention
+from engine.config import SpecConfig
+from engine.core.request import Request
+from engine.model.inputs import SeqInput
+from engine.model.runner import ModelRunner
+from engine.spec.proposers.base import DraftBatch
+from engine.spec.proposers.draft_model import DraftModelProposer
+
+if TYPE_CHECKING:
+    from engine.core.scheduler import SchedulerOutput
+
+MARKER = "tandem_draft"
+FC_WEIGHT = "model.embed_tokens.fc.weight"
+
+
+def is_feature_draft(path: str) -> bool:
+    """Whether `path` is a directory holding a feature draft (its config.json says so)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    return json.loads(config.read_text()).get(MARKER, {}).get("kind") == "eagle"
+
+
+class FeatureEmbedding(nn.Module):
+    """The draft's input layer: fc([target embedding of x_p ; target feature at p - 1]).
+    `features` [tokens, hidden] is set for a pass by the proposer; absent, they are zero (the
+    start-up probes and the cost model's timings, which need no sensible drafts)."""
+
+    def __init__(self, weight: nn.Parameter, fc: nn.Linear) -> None:
+        super().__init__()
+        self.weight = weight  # the target's own embedding, shared
+        self.fc = fc
+        self.features: torch.Tensor | None = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(input_ids, self.weight)
+        f = self.features
+        if f is None or f.shape[0] != input_ids.numel():
+            f = x.new_zeros(x.shape)
+        return self.fc(torch.cat([x, f.view(x.shape).to(x.dtype)], dim=-1))
+
+
+def load_feature_draft(path: str, target: ModelRunner, dtype: torch.dtype) -> nn.Module:
+    """A one-layer LlamaForCausalLM whose embedding is a FeatureEmbedding over the target's
+    embedding and whose LM head is the target's (the runner restricts it to head_tokens)."""
+    attention.register()
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention.ATTN_IMPLEMENTATION
+        )
+    weights = {k: v.to(dtype) for k, v in load_file(str(Path(path) / "model.safetensors")).items()}
+    fc_weight = weights.pop(FC_WEIGHT)
+    fc = nn.Linear(fc_weight.shape[1], fc_weight.shape[0], bias=False, device="meta")
+    fc.weight = nn.Parameter(fc_weight, requires_grad=False)
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    embedding = target.model.get_input_embeddings().weight
+    if unexpected or fc.in_features != 2 * embedding.shape[1]:
+        raise ValueError(f"{path}: not a feature draft for this target ({unexpected or 'fc'})")
+    model.model.embed_tokens = FeatureEmbedding(embedding, fc)
+    model.get_output_embeddings().weight = target.model.get_output_embeddings().weight
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise ValueError(f"{path}: weights missing from model.safetensors: {', '.join(meta)}")
+    return model
+
+
+class _Features:
+    """The target's features at positions base.., kept until the draft has fed them."""
+
+    def __init__(self) -> None:
+        self.base = 0
+        self.rows: torch.Tensor | None = None
+
+    def write(self, start: int, rows: torch.Tensor) -> None:
+        """Rows for positions start..; they replace what was kept from start on."""
+        if self.rows is None or not self.base <= start <= self.base + len(self.rows):
+            self.base, self.rows = start, rows.clone()
+            return
+        self.rows = torch.cat([self.rows[: start - self.base], rows])
+
+    def read(self, start: int, end: int, width: int) -> torch.Tensor:
+        """Rows for positions start..end - 1, zero where none is kept (position -1, a
+        prefix-cache hit's prompt); drops the rows before `start`."""
+        out = torch.zeros(end - start, width)
+        if self.rows is not None:
+            lo, hi = max(start, self.base), min(end, self.base + len(self.rows))
+            if lo < hi:
+                out[lo - start : hi - start] = self.rows[lo - self.base : hi - self.base]
+            if start > self.base:
+                self.rows, self.base = self.rows[start - self.base :], start
+        return out
+
+
+class EagleProposer(DraftModelProposer):
+    keeps_kv = True
+
+    def __init__(self, runner: ModelRunner, target: ModelRunner) -> None:
+        super().__init__(runner, target.vocab_size)
+        if target.native is None or runner.native is None:
+            raise ValueError(
+                "a feature draft (EAGLE) needs Tandem's native forward for the target and the "
+                "draft (their hidden states); --model-impl transformers cannot run it"
+            )
+        target.hidden_rows = True
+        self.target = target
+        self.inputs: FeatureEmbedding = runner.model.get_input_embeddings()
+        self.width = self.inputs.weight.shape[1]
+
+    @classmethod
+    def from_config(
+        cls,
+        config: SpecConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        target: ModelRunner,
+        attention_backend: str,
+        model_impl: str,
+        quantization: str,
+    ) -> EagleProposer:
+        assert config.draft_model is not None
+        if config.max_branches != 1:
+            raise ValueError("a feature draft (EAGLE) drafts chains: --draft-branches must be 1")
+        model = load_feature_draft(config.draft_model, target, dtype)
+        runner = ModelRunner(
+            config.draft_model, device, dtype, attention_backend, model_impl, "none", model=model
+        )
+        with torch.no_grad():  # the head rows in bfloat16, as trained (and packed so)
+            head = runner.model.get_output_embeddings().weight
+            head.copy_(head.to(torch.bfloat16).to(head.dtype))
+        return cls(runner, target)
+
+    def _norm(self, hidden: torch.Tensor, model: ModelRunner) -> torch.Tensor:
+        """Body output -> the feature the LM head reads (float32 on the CPU)."""
+        norm = model.native.norm
+        return F.rms_norm(hidden.float(), (hidden.shape[-1],), norm.weight.float(),
+                          norm.variance_epsilon).cpu()  # fmt: skip
+
+    def observe(self, sched: SchedulerOutput, drafts: DraftBatch | None) -> None:
+        """After the target's pass: keep each request's features, row by row as the verifier
+        laid them out (its new tokens, then its drafts, from num_computed_tokens on)."""
+        feats = self._norm(self.target.last_hidden, self.target)
+        cursor = 0
+        for i, item in enumerate(sched.scheduled):
+            req = item.request
+            n = item.num_new_tokens + (len(drafts.token_ids[i]) if drafts is not None else 0)
+            tree = drafts is not None and drafts.parents is not None and drafts.parents[i]
+            if not tree:
+                if req.draft_features is None:
+                    req.draft_features = _Features()
+                req.draft_features.write(req.num_computed_tokens, feats[cursor : cursor + n])
+            cursor += n
+
+    def propose(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch:
+        drafts: list[list[int]] = [[] for _ in sched.scheduled]
+        seqs: list[SeqInput] = []
+        feats: list[torch.Tensor] = []
+        drafting: list[tuple[int, Request, int]] = []  # (scheduled index, request, K)
+        for i, (item, table) in enumerate(zip(sched.scheduled, block_tables, strict=True)):
+            req, k = item.request, item.num_proposed_tokens
+            if k == 0:
+                continue  # prefills and plain decodes: fed when the request drafts
+            start, end = req.num_draft_computed_tokens, req.num_tokens
+            store = req.draft_features or _Features()
+            feats.append(store.read(start - 1, end - 1, self.width))
+            seqs.append(SeqInput(req.all_token_ids[start:end], start, table, [end - start - 1]))
+            drafting.append((i, req, k))
+        if not seqs:
+            return DraftBatch(drafts, None)
+        want_q = not all(req.params.greedy for _, req, _ in drafting)
+        fed = [0, 0]
+        lanes: dict[int, list[int]] = {i: [] for i, _, _ in drafting}
+        lane_q: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in drafting}
+        active, out = drafting, torch.empty(0)  # out: the last pass's features, per active row
+        for depth in range(1, max(k for _, _, k in drafting) + 1):
+            if depth > 1:
+                keep = [j for j, (_, _, k) in enumerate(active) if k >= depth]
+                out = out[keep]
+                active = [active[j] for j in keep]
+                seqs = [
+                    SeqInput([lanes[i][-1]], req.num_tokens + depth - 2, block_tables[i], [0])
+                    for i, req, _ in active
+                ]
+                feats = [out]
+            for seq in seqs:
+                fed[0] += len(seq.token_ids)
+                fed[1] += len(seq.token_ids) * seq.context_len
+            self.inputs.features = torch.cat(feats).to(self.inputs.weight.device)
+            try:
+                logits = self.runner.forward(seqs)
+            finally:
+                self.inputs.features = None
+            hidden = self.runner.last_hidden  # every fed row, or only the logit rows (graphs)
+            rows = torch.tensor([len(s.token_ids) for s in seqs]).cumsum(0) - 1
+            if hidden.shape[0] != int(rows[-1]) + 1:
+                rows = torch.arange(len(seqs))
+            out = self._norm(hidden[rows.to(hidden.device)], self.runner)
+            picks = self._pick(logits, [(req, lanes[i], 1) for i, req, _ in active], want_q)
+            for (i, _, _), (tokens, q) in zip(active, picks, strict=True):
+                lanes[i].extend(tokens)
+                if q is not None:
+                    lane_q[i].append(q)
+        flat_q: list[torch.Tensor] = []
+        for i, req, _ in drafting:
+            drafts[i] = lanes[i]
+            flat_q.extend(lane_q[i])
+            # Keys from predicted features are not kept: the verified tokens are fed again.
+            req.num_draft_computed_tokens = req.num_tokens
+        probs = torch.stack(flat_q) if flat_q else None
+        return DraftBatch(drafts, probs, *fed)
