@@ -311,29 +311,30 @@ def main() -> None:
         "Every number here was measured by the command shown beside it and written by",
         "`python -m bench.report` from `bench/results/*.json` (a section measured in-process",
         "is kept as written from its command's output in `bench/results/*.md`). The default",
-        "model is SmolLM2-135M-Instruct with the draft in `models/draft` (see",
-        "`models/README.md`); the sections after the first two measure the toy pair in",
-        "`bench/toy_pair/` (see its README), Tandem's default before it shipped a real model.",
+        "model is SmolLM2-135M-Instruct with the draft in `models/draft`, beside it the",
+        "feature draft in `models/eagle` (see `models/README.md`); the sections whose titles begin with",
+        "`Toy pair` measure the toy pair in `bench/toy_pair/` (see its README), Tandem's",
+        "default before it shipped a real model.",
     ]
     DOCS.mkdir(exist_ok=True)
     chat = RESULTS / "chat.json"
     if chat.exists():
         sections += ["", *chat_section(json.loads(chat.read_text()), DOCS / "chat_cpu.png")]
-    eagle = RESULTS / "chat-eagle.json"
-    if eagle.exists():
-        title = "The feature draft (EAGLE) beside the small draft, over HTTP"
-        data = json.loads(eagle.read_text())
-        sections += ["", *chat_section(data, DOCS / "chat_eagle_cpu.png", title)]
     # Sections written by hand from their commands' printed output, after the chat tables.
     for fragment in (
         "chat_runs_cpu.md",
+        "chat-eagle.json",
         "quantization_cpu.md",
         "verification_cpu.md",
         "gpu_default_pair.md",
         "structured_cpu.md",
         "peers_tiny_avx512_cpu.md",
     ):
-        if (RESULTS / fragment).exists():
+        if fragment == "chat-eagle.json" and (RESULTS / fragment).exists():
+            title = "The feature draft (EAGLE) beside the small draft, over HTTP"
+            data = json.loads((RESULTS / fragment).read_text())
+            sections += ["", *chat_section(data, DOCS / "chat_eagle_cpu.png", title)]
+        elif (RESULTS / fragment).exists():
             sections += ["", (RESULTS / fragment).read_text().rstrip()]
     k_sweep = RESULTS / "k-sweep.json"
     if k_sweep.exists():
