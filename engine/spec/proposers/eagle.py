@@ -122,7 +122,8 @@ class _Features:
     def read(self, start: int, end: int, width: int) -> torch.Tensor:
         """Rows for positions start..end - 1, zero where none is kept (position -1, a
         prefix-cache hit's prompt); drops the rows before `start`."""
-        out = torch.zeros(end - start, width)
+        device = None if self.rows is None else self.rows.device
+        out = torch.zeros(end - start, width, device=device)
         if self.rows is not None:
             lo, hi = max(start, self.base), min(end, self.base + len(self.rows))
             if lo < hi:
@@ -171,10 +172,10 @@ class EagleProposer(DraftModelProposer):
         return cls(runner, target)
 
     def _norm(self, hidden: torch.Tensor, model: ModelRunner) -> torch.Tensor:
-        """Body output -> the feature the LM head reads (float32 on the CPU)."""
+        """Body output -> the feature the LM head reads (float32, on the model's device)."""
         norm = model.native.norm
         return F.rms_norm(hidden.float(), (hidden.shape[-1],), norm.weight.float(),
-                          norm.variance_epsilon).cpu()  # fmt: skip
+                          norm.variance_epsilon)  # fmt: skip
 
     def observe(self, sched: SchedulerOutput, drafts: DraftBatch | None) -> None:
         """After the target's pass: keep each request's features, row by row as the verifier
@@ -225,7 +226,8 @@ class EagleProposer(DraftModelProposer):
             for seq in seqs:
                 fed[0] += len(seq.token_ids)
                 fed[1] += len(seq.token_ids) * seq.context_len
-            self.inputs.features = torch.cat(feats).to(self.inputs.weight.device)
+            device = self.inputs.weight.device
+            self.inputs.features = torch.cat([f.to(device) for f in feats])
             try:
                 logits = self.runner.forward(seqs)
             finally:
