@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.model.files import prepare  # noqa: E402
 from engine.model.head import HEAD_TOKENS_FILE  # noqa: E402
+from engine.spec.proposers.eagle import MARKER  # noqa: E402
 from scripts.train_draft import (  # noqa: E402
     DEFAULT_TARGET,
     docstring_text,
@@ -58,8 +59,6 @@ from scripts.train_draft import (  # noqa: E402
     warmup_cosine,
     write_provenance,
 )
-
-EAGLE_KEY = "tandem_draft"
 
 
 def sequences(answers: Path, tok, doc_tokens: int, seq_len: int) -> list[list[int]]:
@@ -339,7 +338,7 @@ def write_draft(model: FeatureDraft, target_config, out: Path, head: list[int] |
         config.pop(key, None)
     config.update(num_hidden_layers=1, intermediate_size=model.down_proj.in_features,
                   dtype="bfloat16", architectures=["LlamaForCausalLM"])  # fmt: skip
-    config[EAGLE_KEY] = {"kind": "eagle", "feature_size": target_config.hidden_size}
+    config[MARKER] = {"kind": "eagle", "feature_size": target_config.hidden_size}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if head is not None:
         (out / HEAD_TOKENS_FILE).write_text(json.dumps({"token_ids": head}))

@@ -109,9 +109,12 @@ def _check_against_reference(client, model_dir, reference, concurrency: int) -> 
     [
         {},  # the shipped config: the trained draft, adaptive K
         {"speculative.method": "ngram", "speculative.draft_length": "fixed"},
-        {"speculative.draft_model": str(EAGLE), "speculative.draft_length": "fixed",
-         "speculative.max_draft_tokens": 3},  # the feature draft (EAGLE), always drafting
-    ],  # fmt: skip
+        {
+            "speculative.draft_model": str(EAGLE),
+            "speculative.draft_length": "fixed",
+            "speculative.max_draft_tokens": 3,
+        },  # the feature draft (EAGLE), always drafting
+    ],
     ids=["draft-adaptive", "ngram-fixed", "eagle-fixed"],
 )
 def test_greedy_chat_equals_hf_generate(model_dir, reference, spec):

@@ -104,6 +104,17 @@ def test_greedy_with_a_feature_draft_equals_target_only(tiny_dirs, feature_draft
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+def test_a_full_head_draft_leaves_the_targets_head_as_it_is(tiny_dirs, tmp_path):
+    """Without head_tokens.json the draft's head is the target's own tensor: the rounding
+    a restricted head's copy gets must not reach it."""
+    draft, _ = build_feature_draft(tmp_path / "full", tiny_dirs["llama"])
+    plain = make_engine(tiny_dirs["llama"]).runner.model.get_output_embeddings().weight
+    engine = _engine(tiny_dirs["llama"], draft)
+    head = engine.runner.model.get_output_embeddings().weight
+    assert torch.equal(head, plain)
+    assert engine.proposer.runner.model.get_output_embeddings().weight is head
+
+
 def test_a_trained_draft_directory_names_its_kind(tmp_path, tiny_dirs):
     """scripts/train_eagle.py's config: one layer, the marker, the target's shapes."""
     out, _ = build_feature_draft(tmp_path / "d", tiny_dirs["llama"])

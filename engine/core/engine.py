@@ -208,13 +208,13 @@ class LLMEngine:
             verified = time.perf_counter()  # run() ends with a host copy, so the GPU is done
             if hasattr(self.proposer, "observe"):  # a feature draft reads the target's pass
                 self.proposer.observe(sched, drafts)
-                start -= time.perf_counter() - verified  # the draft's time, not the target's
+            observed = time.perf_counter() - verified  # the draft's time, not the target's
         except Exception as exc:  # a failed forward fails this step's requests, not the engine
             logger.exception("engine step failed")
             return self._fail(sched, f"internal error in the engine step: {exc}")
         # A step that captured a CUDA graph says nothing about what steps cost.
         timed = self._graph_captures() == captures
-        self._observe_timing(sched, drafts, drafted - start, verified - drafted, timed)
+        self._observe_timing(sched, drafts, drafted - start + observed, verified - drafted, timed)
         self.totals.forward_seconds += results.forward_seconds
         outputs = self.scheduler.update(sched, results.tokens, results.prompt_logprobs)
         self._count(sched, outputs)

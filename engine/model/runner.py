@@ -70,9 +70,11 @@ class ModelRunner:
         self.attention_backend = BACKENDS[attention_backend]
         self.name = model_path
         self.hf_config = AutoConfig.from_pretrained(model_path)
-        self.model = model or AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
-        )
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
+            )
+        self.model = model
         self.model.to(device).eval()
         self.quantization = self._quantize(quantization)
         vocab_size = self.model.get_output_embeddings().weight.shape[0]

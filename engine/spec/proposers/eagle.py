@@ -74,8 +74,10 @@ class FeatureEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(input_ids, self.weight)
         f = self.features
-        if f is None or f.shape[0] != input_ids.numel():
+        if f is None:
             f = x.new_zeros(x.shape)
+        elif f.shape[0] != input_ids.numel():
+            raise ValueError(f"{f.shape[0]} feature rows for {input_ids.numel()} tokens")
         return self.fc(torch.cat([x, f.view(x.shape).to(x.dtype)], dim=-1))
 
 
@@ -92,7 +94,7 @@ def load_feature_draft(path: str, target: ModelRunner, dtype: torch.dtype) -> nn
     fc_weight = weights.pop(FC_WEIGHT)
     fc = nn.Linear(fc_weight.shape[1], fc_weight.shape[0], bias=False, device="meta")
     fc.weight = nn.Parameter(fc_weight, requires_grad=False)
-    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    _, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     embedding = target.model.get_input_embeddings().weight
     if unexpected or fc.in_features != 2 * embedding.shape[1]:
         raise ValueError(f"{path}: not a feature draft for this target ({unexpected or 'fc'})")
@@ -166,9 +168,10 @@ class EagleProposer(DraftModelProposer):
         runner = ModelRunner(
             config.draft_model, device, dtype, attention_backend, model_impl, "none", model=model
         )
-        with torch.no_grad():  # the head rows in bfloat16, as trained (and packed so)
-            head = runner.model.get_output_embeddings().weight
-            head.copy_(head.to(torch.bfloat16).to(head.dtype))
+        if runner.head_tokens is not None:  # its own copy of the rows: bfloat16, as trained
+            with torch.no_grad():  # (a full head is the target's own tensor, left as it is)
+                head = runner.model.get_output_embeddings().weight
+                head.copy_(head.to(torch.bfloat16).to(head.dtype))
         return cls(runner, target)
 
     def _norm(self, hidden: torch.Tensor, model: ModelRunner) -> torch.Tensor:
@@ -185,11 +188,9 @@ class EagleProposer(DraftModelProposer):
         for i, item in enumerate(sched.scheduled):
             req = item.request
             n = item.num_new_tokens + (len(drafts.token_ids[i]) if drafts is not None else 0)
-            tree = drafts is not None and drafts.parents is not None and drafts.parents[i]
-            if not tree:
-                if req.draft_features is None:
-                    req.draft_features = _Features()
-                req.draft_features.write(req.num_computed_tokens, feats[cursor : cursor + n])
+            if req.draft_features is None:
+                req.draft_features = _Features()
+            req.draft_features.write(req.num_computed_tokens, feats[cursor : cursor + n])
             cursor += n
 
     def propose(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch:
