@@ -15,7 +15,8 @@
  *   Q4_1 panel block: d[16], m[16] float32, then for k = 0..31: 8 bytes, even columns in
  *                     the low 32-bit word, odd ones in the high (column c's nibble at bits
  *                     32 * (c % 2) + 4 * (c / 2)), so one 64-bit broadcast and one shift
- *                     per lane unpack all 16.
+ *                     per lane unpack all 16 (and, with AVX-512, a permute of 0..15 makes
+ *                     them floats).
  * The scales are widened to float32 at packing (exact), so the kernel reads 6 (Q4_1) or
  * 9 (Q8_0) bits per weight instead of float32's 32.
  *
@@ -81,14 +82,31 @@ INLINE v16 q8_weights(v16u all, int j, v16 d) {
   return __builtin_convertvector(q, v16) * d;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* Q8_0 with AVX-512: the 16 weights of quant row k (16 int8s, one per column) as float32:
+ * one sign-extending load and one conversion. */
+INLINE v16 q8_weights_row(const uint8_t *quants, int k, v16 d) {
+  const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(quants + k * 16)));
+  return (v16)_mm512_cvtepi32_ps(q) * d;
+}
+#endif
+
 /* Q4_1: the 16 weights of quant row k (8 bytes: a nibble per column) as float32. */
 INLINE v16 q4_1_weights(const uint8_t *quants, int k, v16 d, v16 m) {
   uint64_t bytes;
   memcpy(&bytes, quants + k * 8, 8);
   const v16u word = (v16u)(v8q){bytes, bytes, bytes, bytes, bytes, bytes, bytes, bytes};
   const v16u shift = {0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28};
+#if defined(__AVX512F__)
+  /* The nibble as a float in one instruction: a permute of 0..15 by the shifted word reads
+   * only the index's low 4 bits, so no mask and no int -> float conversion. */
+  const v16 values = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return (v16)spread((v16u)values, word >> shift) * d + m;
+#else /* a 16-lane permute is two registers' worth on AVX2: mask and convert instead */
   const v16i q = (v16i)((word >> shift) & 15);
   return __builtin_convertvector(q, v16) * d + m;
+#endif
 }
 
 /* y[rows, the columns of np panels], the panels `pstride` bytes apart. */
@@ -116,6 +134,13 @@ INLINE void quant_tile(const int type, const int np, const int rows, const float
           for (int r = 0; r < rows; r++) acc[p][r] += splat16(xb[r * K + k]) * w;
         }
     } else {
+#if defined(__AVX512F__)
+      for (int k = 0; k < QBLOCK; k++)
+        for (int p = 0; p < np; p++) {
+          const v16 w = q8_weights_row(quants[p], k, d[p]);
+          for (int r = 0; r < rows; r++) acc[p][r] += splat16(xb[r * K + k]) * w;
+        }
+#else
       for (int k0 = 0; k0 < QBLOCK; k0 += 4) {
         v16u all[QGROUP];
         for (int p = 0; p < np; p++) all[p] = *(const v16u *)(quants[p] + k0 * QPANEL);
@@ -125,6 +150,7 @@ INLINE void quant_tile(const int type, const int np, const int rows, const float
             for (int r = 0; r < rows; r++) acc[p][r] += splat16(xb[r * K + k0 + j]) * w;
           }
       }
+#endif
     }
   }
   for (int p = 0; p < np; p++) {
