@@ -6,8 +6,9 @@
  *
  * W is packed once into panels of PANEL output columns, each panel stored k-major:
  * panels[p][k][c] = W[p * PANEL + c][k] (zero past N). A tile of up to ROWS rows keeps its
- * 2 x ROWS accumulators in registers while the panel streams past once; further tiles of the
- * same call find the panel in cache. Each output is summed over k in order, whatever M is,
+ * 2 x ROWS accumulators in registers while the panel streams past once (with AVX-512, 16-lane
+ * tiles of up to 8 rows: linear_tile16); further tiles of the same call find the panel in
+ * cache. Each output is summed over k in order, whatever M is,
  * so a row's result does not depend on the other rows in the batch.
  *
  * Panels are float32, or bfloat16 when every weight of the matrix is exactly a bfloat16
@@ -73,6 +74,96 @@ INLINE void linear_tile(const int bf16, const int np, const int m, const float *
   }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* AVX-512: a panel row is one 16-lane vector, so a row's accumulator for a panel is one
+ * register (two with 8 lanes), and a tile holds 16 of them: up to 4 rows of 4 panels or 8 rows
+ * of 2. The multiply-adds are the ones of the 8-lane tiles above, per output in the same order,
+ * so the results are the same bit for bit. */
+#define ROWS16 8
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+/* Panel row k as 16 float32 lanes: the columns in order, or for bfloat16 in the stored order
+ * 0, 8, 1, 9, ..., 7, 15 (one zero-extending load and one shift); `column_lane` maps back. */
+INLINE v16 panel_row16(const int bf16, const void *panel, int64_t k) {
+  if (bf16) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)((const uint16_t *)panel + k * PANEL));
+    return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16);
+  }
+  return *(const v16 *)((const float *)panel + k * PANEL);
+}
+
+INLINE int column_lane(const int bf16, int c) { return !bf16 ? c : c < 8 ? 2 * c : 2 * c - 15; }
+
+INLINE void linear_tile16(const int bf16, const int np, const int m, const float *x, int64_t K,
+                          const void *panel, int64_t pstride, const float *bias,
+                          const float *res, float *y, int64_t N, int cols) {
+  v16 acc[GROUP][ROWS16];
+  for (int p = 0; p < np; p++)
+    for (int r = 0; r < m; r++) acc[p][r] = (v16){0};
+  for (int64_t k = 0; k < K; k++)
+    for (int p = 0; p < np; p++) {
+      const v16 w = panel_row16(bf16, (const char *)panel + p * pstride * (bf16 ? 2 : 4), k);
+      for (int r = 0; r < m; r++) acc[p][r] += x[r * K + k] * w;
+    }
+  for (int p = 0; p < np; p++) {
+    const int n = span(cols, p * PANEL, PANEL);
+    for (int r = 0; r < m; r++) {
+      float lanes[PANEL], row[PANEL];
+      *(v16 *)lanes = acc[p][r];
+      for (int c = 0; c < n; c++) row[c] = lanes[column_lane(bf16, c)];
+      if (bias)
+        for (int c = 0; c < n; c++) row[c] += bias[p * PANEL + c];
+      if (res)
+        for (int c = 0; c < n; c++) row[c] += res[r * N + p * PANEL + c];
+      memcpy(y + r * N + p * PANEL, row, (size_t)n * sizeof(float));
+    }
+  }
+}
+
+INLINE void linear_group(const int bf16, const int np, const float *x, const void *panel,
+                         int64_t pstride, const float *b, const float *residual, float *y,
+                         int64_t M, int64_t N, int64_t K, int cols) {
+  for (int64_t r = 0; r < M; r += ROWS16) {
+    const float *xr = x + r * K;
+    const float *rr = residual ? residual + r * N : 0;
+    float *yr = y + r * N;
+    const int rows = M - r < ROWS16 ? (int)(M - r) : ROWS16;
+#define TILE(g, m) linear_tile16(bf16, g, m, xr, K, panel, pstride, b, rr, yr, N, cols)
+    if (np == 4 && rows == 1) TILE(4, 1);
+    else if (np == 4 && rows == 2) TILE(4, 2);
+    else if (np == 4 && rows == 3) TILE(4, 3);
+    else if (np == 4 && rows == 4) TILE(4, 4);
+    else if (np == 2 && rows == 5) TILE(2, 5);
+    else if (np == 2 && rows == 6) TILE(2, 6);
+    else if (np == 2 && rows == 7) TILE(2, 7);
+    else if (np == 2 && rows == 8) TILE(2, 8);
+    else
+      for (int p = 0; p < np; p++) { /* one panel at a time (a group's last panels) */
+        const void *pp = (const char *)panel + p * pstride * (bf16 ? 2 : 4);
+        const float *bp = b ? b + p * PANEL : 0;
+        const float *rp = rr ? rr + p * PANEL : 0;
+        const int c = span(cols, p * PANEL, PANEL);
+#define TILE1(m) linear_tile16(bf16, 1, m, xr, K, pp, pstride, bp, rp, yr + p * PANEL, N, c)
+        switch (rows) {
+          case 1: TILE1(1); break;
+          case 2: TILE1(2); break;
+          case 3: TILE1(3); break;
+          case 4: TILE1(4); break;
+          case 5: TILE1(5); break;
+          case 6: TILE1(6); break;
+          case 7: TILE1(7); break;
+          default: TILE1(8); break;
+        }
+#undef TILE1
+      }
+#undef TILE
+  }
+}
+/* Panels per tile: 4 for up to 4 rows, else 2. */
+#define PANELS_PER_TILE(M) ((M) <= 4 ? GROUP : 2)
+#else
 /* One group of np panels, all rows of x: unrolled tiles. */
 INLINE void linear_group(const int bf16, const int np, const float *x, const void *panel,
                          int64_t pstride, const float *b, const float *residual, float *y,
@@ -105,6 +196,8 @@ INLINE void linear_group(const int bf16, const int np, const float *x, const voi
 #undef TILE
   }
 }
+#define PANELS_PER_TILE(M) ((M) == 1 ? GROUP : (M) == 2 ? 2 : 1)
+#endif
 
 /* The group kernels, each compiled for its format (outside the OpenMP region, which GCC
  * outlines before inlining, so a format passed into it would stay a run-time value). */
@@ -120,7 +213,7 @@ static void linear(const int bf16, const float *x, const void *panels, const flo
                    int nthreads) {
   const int64_t num_panels = (N + PANEL - 1) / PANEL;
   const int64_t pstride = K * PANEL; /* weights per panel */
-  const int group = M == 1 ? GROUP : M == 2 ? 2 : 1; /* panels per tile */
+  const int group = PANELS_PER_TILE(M);
   const int64_t num_groups = (num_panels + group - 1) / group;
   void (*const run)(GROUP_ARGS) = bf16 ? group_bf16 : group_f32;
   /* Panels handed out a few at a time (a group, or 4 single panels): a worker the OS
