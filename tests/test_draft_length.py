@@ -396,3 +396,18 @@ def test_trees_whose_candidates_miss_together_stop_being_drafted():
     measured = [n for n in range(2, 5) if policy._root_trials.get(n)]
     assert measured and all(policy.root_acceptance(a, n)[0] < 1 - 0.5**n for n in measured)
     assert policy.root_acceptance(a, 3)[0] <= prior[0]
+
+
+def test_observing_a_step_predicts_what_target_time_predicts():
+    """observe_target/observe_draft compute their prediction in plain Python (every step
+    calls them); it is the vectorised formula's, inside the table, between its sizes and
+    past its end."""
+    cost = CostModel(SIZES, [0.010 + 0.001 * i for i in range(len(SIZES))], 0.001, 0.00002,
+                     kv_coef=1e-6, qk_coef=1e-8, draft_per_pair=1e-9)  # fmt: skip
+    for tokens in [1, 3, SIZES[-1], 2 * SIZES[-1] + 5]:
+        shape = PassShape(tokens, kv_tokens=300, qk_pairs=tokens * 300)
+        fresh = CostModel.from_dict(cost.to_dict())
+        fresh.observe_target(shape, 2 * float(cost.target_time(tokens, 300, tokens * 300)))
+        assert fresh.target_scale.value == pytest.approx(2.0, rel=1e-12)  # measured / predicted
+        fresh.observe_draft(3, 3, 900, 0.5 * float(cost.draft_time(3, 3, 900)))
+        assert fresh.draft_scale.value == pytest.approx(0.5, rel=1e-12)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.core.request import Request, SamplingParams
+from engine.cpu import kernels as cpu_kernels
 from engine.sample.sampler import (
     RowSpec,
     couple_seeded_rows,
@@ -61,6 +62,38 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_skips_zero_mass():
     assert chi2 < 22.46  # 99.9th percentile of chi-square with 6 degrees of freedom
     edges = sample_from(mass.expand(2, -1), torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64))
     assert edges.tolist() == [1, 8]  # the first and the last token with mass
+
+
+def _cdf_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The float64-CDF definition sample_from's torch path computes."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    point = torch.minimum(uniform[:, None] * total, total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point, right=True)[:, 0]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="Tandem's CPU kernels did not build")
+@pytest.mark.parametrize("vocab", [7, 256, 1000, 49152])
+def test_the_cpu_kernel_samples_as_the_float64_cdf_does(vocab):
+    """engine/cpu/csrc/sample.c (blocks of 256, then a scan of one) against the float64 CDF:
+    the same token for every draw here (they can differ only within a float64 rounding of a
+    boundary), always a token with mass, on rows with mass everywhere, only at the start, only
+    at the end, on one token, and at the edges of [0, 1)."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = []
+    for sharpness in (0.5, 2.0, 6.0):
+        rows.append(torch.softmax(torch.randn(vocab, generator=g) * sharpness, -1))
+    head, tail, single = rows[0].clone(), rows[1].clone(), torch.zeros(vocab)
+    head[max(1, vocab // 10) :] = 0
+    tail[: vocab - max(1, vocab // 10)] = 0
+    single[vocab // 3] = 0.25
+    probs = torch.stack([*rows, head, tail, single]).repeat(40, 1)
+    uniform = torch.rand(probs.shape[0], generator=g, dtype=torch.float64)
+    uniform[:6], uniform[6:12] = 0.0, 1 - 2**-53
+    got = cpu_kernels.sample_rows(probs, uniform)
+    assert torch.equal(got, _cdf_sample(probs, uniform))
+    assert bool((probs.gather(1, got[:, None]) > 0).all())
+    assert torch.equal(sample_from(probs, uniform), got)  # the CPU path of sample_from
 
 
 def test_a_requests_generator_gives_its_stream():

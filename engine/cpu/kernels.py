@@ -109,6 +109,23 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def sample_rows(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """probs [rows, vocab] float32 (non-negative mass), uniform [rows] float64 in [0, 1) ->
+    [rows] int64: per row, the first token whose cumulative mass exceeds u times the row's
+    total (csrc/sample.c; engine/sample/sampler.py `sample_from` says how it relates to the
+    torch path)."""
+    probs = probs.contiguous()
+    uniform = uniform.to(torch.float64).contiguous()
+    rows, vocab = probs.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        _require().tandem_sample_rows(
+            probs.data_ptr(), uniform.data_ptr(), rows, vocab, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+    return out
+
+
 def rotary_cache(
     qkv: torch.Tensor,  # [tokens, (heads + 2 kv_heads) * head_dim] float32, contiguous
     positions: torch.Tensor,  # [tokens] int64
@@ -228,6 +245,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         ]
     )
     lib.tandem_layers.restype = i32
+    lib.tandem_sample_rows.argtypes = [ptr, ptr, i64, i64, ptr, i32]
+    lib.tandem_sample_rows.restype = None
     lib.tandem_isa.argtypes = []
     lib.tandem_isa.restype = ctypes.c_char_p
     return lib

@@ -28,11 +28,15 @@ it is one-hot on the draft token, so acceptance is p(x) and the residual is p wi
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.sample.sampler import sample_from
 
 PAD = -1
+
+_F32 = np.float32
+_TINY = _F32(1e-30)  # as torch's clamp(min=1e-30) rounds it in float32
 
 
 def rejection_sample(
@@ -48,115 +52,128 @@ def rejection_sample(
     uniform: torch.Tensor,
     method: str = "token",
 ) -> torch.Tensor:  # [batch, max_k + 1]: kept drafts, then recovered or bonus, PAD after
+    """The per-request decisions run on Python scalars (a handful per draft) and only the
+    vocabulary-wide work on tensors: at a few requests per step, a vectorised layout costs
+    about a hundred small tensor operations. The scalars are the tensors' own float32 values,
+    and float32 arithmetic is done in float32 (numpy), so the decisions are the ones the
+    tensor formulas give."""
     device = target_probs.device
-    batch = len(num_draft_tokens)
-    k = torch.tensor(num_draft_tokens, device=device)
-    max_k = max(num_draft_tokens, default=0)
-    row_start = torch.cumsum(k + 1, 0) - (k + 1)  # [batch]
-    draft_start = torch.cumsum(k, 0) - k  # [batch]
-
+    batch, max_k = len(num_draft_tokens), max(num_draft_tokens, default=0)
+    row_start, draft_start, row, drafted = [], [], 0, 0
+    for k in num_draft_tokens:
+        row_start.append(row)
+        draft_start.append(drafted)
+        row, drafted = row + k + 1, drafted + k
+    ids = draft_token_ids.tolist()
     # Draft j of request r (x_{j+1}) is checked against row row_start[r] + j.
-    draft_req = torch.repeat_interleave(torch.arange(batch, device=device), k)
-    draft_pos = torch.arange(draft_token_ids.numel(), device=device) - draft_start[draft_req]
-    draft_rows = row_start[draft_req] + draft_pos
-    p_x = target_probs[draft_rows, draft_token_ids]
-    if draft_probs is None:
-        q_x = torch.ones_like(p_x)
-    else:
-        q_x = draft_probs.gather(1, draft_token_ids[:, None])[:, 0]
+    draft_rows = [row_start[r] + j for r, k in enumerate(num_draft_tokens) for j in range(k)]
+    p_x: list[float] = []
+    q_x: list[float] = [1.0] * len(ids)
+    if ids:
+        rows_t = torch.tensor(draft_rows, device=device)
+        p_x = target_probs[rows_t, draft_token_ids].tolist()
+        if draft_probs is not None:
+            q_x = draft_probs.gather(1, draft_token_ids[:, None])[:, 0].tolist()
+    u = uniform.tolist()
 
     if method == "block":
-        num_kept, weight = _block_lengths(
-            target_probs,
-            draft_probs,
-            p_x,
-            q_x,
-            (k, draft_req, draft_pos, draft_rows),
-            uniform,
-        )
+        layout = (num_draft_tokens, row_start, draft_start)
+        num_kept, weight = _block_lengths(target_probs, draft_probs, p_x, q_x, layout, u)
     else:
-        accepted = (p_x > 0) & (q_x > 0) & (uniform[draft_rows] * q_x <= p_x)
-        # Kept prefix length per request: the run of accepted drafts before the first reject.
-        acc = torch.zeros(batch, max_k, dtype=torch.bool, device=device)
-        acc[draft_req, draft_pos] = accepted
-        num_kept = acc.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [batch]
-        weight = torch.ones(batch, dtype=target_probs.dtype, device=device)
+        num_kept, weight = [], [_F32(1.0)] * batch
+        for r, k in enumerate(num_draft_tokens):
+            n = 0
+            while n < k:
+                j = draft_start[r] + n
+                if not (p_x[j] > 0 and q_x[j] > 0 and u[row_start[r] + n] * q_x[j] <= p_x[j]):
+                    break
+                n += 1
+            num_kept.append(n)
 
-    final_rows = row_start + num_kept
-    p_final = target_probs[final_rows]  # [batch, vocab]
-    rejected = num_kept < k
-    if bool(rejected.any()):
-        # The draft after the kept ones, whose q the residual removes (clamped for requests
-        # that kept everything; those keep p_final).
-        reject_idx = draft_start + torch.minimum(num_kept, (k - 1).clamp(min=0))
-        reject_idx = reject_idx.clamp(max=max(draft_token_ids.numel() - 1, 0))
+    p_final = target_probs[[row_start[r] + num_kept[r] for r in range(batch)]]  # [batch, vocab]
+    rejected = [r for r in range(batch) if num_kept[r] < num_draft_tokens[r]]
+    if rejected:
+        # The draft after the kept ones: the residual removes its q.
+        reject_idx = [draft_start[r] + num_kept[r] for r in rejected]
+        kept_rows = p_final[rejected]
         if draft_probs is None:
-            q_rej = torch.zeros_like(p_final)
-            if draft_token_ids.numel():
-                q_rej.scatter_(1, draft_token_ids[reject_idx][:, None], 1.0)
+            q_rej = torch.zeros_like(kept_rows)
+            q_rej[torch.arange(len(rejected), device=device), draft_token_ids[reject_idx]] = 1.0
         else:
             q_rej = draft_probs[reject_idx]
-        residual = (weight[:, None] * p_final - q_rej).clamp(min=0)
+        w = torch.tensor([weight[r] for r in rejected], dtype=target_probs.dtype, device=device)
+        residual = (w[:, None] * kept_rows - q_rej).clamp(min=0)
         # An empty residual has probability 0 in exact arithmetic; guard the division anyway.
         empty = residual.sum(dim=-1, keepdim=True) <= 0
-        residual = torch.where(empty, p_final, residual)
-        p_final = torch.where(rejected[:, None], residual, p_final)
-    final_tokens = sample_from(p_final, uniform[row_start + k])  # recovered or bonus
-
-    out = torch.full((batch, max_k + 1), PAD, dtype=torch.long, device=device)
-    keep = torch.arange(max_k, device=device)[None, :] < num_kept[:, None]
-    if max_k:
-        padded = torch.full((batch, max_k), PAD, dtype=torch.long, device=device)
-        padded[draft_req, draft_pos] = draft_token_ids
-        out[:, :max_k] = torch.where(keep, padded, PAD)
-    out.scatter_(1, num_kept[:, None], final_tokens[:, None])
-    return out
+        p_final[rejected] = torch.where(empty, kept_rows, residual)
+    last_rows = [row_start[r] + k for r, k in enumerate(num_draft_tokens)]
+    final_tokens = sample_from(p_final, uniform[last_rows]).tolist()  # recovered or bonus
+    out = [
+        ids[draft_start[r] : draft_start[r] + n] + [t] + [PAD] * (max_k - n)
+        for r, (n, t) in enumerate(zip(num_kept, final_tokens, strict=True))
+    ]
+    return torch.tensor(out, dtype=torch.long, device=device).view(batch, max_k + 1)
 
 
 def _block_lengths(
     target_probs: torch.Tensor,  # [num_rows, vocab]
     draft_probs: torch.Tensor | None,  # [num_draft, vocab] or None (one-hot)
-    p_x: torch.Tensor,  # [num_draft] p_{j}(x_{j+1})
-    q_x: torch.Tensor,  # [num_draft] q_{j}(x_{j+1})
-    # k, draft_req, draft_pos, draft_rows as rejection_sample lays them out
-    layout: tuple[torch.Tensor, ...],
-    uniform: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:  # [batch] tau, [batch] w_tau
-    k, draft_req, draft_pos, draft_rows = layout
-    batch, max_k = k.numel(), int(k.max()) if k.numel() else 0
-    dtype, device = target_probs.dtype, target_probs.device
-    ratio = torch.zeros(batch, max_k, dtype=dtype, device=device)
-    ratio[draft_req, draft_pos] = torch.where(q_x > 0, p_x / q_x.clamp(min=1e-30), 0.0)
-    # w[:, i] = w_i; a running product clamped at 1 (K is small: a loop over it).
-    w = torch.ones(batch, max_k + 1, dtype=dtype, device=device)
-    for i in range(1, max_k + 1):
-        w[:, i] = torch.clamp(w[:, i - 1] * ratio[:, i - 1], max=1.0)
-    if max_k == 0:
-        return torch.zeros(batch, dtype=torch.long, device=device), w[:, 0]
-
-    # h_i for every draft that is not its request's last (i = its position + 1 < K): the
-    # vocabulary-wide residual r_i needs row i of the target and q_i.
-    w_i = w[draft_req, draft_pos + 1]
-    inner = ((draft_pos + 1 < k[draft_req]) & (w_i > 0)).nonzero()[:, 0]
-    h = torch.zeros_like(w_i)
-    if inner.numel():
-        wi = w_i[inner]
-        nxt = inner + 1  # the next draft, x_{i+1}: its row is row i, its q is q_i
+    p_x: list[float],  # per draft: p_j(x_{j+1}), float32 values
+    q_x: list[float],  # per draft: q_j(x_{j+1}) (1 for a model-free drafter)
+    layout: tuple[list[int], list[int], list[int]],  # num_draft_tokens, row_start, draft_start
+    u: list[float],  # per row
+) -> tuple[list[int], list[np.float32]]:  # per request: tau, w_tau
+    num_draft_tokens, row_start, draft_start = layout
+    # w_i per request: a running product of p/q clamped at 1, in float32.
+    weights: list[list[np.float32]] = []
+    for r, k in enumerate(num_draft_tokens):
+        w = [_F32(1.0)]
+        for j in range(draft_start[r], draft_start[r] + k):
+            ratio = _F32(p_x[j]) / max(_F32(q_x[j]), _TINY) if q_x[j] > 0 else _F32(0.0)
+            w.append(min(w[-1] * ratio, _F32(1.0)))
+        weights.append(w)
+    # h_i for a draft that is not its request's last (i = its position + 1 < K) and w_i > 0
+    # needs the vocabulary-wide residual r_i = sum_x max(0, w_i p_i(x) - q_i(x)): row i of
+    # the target and q_i, the distribution x_{i+1} was drawn from.
+    inner = [
+        (r, i) for r, k in enumerate(num_draft_tokens) for i in range(1, k) if weights[r][i] > 0
+    ]
+    residual_mass: dict[tuple[int, int], np.float32] = {}
+    if inner:
+        w_in = [weights[r][i] for r, i in inner]
         if draft_probs is None:  # q_i one-hot at x_{i+1}: r_i = w_i (1 - p_i(x_{i+1}))
-            r = wi * (1 - p_x[nxt])
+            mass = [
+                w * (_F32(1.0) - _F32(p_x[draft_start[r] + i]))
+                for w, (r, i) in zip(w_in, inner, strict=True)
+            ]
         else:
-            r = (wi[:, None] * target_probs[draft_rows[nxt]]).sub_(draft_probs[nxt])
-            r = r.clamp_(min=0).sum(dim=-1)
-        denom = r + 1 - wi
-        h[inner] = torch.where(denom > 0, r / denom.clamp(min=1e-30), 0.0)
-    is_last = draft_pos + 1 == k[draft_req]
-    h = torch.where(is_last, w_i, h)  # h_K = w_K
-    kept = uniform[draft_rows] < h
-    # tau: the largest i whose test passed (0 if none).
-    depth = torch.zeros(batch, max_k, dtype=torch.long, device=device)
-    depth[draft_req, draft_pos] = torch.where(kept, draft_pos + 1, 0)
-    tau = depth.max(dim=1).values
-    return tau, w.gather(1, tau[:, None])[:, 0]
+            dtype, device = target_probs.dtype, target_probs.device
+            wt = torch.tensor(w_in, dtype=dtype, device=device)
+            p_rows = target_probs[[row_start[r] + i for r, i in inner]]
+            q_rows = draft_probs[[draft_start[r] + i for r, i in inner]]
+            mass = [
+                _F32(m)
+                for m in (wt[:, None] * p_rows).sub_(q_rows).clamp_(min=0).sum(dim=-1).tolist()
+            ]
+        residual_mass = dict(zip(inner, mass, strict=True))
+    taus, kept_weights = [], []
+    for r, k in enumerate(num_draft_tokens):
+        tau = 0
+        for i in range(1, k + 1):
+            w_i = weights[r][i]
+            if i == k:
+                h = w_i  # h_K = w_K
+            elif (r, i) in residual_mass:
+                m = residual_mass[(r, i)]
+                denom = m + _F32(1.0) - w_i
+                h = m / max(denom, _TINY) if denom > 0 else _F32(0.0)
+            else:
+                h = _F32(0.0)
+            if u[row_start[r] + i - 1] < h:  # tau: the largest i whose test passed
+                tau = i
+        taus.append(tau)
+        kept_weights.append(weights[r][tau])
+    return taus, kept_weights
 
 
 def greedy_verify(

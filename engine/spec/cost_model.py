@@ -26,6 +26,7 @@ single-token pass (within `CAPACITY_SLACK`).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,7 +68,7 @@ class _Scale:
             return
         self.count += 1
         rate = max(_EMA, 1.0 / self.count)
-        ratio = float(np.clip(measured / calibrated, 0.5 * self.value, 2.0 * self.value))
+        ratio = min(max(measured / calibrated, 0.5 * self.value), 2.0 * self.value)
         self.value += rate * (ratio - self.value)
 
 
@@ -86,6 +87,8 @@ class CostModel:
         self.sizes = np.asarray(sizes, dtype=np.float64)
         # A bigger pass never costs less: timing noise must not make it look that way.
         self.target_seconds = np.maximum.accumulate(np.asarray(target_seconds, dtype=np.float64))
+        self._sizes_list = self.sizes.tolist()
+        self._table_list = self.target_seconds.tolist()
         self.kv_coef = kv_coef
         self.qk_coef = qk_coef
         self.draft_fixed = draft_fixed
@@ -164,14 +167,38 @@ class CostModel:
         return int(ok.max()) if ok.size else 1
 
     def observe_target(self, shape: PassShape, seconds: float, branches: int = 1) -> None:
-        calibrated = self._target_calibrated(shape.num_tokens, shape.kv_tokens, shape.qk_pairs)
-        self._observe(0, self.target_scale, seconds, float(calibrated), branches)
+        # Every step calls this with plain numbers: Python arithmetic, not numpy's per-call
+        # cost on scalars (the same formula as _target_calibrated).
+        calibrated = (
+            self._table_at(shape.num_tokens)
+            + self.kv_coef * shape.kv_tokens
+            + self.qk_coef * shape.qk_pairs
+        )
+        self._observe(0, self.target_scale, seconds, calibrated, branches)
 
     def observe_draft(
         self, num_passes: int, num_drafts: int, qk_pairs: int, seconds: float, branches: int = 1
     ) -> None:
-        calibrated = self._draft_calibrated(num_passes, num_drafts, qk_pairs)
-        self._observe(1, self.draft_scale, seconds, float(calibrated), branches)
+        calibrated = (
+            self.draft_fixed * num_passes
+            + self.draft_per_token * num_drafts
+            + self.draft_per_pair * qk_pairs
+        )
+        self._observe(1, self.draft_scale, seconds, calibrated, branches)
+
+    def _table_at(self, num_tokens: int) -> float:
+        """`_table` at one token count."""
+        sizes, table = self._sizes_list, self._table_list
+        i = bisect.bisect_right(sizes, num_tokens) - 1
+        if i < 0:
+            return table[0]
+        if i >= len(sizes) - 1:  # at or past the end: the last segment's slope goes on
+            if len(sizes) < 2:
+                return table[-1]
+            slope = (table[-1] - table[-2]) / (sizes[-1] - sizes[-2])
+            return table[-1] + slope * (num_tokens - sizes[-1])
+        slope = (table[i + 1] - table[i]) / (sizes[i + 1] - sizes[i])
+        return table[i] + slope * (num_tokens - sizes[i])
 
     def _observe(
         self, which: int, scale: _Scale, seconds: float, calibrated: float, branches: int

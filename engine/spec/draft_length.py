@@ -217,15 +217,15 @@ class AdaptiveDraftLength:
     def _decide(
         self, a: np.ndarray, context: np.ndarray, num_other_tokens: int
     ) -> tuple[list[int], list[str | None], int]:
-        """(K per request, why each is below K_max, tree branches) that maximise the batch's
-        expected tokens per second."""
+        """(K per request, why each is below K_max, tree branches): the batch's best rate."""
         batch, k_max = len(a), self.max_draft_tokens
-        depth = np.arange(1, k_max + 1)
-        gains = a[:, None] ** depth[None, :]  # [batch, k_max]: gain of the d-th draft
+        gains = a[:, None] ** np.arange(1, k_max + 1)[None, :]  # [batch, k_max]: d-th draft's
         ks, rate = self._best_prefix(gains, context, num_other_tokens)
-        uniform_ks, uniform_rate = self._best_uniform(gains, context, num_other_tokens)
-        if rate < (1 + self.uniform_margin) * uniform_rate:
-            ks = uniform_ks
+        if batch > 1:  # for one request the best prefix is the best uniform K (same sums)
+            uniform_ks, uniform_rate = self._best_uniform(gains, context, num_other_tokens)
+            if rate < (1 + self.uniform_margin) * uniform_rate:
+                ks = uniform_ks
+            rate = max(rate, uniform_rate)
         solo = self._best_alone(gains, context)
         reasons: list[str | None] = []
         for k, k_solo in zip(ks, solo, strict=True):
@@ -236,7 +236,7 @@ class AdaptiveDraftLength:
         branches = 1
         if self.max_branches > 1:
             n, k_tree, tree_rate = self._best_tree(a, context, num_other_tokens)
-            if n > 1 and tree_rate > (1 + self.uniform_margin) * max(rate, uniform_rate):
+            if n > 1 and tree_rate > (1 + self.uniform_margin) * rate:
                 ks, branches = np.full(batch, k_tree, dtype=np.int64), n
                 reasons = [None] * batch
         return [int(k) for k in ks], reasons, branches
