@@ -59,11 +59,11 @@ INLINE int64_t block_bytes(const int type) {
 
 INLINE int64_t scale_bytes(const int type) { return (type == Q4_1 ? 2 : 1) * QPANEL * 4; }
 
-/* out[i] = all[idx[i]]: one permute instruction. */
+/* out[i] = all[idx[i] % 16]: one permute instruction (which reads an index's low 4 bits). */
 INLINE v16u spread(v16u all, v16u idx) {
 #if defined(__clang__)
   v16u out;
-  for (int i = 0; i < 16; i++) out[i] = all[idx[i]];
+  for (int i = 0; i < 16; i++) out[i] = all[idx[i] & 15];
   return out;
 #else
   return __builtin_shuffle(all, idx);
