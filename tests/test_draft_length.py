@@ -411,3 +411,25 @@ def test_observing_a_step_predicts_what_target_time_predicts():
         assert fresh.target_scale.value == pytest.approx(2.0, rel=1e-12)  # measured / predicted
         fresh.observe_draft(3, 3, 900, 0.5 * float(cost.draft_time(3, 3, 900)))
         assert fresh.draft_scale.value == pytest.approx(0.5, rel=1e-12)
+
+
+def test_one_requests_draft_length_is_what_the_vectorised_search_gives():
+    """A batch of one takes CostModel.best_chain_length (plain Python) instead of the numpy
+    search: the same K and the same reason, over acceptances, contexts, other tokens in the
+    pass and online cost factors."""
+    rng = np.random.default_rng(0)
+    for trial in range(400):
+        seconds = [0.006 + 0.0004 * n + rng.uniform(0, 0.001) for n in SIZES]
+        cost = CostModel(SIZES, seconds, 0.0005, 0.00003, kv_coef=2e-7, qk_coef=3e-9,
+                         draft_per_pair=1e-9)  # fmt: skip
+        cost.target_scale.value, cost.draft_scale.value = rng.uniform(0.5, 2.0, size=2)
+        policy = AdaptiveDraftLength(4, cost)
+        a = np.array([rng.uniform(0.0, 0.99)])
+        context = np.array([float(rng.integers(1, 3000))])
+        other = int(rng.choice([0, 0, 5, 200]))
+        ks, reasons, branches = policy._decide(a, context, other)
+        gains = a[:, None] ** np.arange(1, 5)[None, :]
+        want = int(policy._best_prefix(gains, context, other)[0][0])
+        solo = int(policy._best_alone(gains, context)[0])
+        reason = None if want >= 4 else REASON_BATCH if want < solo else REASON_ACCEPTANCE
+        assert (ks, reasons, branches) == ([want], [reason], 1), trial

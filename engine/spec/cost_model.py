@@ -166,24 +166,44 @@ class CostModel:
         ok = self.sizes[self.target_seconds <= limit]
         return int(ok.max()) if ok.size else 1
 
-    def observe_target(self, shape: PassShape, seconds: float, branches: int = 1) -> None:
-        # Every step calls this with plain numbers: Python arithmetic, not numpy's per-call
-        # cost on scalars (the same formula as _target_calibrated).
-        calibrated = (
-            self._table_at(shape.num_tokens)
-            + self.kv_coef * shape.kv_tokens
-            + self.qk_coef * shape.qk_pairs
+    def best_chain_length(
+        self, acceptance: float, context: float, base_tokens: int, max_drafts: int
+    ) -> int:
+        """For one request drafting a chain (per-token acceptance `acceptance`, `context`
+        tokens cached) in a pass that holds `base_tokens` other tokens (its own last one
+        included): the K in 0..max_drafts with the most expected tokens per second, the
+        first if several tie. What the draft-length policy's vectorised search gives for a
+        batch of one, in plain Python (at c=1 the policy decides every few steps)."""
+        tokens, rates = 1.0, []
+        for k in range(max_drafts + 1):
+            tokens += acceptance**k if k else 0.0
+            target = self._target_at(base_tokens + k, context, context * (1 + k))
+            draft = self._draft_at(k, k, k * context)
+            rates.append(
+                tokens / (self.target_scale.value * target + self.draft_scale.value * draft)
+            )
+        return rates.index(max(rates))
+
+    # observe_* and best_chain_length take plain numbers: Python arithmetic, not numpy's
+    # per-call cost on scalars (the formulas of _target_calibrated and _draft_calibrated).
+    def _target_at(self, num_tokens: float, kv_tokens: float, qk_pairs: float) -> float:
+        return self._table_at(num_tokens) + self.kv_coef * kv_tokens + self.qk_coef * qk_pairs
+
+    def _draft_at(self, num_passes: float, num_drafts: float, qk_pairs: float) -> float:
+        return (
+            self.draft_fixed * num_passes
+            + self.draft_per_token * num_drafts
+            + self.draft_per_pair * qk_pairs
         )
+
+    def observe_target(self, shape: PassShape, seconds: float, branches: int = 1) -> None:
+        calibrated = self._target_at(shape.num_tokens, shape.kv_tokens, shape.qk_pairs)
         self._observe(0, self.target_scale, seconds, calibrated, branches)
 
     def observe_draft(
         self, num_passes: int, num_drafts: int, qk_pairs: int, seconds: float, branches: int = 1
     ) -> None:
-        calibrated = (
-            self.draft_fixed * num_passes
-            + self.draft_per_token * num_drafts
-            + self.draft_per_pair * qk_pairs
-        )
+        calibrated = self._draft_at(num_passes, num_drafts, qk_pairs)
         self._observe(1, self.draft_scale, seconds, calibrated, branches)
 
     def _table_at(self, num_tokens: int) -> float:

@@ -194,10 +194,9 @@ class AdaptiveDraftLength:
         return DraftLengths(list(ks), list(reasons), branches)
 
     def _inputs_key(self, a: np.ndarray, context: np.ndarray, num_other: int) -> tuple:
-        """What a decision depends on, rounded: acceptance and the tree roots' factors to
-        1/32, the cost model's online factors to 4%, contexts and other tokens to 32. A step
-        whose inputs round alike reuses the decision (0.1-0.2 ms of numpy to make); inputs
-        that close predict rates within a few percent of each other."""
+        """What a decision depends on, rounded (acceptance and tree roots' factors to 1/32,
+        online cost factors to 4%, contexts and other tokens to 32): a step whose inputs round
+        alike reuses the decision; inputs that close predict rates within a few percent."""
         cost = self.cost
         widths = sorted(cost.tree_scales)
         scales = [cost.target_scale, cost.draft_scale]
@@ -219,13 +218,16 @@ class AdaptiveDraftLength:
     ) -> tuple[list[int], list[str | None], int]:
         """(K per request, why each is below K_max, tree branches): the batch's best rate."""
         batch, k_max = len(a), self.max_draft_tokens
+        if batch == 1 and self.max_branches == 1:  # one request: plain numbers, no arrays
+            best, a1, c1 = self.cost.best_chain_length, float(a[0]), float(context[0])
+            k = best(a1, c1, num_other_tokens + 1, k_max)
+            solo = best(a1, c1, 1, k_max) if num_other_tokens else k  # as _best_alone
+            return [k], [None if k >= k_max else REASON_BATCH if k < solo else REASON_ACCEPTANCE], 1
         gains = a[:, None] ** np.arange(1, k_max + 1)[None, :]  # [batch, k_max]: d-th draft's
         ks, rate = self._best_prefix(gains, context, num_other_tokens)
-        if batch > 1:  # for one request the best prefix is the best uniform K (same sums)
-            uniform_ks, uniform_rate = self._best_uniform(gains, context, num_other_tokens)
-            if rate < (1 + self.uniform_margin) * uniform_rate:
-                ks = uniform_ks
-            rate = max(rate, uniform_rate)
+        uniform_ks, uniform_rate = self._best_uniform(gains, context, num_other_tokens)
+        if rate < (1 + self.uniform_margin) * uniform_rate:
+            ks = uniform_ks
         solo = self._best_alone(gains, context)
         reasons: list[str | None] = []
         for k, k_solo in zip(ks, solo, strict=True):
@@ -236,7 +238,7 @@ class AdaptiveDraftLength:
         branches = 1
         if self.max_branches > 1:
             n, k_tree, tree_rate = self._best_tree(a, context, num_other_tokens)
-            if n > 1 and tree_rate > (1 + self.uniform_margin) * rate:
+            if n > 1 and tree_rate > (1 + self.uniform_margin) * max(rate, uniform_rate):
                 ks, branches = np.full(batch, k_tree, dtype=np.int64), n
                 reasons = [None] * batch
         return [int(k) for k in ks], reasons, branches
@@ -274,12 +276,9 @@ class AdaptiveDraftLength:
         self, gains: np.ndarray, context: np.ndarray, num_other: int
     ) -> tuple[np.ndarray, float]:
         """K per request from the best prefix of increments ranked by gain, and its expected
-        tokens per second.
-
-        Each draft adds a token to the target pass, a query over its request's context to
-        both models, and possibly a draft pass (the deepest draft sets how many there are);
-        the plain-decode part of the pass (every request's last token) is paid regardless.
-        """
+        tokens per second. Each draft adds a token to the target pass, a query over its
+        request's context to both models, and possibly a draft pass (the deepest draft sets
+        how many); the plain-decode part (every request's last token) is paid regardless."""
         rows, k_max = gains.shape
         order = np.argsort(-gains, axis=None, kind="stable")
         owner = order // k_max
@@ -299,10 +298,10 @@ class AdaptiveDraftLength:
         self, a: np.ndarray, context: np.ndarray, num_other: int
     ) -> tuple[int, int, float]:
         """The best draft tree for every request (N candidates for the next token, each
-        continued to depth K), and its expected tokens per second. N candidates are taken to
-        find the target's token with `root_acceptance` (1 - (1 - a)^N as if drawn
-        independently, corrected by the tree steps measured), the positions after it with a
-        each; the pass pays N x K draft tokens and K draft passes of N rows."""
+        continued to depth K), and its expected tokens per second. N candidates find the
+        target's token with `root_acceptance` (1 - (1 - a)^N as if independent, corrected by
+        the tree steps measured), the positions after it with a each; the pass pays N x K
+        draft tokens and K draft passes of N rows."""
         rows, k_max = len(a), self.max_draft_tokens
         total_context = float(context.sum())
         best = (1, 0, 0.0)
