@@ -52,29 +52,51 @@ def rejection_sample(
     uniform: torch.Tensor,
     method: str = "token",
 ) -> torch.Tensor:  # [batch, max_k + 1]: kept drafts, then recovered or bonus, PAD after
-    """The per-request decisions run on Python scalars (a handful per draft) and only the
-    vocabulary-wide work on tensors: at a few requests per step, a vectorised layout costs
-    about a hundred small tensor operations. The scalars are the tensors' own float32 values,
-    and float32 arithmetic is done in float32 (numpy), so the decisions are the ones the
-    tensor formulas give."""
+    out = emitted_tokens(
+        target_probs, draft_token_ids, draft_probs, num_draft_tokens, uniform, method
+    )
+    max_k = max(num_draft_tokens, default=0)
+    padded = [tokens + [PAD] * (max_k + 1 - len(tokens)) for tokens in out]
+    return torch.tensor(padded, dtype=torch.long, device=target_probs.device).view(
+        len(out), max_k + 1
+    )
+
+
+def emitted_tokens(
+    target_probs: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    num_draft_tokens: list[int],
+    uniform: torch.Tensor,
+    method: str = "token",
+) -> list[list[int]]:  # per request: its kept drafts, then the recovered or bonus token
+    """`rejection_sample` as lists (what the verifier reads). The per-request decisions run
+    on Python scalars (a handful per draft) and only the vocabulary-wide work on tensors: at a
+    few requests per step, a vectorised layout costs about a hundred small tensor operations.
+    The scalars are the tensors' own values (one copy to the host for all of them), and
+    float32 arithmetic is done in float32 (numpy), so the decisions are the ones the tensor
+    formulas give."""
     device = target_probs.device
-    batch, max_k = len(num_draft_tokens), max(num_draft_tokens, default=0)
+    batch = len(num_draft_tokens)
     row_start, draft_start, row, drafted = [], [], 0, 0
     for k in num_draft_tokens:
         row_start.append(row)
         draft_start.append(drafted)
         row, drafted = row + k + 1, drafted + k
-    ids = draft_token_ids.tolist()
     # Draft j of request r (x_{j+1}) is checked against row row_start[r] + j.
     draft_rows = [row_start[r] + j for r, k in enumerate(num_draft_tokens) for j in range(k)]
-    p_x: list[float] = []
-    q_x: list[float] = [1.0] * len(ids)
-    if ids:
-        rows_t = torch.tensor(draft_rows, device=device)
-        p_x = target_probs[rows_t, draft_token_ids].tolist()
+    n = len(draft_rows)
+    scalars = [uniform.to(torch.float64)]  # float64 holds every float32 and token id exactly
+    if n:
+        p_x = target_probs[torch.tensor(draft_rows, device=device), draft_token_ids]
+        scalars += [draft_token_ids.to(torch.float64), p_x.to(torch.float64)]
         if draft_probs is not None:
-            q_x = draft_probs.gather(1, draft_token_ids[:, None])[:, 0].tolist()
-    u = uniform.tolist()
+            q_x = draft_probs.gather(1, draft_token_ids[:, None])[:, 0]
+            scalars.append(q_x.to(torch.float64))
+    host = torch.cat(scalars).tolist()
+    u, rest = host[: len(uniform)], host[len(uniform) :]
+    ids = [int(t) for t in rest[:n]]
+    p_x, q_x = rest[n : 2 * n], rest[2 * n :] if draft_probs is not None else [1.0] * n
 
     if method == "block":
         layout = (num_draft_tokens, row_start, draft_start)
@@ -82,13 +104,13 @@ def rejection_sample(
     else:
         num_kept, weight = [], [_F32(1.0)] * batch
         for r, k in enumerate(num_draft_tokens):
-            n = 0
-            while n < k:
-                j = draft_start[r] + n
-                if not (p_x[j] > 0 and q_x[j] > 0 and u[row_start[r] + n] * q_x[j] <= p_x[j]):
+            kept = 0
+            while kept < k:
+                j = draft_start[r] + kept
+                if not (p_x[j] > 0 and q_x[j] > 0 and u[row_start[r] + kept] * q_x[j] <= p_x[j]):
                     break
-                n += 1
-            num_kept.append(n)
+                kept += 1
+            num_kept.append(kept)
 
     p_final = target_probs[[row_start[r] + num_kept[r] for r in range(batch)]]  # [batch, vocab]
     rejected = [r for r in range(batch) if num_kept[r] < num_draft_tokens[r]]
@@ -108,11 +130,10 @@ def rejection_sample(
         p_final[rejected] = torch.where(empty, kept_rows, residual)
     last_rows = [row_start[r] + k for r, k in enumerate(num_draft_tokens)]
     final_tokens = sample_from(p_final, uniform[last_rows]).tolist()  # recovered or bonus
-    out = [
-        ids[draft_start[r] : draft_start[r] + n] + [t] + [PAD] * (max_k - n)
-        for r, (n, t) in enumerate(zip(num_kept, final_tokens, strict=True))
+    return [
+        ids[draft_start[r] : draft_start[r] + kept] + [token]
+        for r, (kept, token) in enumerate(zip(num_kept, final_tokens, strict=True))
     ]
-    return torch.tensor(out, dtype=torch.long, device=device).view(batch, max_k + 1)
 
 
 def _block_lengths(

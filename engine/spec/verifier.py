@@ -18,7 +18,7 @@ from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
 from engine.model.inputs import SeqInput
 from engine.model.runner import ModelRunner
-from engine.sample.rejection_sampler import PAD, greedy_verify, rejection_sample
+from engine.sample.rejection_sampler import emitted_tokens, greedy_verify
 from engine.sample.sampler import (
     RowSpec,
     apply_penalties_and_masks,
@@ -166,10 +166,8 @@ class Verifier:
         )
         # Only sampling (decoding) requests get drafts, so the probs line up with reqs.
         draft_probs = drafts.probs if drafts is not None else None
-        out = rejection_sample(
-            probs, draft_ids, draft_probs, num_drafts, uniform, self.method
-        ).tolist()
-        self._emit(reqs, num_drafts, [[t for t in e if t != PAD] for e in out], raw, result)
+        emitted = emitted_tokens(probs, draft_ids, draft_probs, num_drafts, uniform, self.method)
+        self._emit(reqs, num_drafts, emitted, raw, result)
 
     def _sample_trees(
         self,
