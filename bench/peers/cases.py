@@ -33,8 +33,9 @@ def tandem_cases(model: str, draft: str, ks: list[int]) -> list[ServerCase]:
         "--draft-length", "adaptive",
     ]  # fmt: skip
     # The default configuration on torch's operators alone: transformers' modules, torch's
-    # GEMM and the reference (gather + SDPA) attention, none of Tandem's own forward or CPU
-    # kernels (what those are worth over HTTP).
+    # GEMM and the reference (gather + SDPA) attention, none of Tandem's own forward, GEMM or
+    # attention kernels (what those are worth over HTTP; these runs are greedy, so Tandem's
+    # C sampler, which sampled requests use whenever the kernels build, plays no part).
     spec[f"draft adaptive K<={max(ks)}, torch ops"] = spec[f"draft adaptive K<={max(ks)}"] + [
         "--model-impl", "transformers", "--cpu-packed-linear", "off",
         "--attention-backend", "reference",
