@@ -122,16 +122,27 @@ INLINE void linear_tile16(const int bf16, const int np, const int m, const float
   }
 }
 
+#define TILE_FN linear_tile16
+#define TILE_ROWS ROWS16
+#define PANELS_PER_TILE(M) ((M) <= 4 ? GROUP : 2) /* 16 accumulators a tile */
+#else
+#define TILE_FN linear_tile
+#define TILE_ROWS ROWS
+#define PANELS_PER_TILE(M) ((M) == 1 ? GROUP : (M) == 2 ? 2 : 1)
+#endif
+
+/* One group of np panels, all rows of x: unrolled tiles (of the widest vectors there are). */
 INLINE void linear_group(const int bf16, const int np, const float *x, const void *panel,
                          int64_t pstride, const float *b, const float *residual, float *y,
                          int64_t M, int64_t N, int64_t K, int cols) {
-  for (int64_t r = 0; r < M; r += ROWS16) {
+  for (int64_t r = 0; r < M; r += TILE_ROWS) {
     const float *xr = x + r * K;
     const float *rr = residual ? residual + r * N : 0;
     float *yr = y + r * N;
-    const int rows = M - r < ROWS16 ? (int)(M - r) : ROWS16;
-#define TILE(g, m) linear_tile16(bf16, g, m, xr, K, panel, pstride, b, rr, yr, N, cols)
+    const int rows = M - r < TILE_ROWS ? (int)(M - r) : TILE_ROWS;
+#define TILE(g, m) TILE_FN(bf16, g, m, xr, K, panel, pstride, b, rr, yr, N, cols)
     if (np == 4 && rows == 1) TILE(4, 1);
+#if defined(__AVX512F__)
     else if (np == 4 && rows == 2) TILE(4, 2);
     else if (np == 4 && rows == 3) TILE(4, 3);
     else if (np == 4 && rows == 4) TILE(4, 4);
@@ -139,65 +150,35 @@ INLINE void linear_group(const int bf16, const int np, const float *x, const voi
     else if (np == 2 && rows == 6) TILE(2, 6);
     else if (np == 2 && rows == 7) TILE(2, 7);
     else if (np == 2 && rows == 8) TILE(2, 8);
-    else
-      for (int p = 0; p < np; p++) { /* one panel at a time (a group's last panels) */
-        const void *pp = (const char *)panel + p * pstride * (bf16 ? 2 : 4);
-        const float *bp = b ? b + p * PANEL : 0;
-        const float *rp = rr ? rr + p * PANEL : 0;
-        const int c = span(cols, p * PANEL, PANEL);
-#define TILE1(m) linear_tile16(bf16, 1, m, xr, K, pp, pstride, bp, rp, yr + p * PANEL, N, c)
-        switch (rows) {
-          case 1: TILE1(1); break;
-          case 2: TILE1(2); break;
-          case 3: TILE1(3); break;
-          case 4: TILE1(4); break;
-          case 5: TILE1(5); break;
-          case 6: TILE1(6); break;
-          case 7: TILE1(7); break;
-          default: TILE1(8); break;
-        }
-#undef TILE1
-      }
-#undef TILE
-  }
-}
-/* Panels per tile: 4 for up to 4 rows, else 2. */
-#define PANELS_PER_TILE(M) ((M) <= 4 ? GROUP : 2)
 #else
-/* One group of np panels, all rows of x: unrolled tiles. */
-INLINE void linear_group(const int bf16, const int np, const float *x, const void *panel,
-                         int64_t pstride, const float *b, const float *residual, float *y,
-                         int64_t M, int64_t N, int64_t K, int cols) {
-  for (int64_t r = 0; r < M; r += ROWS) {
-    const float *xr = x + r * K;
-    const float *rr = residual ? residual + r * N : 0;
-    float *yr = y + r * N;
-    const int rows = M - r < ROWS ? (int)(M - r) : ROWS;
-#define TILE(g, m) linear_tile(bf16, g, m, xr, K, panel, pstride, b, rr, yr, N, cols)
-    if (np == 4 && rows == 1) TILE(4, 1);
     else if (np == 2 && rows == 2) TILE(2, 2);
+#endif
     else
       for (int p = 0; p < np; p++) { /* one panel at a time (and a group's last panels) */
         const void *pp = (const char *)panel + p * pstride * (bf16 ? 2 : 4);
         const float *bp = b ? b + p * PANEL : 0;
         const float *rp = rr ? rr + p * PANEL : 0;
         const int c = span(cols, p * PANEL, PANEL);
-#define TILE1(m) linear_tile(bf16, 1, m, xr, K, pp, pstride, bp, rp, yr + p * PANEL, N, c)
+#define TILE1(m) TILE_FN(bf16, 1, m, xr, K, pp, pstride, bp, rp, yr + p * PANEL, N, c)
         switch (rows) { /* constant row counts: unrolled tiles */
           case 1: TILE1(1); break;
           case 2: TILE1(2); break;
           case 3: TILE1(3); break;
           case 4: TILE1(4); break;
           case 5: TILE1(5); break;
+#if defined(__AVX512F__)
+          case 6: TILE1(6); break;
+          case 7: TILE1(7); break;
+          default: TILE1(8); break;
+#else
           default: TILE1(6); break;
+#endif
         }
 #undef TILE1
       }
 #undef TILE
   }
 }
-#define PANELS_PER_TILE(M) ((M) == 1 ? GROUP : (M) == 2 ? 2 : 1)
-#endif
 
 /* The group kernels, each compiled for its format (outside the OpenMP region, which GCC
  * outlines before inlining, so a format passed into it would stay a run-time value). */
