@@ -38,6 +38,7 @@ PROMPT = "def add(a, b):"
 DRAIN_TIMEOUT = 10.0
 LOAD_CLIENTS = 4
 LOAD_TOKENS = 24
+STREAM_TOKENS = 200  # long enough that decoding, not the first token, fills the stream
 LONG_TOKENS = 240  # with the prompt, just under the replicas' --max-model-len 256
 LONG_CHOICES = 4
 
@@ -124,14 +125,17 @@ def test_requests_reach_both_replicas(deployment):
 
 
 def test_stream_arrives_token_by_token(deployment):
-    body = {**_body(64), "stream_options": {"include_usage": True}}
-    start = time.monotonic()
+    body = {**_body(STREAM_TOKENS), "stream_options": {"include_usage": True}}
     with httpx.Client(timeout=30) as client:
-        url = f"{deployment.balancer.url}/v1/completions"
-        events = list(stream_events(client, url, body))
+        # A replica's first stream pays one-off costs (tens of ms) that would dwarf the tiny
+        # model's decoding: warm both, so the time before the first token is small and steady.
+        for replica in deployment.replicas:
+            list(stream_events(client, f"{replica.url}/v1/completions", body))
+        start = time.monotonic()
+        events = list(stream_events(client, f"{deployment.balancer.url}/v1/completions", body))
     assert events[-1][1] == "[DONE]"
     chunks = [json.loads(data) for _, data in events[:-1]]
-    assert chunks[-1]["usage"]["completion_tokens"] == 64
+    assert chunks[-1]["usage"]["completion_tokens"] == STREAM_TOKENS
     arrivals = [at for (at, _), chunk in zip(events[:-1], chunks, strict=True) if chunk["choices"]]
     # An event carries one token or a few (a character split over tokens waits for the rest).
     assert len(arrivals) >= 16
