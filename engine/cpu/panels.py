@@ -1,7 +1,7 @@
 """Weights packed into the layouts the C GEMMs read (engine/cpu/csrc/gemm.c, gemm_quant.c):
 panels of `PANEL` output columns side by side, in float32, in bfloat16 when every weight is
-exactly a bfloat16 value, or as a GGUF file's Q8_0 / Q4_1 blocks with their scales widened
-to float32."""
+exactly a bfloat16 value, or as a GGUF file's Q8_0 / Q4_1 blocks (their float16 scales
+and quants regrouped by panel, not a byte more)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def pack_linear_weight(weight: torch.Tensor, allow_bf16: bool = True) -> torch.T
 def pack_quant_weight(blocks: np.ndarray, quant: str) -> torch.Tensor:
     """GGUF blocks of a weight [out, in / 32 * block bytes] (uint8, row by row as in the
     file) -> gemm_quant.c's panels (uint8): per panel of PANEL output rows and per block,
-    the float32 scales, then the quants of the 32 inputs with the PANEL columns side by side."""
+    the float16 scales, then the quants of the 32 inputs with the PANEL columns side by side."""
     if quant not in QUANT_TYPES:
         raise ValueError(f"no kernel for GGUF type {quant}")
     rows = blocks.shape[0]
@@ -50,9 +50,8 @@ def pack_quant_weight(blocks: np.ndarray, quant: str) -> torch.Tensor:
     )
     raw = raw.transpose(0, 2, 1, 3)  # [panels, blocks, PANEL columns, block bytes]
 
-    def scale(start: int) -> np.ndarray:  # float16 at `start` -> float32 bytes [p, b, 64]
-        half = np.ascontiguousarray(raw[..., start : start + 2]).view(np.float16)[..., 0]
-        return half.astype(np.float32).view(np.uint8).reshape(*raw.shape[:2], -1)
+    def scale(start: int) -> np.ndarray:  # the float16 at `start`, per column: [p, b, 32]
+        return raw[..., start : start + 2].reshape(*raw.shape[:2], -1)
 
     if quant == "Q8_0":
         q = raw[..., 2:].transpose(0, 1, 3, 2)  # [p, b, k, column] int8 bytes

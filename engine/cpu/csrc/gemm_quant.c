@@ -8,17 +8,18 @@
  * GGUF stores W row by row in blocks of 32 consecutive weights with their own scale:
  *   Q8_0: w = d * q,      q an int8, d a float16;
  *   Q4_1: w = d * q + m,  q a 4-bit unsigned, d and m float16.
- * engine/cpu/kernels.py repacks the blocks once into panels of QPANEL output rows, so a
+ * engine/cpu/panels.py repacks the blocks once into panels of QPANEL output rows, so a
  * vector lane is an output column (as in gemm.c) and one unpacked vector of weights serves
  * every row of x:
- *   Q8_0 panel block: d[16] float32, then for k = 0..31: q[16] int8 (column c at byte c);
- *   Q4_1 panel block: d[16], m[16] float32, then for k = 0..31: 8 bytes, even columns in
+ *   Q8_0 panel block: d[16] float16, then for k = 0..31: q[16] int8 (column c at byte c);
+ *   Q4_1 panel block: d[16], m[16] float16, then for k = 0..31: 8 bytes, even columns in
  *                     the low 32-bit word, odd ones in the high (column c's nibble at bits
  *                     32 * (c % 2) + 4 * (c / 2)), so one 64-bit broadcast and one shift
  *                     per lane unpack all 16 (and, with AVX-512, a permute of 0..15 makes
  *                     them floats).
- * The scales are widened to float32 at packing (exact), so the kernel reads 6 (Q4_1) or
- * 9 (Q8_0) bits per weight instead of float32's 32.
+ * The scales stay the file's float16 and are widened in registers (exact), so the kernel
+ * reads the file's own 5 (Q4_1) or 8.5 (Q8_0) bits per weight instead of float32's 32: a
+ * one-row pass is bound by memory bandwidth, and widened scales were a sixth more bytes.
  *
  * d * q + m is a multiply and an add in gguf, and the compiler may fuse them here into one
  * FMA: the same value either way, because d * q is exact in float32 (d, a widened float16,
@@ -54,10 +55,52 @@ INLINE v16 splat16(float x) {
 enum { Q8_0 = 0, Q4_1 = 1 };
 
 INLINE int64_t block_bytes(const int type) {
-  return type == Q4_1 ? 2 * QPANEL * 4 + QBLOCK * 8 : QPANEL * 4 + QBLOCK * QPANEL;
+  return type == Q4_1 ? 2 * QPANEL * 2 + QBLOCK * 8 : QPANEL * 2 + QBLOCK * QPANEL;
 }
 
-INLINE int64_t scale_bytes(const int type) { return (type == Q4_1 ? 2 : 1) * QPANEL * 4; }
+INLINE int64_t scale_bytes(const int type) { return (type == Q4_1 ? 2 : 1) * QPANEL * 2; }
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#else
+/* A float16 as float32 (exact): normal, subnormal, zero, infinity or NaN. */
+INLINE float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
+  uint32_t bits = sign | (man << 13);
+  if (exp == 31) bits |= 0x7f800000u;
+  else if (exp != 0) bits |= (exp + 112) << 23;
+  else { /* zero or subnormal: man * 2^-24, exact in float32 */
+    const float f = (float)man * 5.9604644775390625e-8f;
+    memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+#endif
+
+/* The 16 float16 scales at p (one per column) as float32. */
+INLINE v16 load_halves(const uint8_t *p) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
+  v16 out;
+  memcpy(&out, &lo, 32);
+  memcpy((char *)&out + 32, &hi, 32);
+  return out;
+#else
+  v16 out;
+  for (int c = 0; c < 16; c++) {
+    uint16_t h;
+    memcpy(&h, p + 2 * c, 2);
+    out[c] = half_to_float(h);
+  }
+  return out;
+#endif
+}
 
 /* out[i] = all[idx[i] % 16]: one permute instruction (which reads an index's low 4 bits). */
 INLINE v16u spread(v16u all, v16u idx) {
@@ -83,7 +126,6 @@ INLINE v16 q8_weights(v16u all, int j, v16 d) {
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 /* Q8_0 with AVX-512: the 16 weights of quant row k (16 int8s, one per column) as float32:
  * one sign-extending load and one conversion. */
 INLINE v16 q8_weights_row(const uint8_t *quants, int k, v16 d) {
@@ -122,8 +164,8 @@ INLINE void quant_tile(const int type, const int np, const int rows, const float
     v16 d[QGROUP], m[QGROUP];
     for (int p = 0; p < np; p++) {
       const uint8_t *blk = panel + p * pstride + b * stride;
-      d[p] = load16((const float *)blk);
-      m[p] = type == Q4_1 ? load16((const float *)blk + QPANEL) : (v16){0};
+      d[p] = load_halves(blk);
+      m[p] = type == Q4_1 ? load_halves(blk + 2 * QPANEL) : (v16){0};
       quants[p] = blk + scale_bytes(type);
     }
     const float *xb = x + b * QBLOCK;
