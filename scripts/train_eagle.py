@@ -144,6 +144,15 @@ class FeatureDraft(nn.Module):
 
     def state(self) -> dict[str, torch.Tensor]:
         """The weights under the names engine/spec/proposers/eagle.py loads."""
+        own = dict(self.named_parameters())
+        return {
+            new: own[old].detach().to(torch.bfloat16).contiguous()
+            for old, new in self._names().items()
+        }
+
+    @staticmethod
+    def _names() -> dict[str, str]:
+        """Parameter name here -> name in the saved file."""
         layer = "model.layers.0."
         names = {
             "fc.weight": "model.embed_tokens.fc.weight",
@@ -155,10 +164,21 @@ class FeatureDraft(nn.Module):
             names[f"{p}_proj.weight"] = f"{layer}self_attn.{p}_proj.weight"
         for p in ("gate", "up", "down"):
             names[f"{p}_proj.weight"] = f"{layer}mlp.{p}_proj.weight"
-        own = dict(self.named_parameters())
-        return {
-            new: own[old].detach().to(torch.bfloat16).contiguous() for old, new in names.items()
-        }
+        return names
+
+    @classmethod
+    def load(cls, path: str | Path) -> FeatureDraft:
+        """A directory write_draft wrote (e.g. models/eagle), as trained (float32)."""
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        c = AutoConfig.from_pretrained(path)
+        model = cls(c.hidden_size, c.intermediate_size, c.num_attention_heads,
+                    c.num_key_value_heads, c.rms_norm_eps)  # fmt: skip
+        names = {new: old for old, new in model._names().items()}
+        weights = load_file(str(Path(path) / "model.safetensors"))
+        model.load_state_dict({names[k]: v.float() for k, v in weights.items()})
+        return model.eval()
 
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         b, n, _ = h.shape

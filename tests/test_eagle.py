@@ -115,6 +115,20 @@ def test_a_full_head_draft_leaves_the_targets_head_as_it_is(tiny_dirs, tmp_path)
     assert engine.proposer.runner.model.get_output_embeddings().weight is head
 
 
+def test_a_saved_draft_loads_back_as_trained(feature_draft):
+    """FeatureDraft.load (bench/draft_agreement.py's draft) reads every weight write_draft
+    wrote, under its own name, into the module it was trained as."""
+    from scripts.train_eagle import FeatureDraft
+
+    draft_dir, trained = feature_draft
+    loaded = FeatureDraft.load(draft_dir)
+    want = dict(trained.named_parameters())
+    got = dict(loaded.named_parameters())
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
 def test_a_trained_draft_directory_names_its_kind(tmp_path, tiny_dirs):
     """scripts/train_eagle.py's config: one layer, the marker, the target's shapes."""
     out, _ = build_feature_draft(tmp_path / "d", tiny_dirs["llama"])
