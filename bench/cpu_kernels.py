@@ -2,6 +2,7 @@
 
   python -m bench.cpu_kernels linear      # all the target's linears, per row count
   python -m bench.cpu_kernels attention   # one layer's attention, per batch shape
+  python -m bench.cpu_kernels gguf        # SmolLM2's linears on GGUF blocks: vector vs AMX
 
 `linear`: the 8 layers' q/k/v, o, gate/up and down projections plus the LM head, each with
 its own weight (about 100 MB in float32, so weights come from memory as in a real pass, not
@@ -9,7 +10,10 @@ from cache), holding bfloat16 values as the default pair's checkpoint does: torc
 `F.linear` (MKL), oneDNN on prepacked weights (what vLLM's CPU backend uses), and Tandem's
 packed C GEMM on float32 panels and on (exact) bfloat16 panels. `attention`: the reference backend (gather the blocks,
 then SDPA) against the C kernel on the same paged cache with scattered block tables.
-Milliseconds, best of --repeats rounds of --iters calls; one thread unless --threads.
+`gguf`: the default model's (SmolLM2-135M's) 30 layers' linears on Q4_1 blocks and its LM
+head on Q8_0, as its GGUF file has them (random weights, quantized by the `gguf` package):
+the vector kernel (engine/cpu/csrc/gemm_quant.c) against the kernels with AMX tiles on
+(gemm_amx.c, from 6 rows on: fewer rows run the vector kernel in both columns). Milliseconds, best of --repeats rounds of --iters calls; one thread unless --threads.
 """
 
 from __future__ import annotations
@@ -78,6 +82,44 @@ def bench_linear(args: argparse.Namespace) -> None:
         print(f"| {rows} | " + " | ".join(f"{t:.2f} ms" for t in times) + " |")
 
 
+# SmolLM2-135M: hidden 576, q|k|v 960, o 576, gate|up 3072, down from 1536, 30 layers;
+# vocabulary 49,152. (out, in, GGUF type)
+GGUF_LAYER = [(960, 576, "Q4_1"), (576, 576, "Q4_1"), (3072, 576, "Q4_1"), (576, 1536, "Q4_1")]
+GGUF_HEAD = (49152, 576, "Q8_0")
+
+
+def bench_gguf(args: argparse.Namespace) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    shapes = GGUF_LAYER * 30 + [GGUF_HEAD]
+    made: dict[tuple, torch.Tensor] = {}
+    for out, inp, kind in set(shapes):
+        blocks = quantize(torch.randn(out, inp).numpy(), GGMLQuantizationType[kind])
+        made[(out, inp, kind)] = cpu_panels.pack_quant_weight(blocks, kind)
+    # a copy per layer: 96 MB in all, read from memory as in a real pass
+    panels = [made[shape].clone() for shape in shapes]
+    has_tiles = cpu_kernels.set_amx(True)
+    print("| rows | vector kernel | AMX tiles |")
+    print("|---:|---:|---:|")
+    for rows in args.rows:
+        xs = {inp: torch.randn(rows, inp) for _, inp, _ in shapes}
+
+        def one_model(xs: dict = xs) -> None:
+            for (out, inp, kind), panel in zip(shapes, panels, strict=True):
+                cpu_kernels.linear(xs[inp], panel, None, out, None, kind)
+
+        times = []
+        for tiles in (False, True):
+            if tiles and not has_tiles:
+                times.append(None)
+                continue
+            cpu_kernels.set_amx(tiles)
+            times.append(best_ms(one_model, args.iters, args.repeats))
+        cpu_kernels.set_amx(True)
+        print(f"| {rows} | " + " | ".join(f"{t:.2f} ms" if t else "no AMX" for t in times) + " |")
+
+
 def bench_attention(args: argparse.Namespace) -> None:
     heads, kv_heads, head_dim, block = 8, 4, 64, 16
     num_blocks = 1200
@@ -105,7 +147,7 @@ def bench_attention(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("what", choices=["linear", "attention"])
+    p.add_argument("what", choices=["linear", "attention", "gguf"])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 5, 9, 16, 33, 64, 512])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--iters", type=int, default=10)
@@ -116,7 +158,7 @@ def main() -> None:
     if not cpu_kernels.available():
         raise SystemExit(f"the kernels are unavailable: {cpu_kernels.unavailable_reason()}")
     print(f"{args.what}, {args.threads} thread(s), torch {torch.__version__}")
-    (bench_linear if args.what == "linear" else bench_attention)(args)
+    {"linear": bench_linear, "attention": bench_attention, "gguf": bench_gguf}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -64,29 +64,82 @@ def test_bfloat16_panels_only_when_exact_and_then_bit_identical():
     assert cpu_panels.pack_linear_weight(w).dtype == torch.float32
 
 
-@pytest.mark.parametrize("quant", cpu_panels.QUANT_TYPES)
-@pytest.mark.parametrize("out_features,in_features", [(16, 32), (37, 96), (300, 576)])
-def test_gguf_blocks_give_the_dequantized_weights_results_bit_for_bit(
-    quant, out_features, in_features
-):
-    """Q8_0 / Q4_1 blocks dequantized in registers: every row count gives exactly what the
-    float32 panels of gguf's own dequantization give (same values, same summation order)."""
+AMX_MIN_ROWS = 6  # AMX_MIN_ROWS in engine/cpu/csrc/gemm_quant.c
+
+
+@pytest.fixture
+def amx():
+    """Turns the AMX tiles on and off for a test (skips it where the CPU has none) and puts
+    back what was set before."""
+    before = "+amx" in (cpu_kernels.isa() or "")
+    yield cpu_kernels.set_amx
+    cpu_kernels.set_amx(before)
+
+
+def _gguf_case(quant: str, out_features: int, in_features: int):
+    """(GGUF panels, their dequantized float32 weights, a bias, a generator)."""
     gguf = pytest.importorskip("gguf")
     gen = torch.Generator().manual_seed(out_features)
     w = torch.randn(out_features, in_features, generator=gen)
     kind = gguf.GGMLQuantizationType[quant]
     blocks = gguf.quants.quantize(w.numpy(), kind)
     dequantized = torch.from_numpy(gguf.quants.dequantize(blocks, kind).astype("float32"))
-    quantized = cpu_panels.pack_quant_weight(blocks, quant)
-    wide = cpu_panels.pack_linear_weight(dequantized, allow_bf16=False)
-    assert quantized.numel() < wide.numel() * 4 / 3  # 6 (Q4_1) or 9 (Q8_0) bits a weight
     b = torch.randn(out_features, generator=gen)
-    for rows in range(1, 18):  # every tile shape, and tails of wider passes
-        x = torch.randn(rows, in_features, generator=gen)
-        res = torch.randn(rows, out_features, generator=gen)
-        got = cpu_kernels.linear(x, quantized, b, out_features, res.clone(), quant)
-        assert torch.equal(got, cpu_kernels.linear(x, wide, b, out_features, res.clone()))
-        torch.testing.assert_close(got, F.linear(x, dequantized, b) + res, rtol=1e-4, atol=1e-4)
+    return cpu_panels.pack_quant_weight(blocks, quant), dequantized, b, gen
+
+
+@pytest.mark.parametrize("quant", cpu_panels.QUANT_TYPES)
+@pytest.mark.parametrize("out_features,in_features", [(16, 32), (37, 96), (300, 576)])
+def test_gguf_blocks_give_the_dequantized_weights_results_bit_for_bit(
+    quant, out_features, in_features, amx
+):
+    """Q8_0 / Q4_1 blocks dequantized in registers: every row count gives exactly what the
+    float32 panels of gguf's own dequantization give (same values, same summation order);
+    with AMX tiles on, calls of fewer than AMX_MIN_ROWS rows still do."""
+    quantized, dequantized, b, gen = _gguf_case(quant, out_features, in_features)
+    wide = cpu_panels.pack_linear_weight(dequantized, allow_bf16=False)
+    assert quantized.numel() < wide.numel() * 4 / 3  # 5 (Q4_1) or 8.5 (Q8_0) bits a weight
+    for tiles in (False, True):
+        tiles = amx(tiles)
+        for rows in range(1, AMX_MIN_ROWS if tiles else 18):  # every tile shape, and tails
+            x = torch.randn(rows, in_features, generator=gen)
+            res = torch.randn(rows, out_features, generator=gen)
+            got = cpu_kernels.linear(x, quantized, b, out_features, res.clone(), quant)
+            assert torch.equal(got, cpu_kernels.linear(x, wide, b, out_features, res.clone()))
+            want = F.linear(x, dequantized, b) + res
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("quant", cpu_panels.QUANT_TYPES)
+@pytest.mark.parametrize("out_features,in_features", [(16, 32), (37, 96), (300, 576)])
+def test_gguf_blocks_on_amx_tiles_sum_as_closely_and_rows_do_not_depend_on_the_batch(
+    quant, out_features, in_features, amx
+):
+    """From AMX_MIN_ROWS rows on, the tiles (engine/cpu/csrc/gemm_amx.c) compute the same
+    sums in another order: as close to the exact (float64) result as the vector kernel
+    (within 2x: one lost bfloat16 part of x would be ~100x off), and each row's output the
+    same bits in every call, whatever the other rows."""
+    if not amx(True):
+        pytest.skip("no AMX tiles on this machine (or TANDEM_AMX=0)")
+    quantized, dequantized, b, gen = _gguf_case(quant, out_features, in_features)
+    x = torch.randn(40, in_features, generator=gen) * 4
+    res = torch.randn(40, out_features, generator=gen)
+    exact = x.double() @ dequantized.double().T + b.double() + res.double()
+    tiles = cpu_kernels.linear(x, quantized, b, out_features, res.clone(), quant)
+    amx(False)
+    vector = cpu_kernels.linear(x, quantized, b, out_features, res.clone(), quant)
+    assert amx(True)
+    tiles_error = (tiles.double() - exact).abs().max().item()
+    vector_error = (vector.double() - exact).abs().max().item()
+    assert tiles_error <= 2 * vector_error, (tiles_error, vector_error)
+    assert not torch.equal(tiles, vector)  # the tiles did run: another rounding order
+    order = torch.randperm(40, generator=gen)
+    shuffled = cpu_kernels.linear(x[order], quantized, b, out_features, res[order], quant)
+    assert torch.equal(shuffled, tiles[order])
+    for start, rows in [(0, AMX_MIN_ROWS), (3, 17), (17, 23)]:  # 16-row tiles and tails
+        part = slice(start, start + rows)
+        got = cpu_kernels.linear(x[part], quantized, b, out_features, res[part].clone(), quant)
+        assert torch.equal(got, tiles[part])
 
 
 def test_linear_rows_do_not_depend_on_the_batch():

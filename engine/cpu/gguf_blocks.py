@@ -6,7 +6,8 @@ A `.gguf` model is served from float32 weights dequantized from the file
 each packed linear layer (engine/cpu/linear.py) whose every weight row is a row of a Q8_0
 or Q4_1 tensor of the file is switched to those blocks (engine/cpu/csrc/gemm_quant.c), which
 dequantizes them in registers to the very same float32 values and sums in the same order:
-the layer's output is bit for bit what it was, for a fifth of the bytes.
+the layer's output is bit for bit what it was, for a fifth of the bytes. (On a CPU with AMX
+tiles, calls of 6 rows or more sum the same products in another order: gemm_amx.c.)
 
 Rows are matched by content, not by name: each row of the file's tensors is dequantized
 and hashed, and a layer takes the blocks of the rows whose bytes equal its own. That covers

@@ -49,9 +49,19 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
 
 def isa() -> str | None:
     """The vector instruction set the kernels were compiled for (avx512f, avx2+fma, neon,
-    ...), or None when they are unavailable."""
+    ...), `+amx` when the GGUF linears of 6 rows or more run on AMX tiles
+    (engine/cpu/csrc/gemm_amx.c), or None when the kernels are unavailable."""
     lib = load()
-    return lib.tandem_isa().decode() if lib is not None else None
+    if lib is None:
+        return None
+    return lib.tandem_isa().decode() + ("+amx" if lib.tandem_amx_active() else "")
+
+
+def set_amx(enabled: bool) -> bool:
+    """Let the GGUF linears use AMX tiles (where the CPU and the OS allow it) or keep them
+    on the vector kernel; returns whether they now use the tiles. `TANDEM_AMX=0` in the
+    environment sets the default to off."""
+    return bool(_require().tandem_amx_enable(int(enabled)))
 
 
 _KERNELS = {
@@ -249,6 +259,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tandem_sample_rows.restype = None
     lib.tandem_isa.argtypes = []
     lib.tandem_isa.restype = ctypes.c_char_p
+    lib.tandem_amx_active.argtypes = []
+    lib.tandem_amx_active.restype = i32
+    lib.tandem_amx_enable.argtypes = [i32]
+    lib.tandem_amx_enable.restype = i32
     return lib
 
 

@@ -270,9 +270,23 @@ INLINE void quant_group(const int type, const int np, const int group, const flo
 static void group_q8_0(GROUP_ARGS) { quant_group(Q8_0, GROUP_PASS); }
 static void group_q4_1(GROUP_ARGS) { quant_group(Q4_1, GROUP_PASS); }
 
+/* Calls of this many rows of x or more run on AMX tiles where the CPU has them (gemm_amx.c:
+ * the same sums in another rounding order). 6: at concurrency 1 a step decodes 1 token or
+ * verifies 1 + at most 4 by default, so those steps keep this kernel's numbers; at 16 rows
+ * the tiles take half the time of this kernel. */
+#define AMX_MIN_ROWS 6
+int tandem_amx_active(void);
+void tandem_amx_linear(int q4, const float *x, const uint8_t *panels, const float *bias,
+                       const float *residual, float *y, int64_t M, int64_t N, int64_t K,
+                       int nthreads);
+
 static void quant_linear(const int type, const float *x, const uint8_t *panels,
                          const float *bias, const float *residual, float *y, int64_t M,
                          int64_t N, int64_t K, int nthreads) {
+  if (M >= AMX_MIN_ROWS && tandem_amx_active()) {
+    tandem_amx_linear(type == Q4_1, x, panels, bias, residual, y, M, N, K, nthreads);
+    return;
+  }
   const int64_t num_panels = (N + QPANEL - 1) / QPANEL;
   const int64_t panel_bytes = (K / QBLOCK) * block_bytes(type);
 #if QROWS == 8 /* AVX-512: up to 4 rows x 4 panels, or 8 rows x 2, of accumulators */
