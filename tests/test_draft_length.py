@@ -326,6 +326,30 @@ def test_calibration_is_cached_per_key_and_redone_on_request(tmp_path, monkeypat
     assert len(calls) == 4
 
 
+def test_calibration_key_follows_what_the_cpu_kernels_run_on(monkeypatch, tmp_path):
+    """Timings taken with AMX tiles on are not reused with them off (TANDEM_AMX=0): the key
+    holds the kernels' instruction set, when a model runs on them."""
+    from types import SimpleNamespace
+
+    from engine.cpu import kernels as cpu_kernels
+    from engine.spec.calibration import calibration_key
+
+    def runner(kernels: str) -> SimpleNamespace:
+        return SimpleNamespace(
+            hf_config=SimpleNamespace(to_dict=lambda: {"hidden_size": 8}),
+            device="cpu", dtype="float32", model_impl="native", attention_backend=None,
+            decode_graphs=None, head_tokens=None, kernels=kernels, name=str(tmp_path),
+        )  # fmt: skip
+
+    def key(isa: str, kernels: str) -> str:
+        monkeypatch.setattr(cpu_kernels, "isa", lambda: isa)
+        return calibration_key([runner(kernels)], {"block_size": 16})
+
+    assert key("avx512f", "cpu") != key("avx512f+amx", "cpu")
+    assert key("avx512f", "cpu") == key("avx512f", "cpu")
+    assert key("avx512f", "torch") == key("avx512f+amx", "torch")  # not on the kernels
+
+
 def test_auto_branches_draft_trees_only_where_passes_are_flat():
     """A tree multiplies the draft tokens of a pass: worth it where a pass costs the same for
     a few more tokens (one request on a memory-bound target, middling acceptance), not where

@@ -30,12 +30,16 @@ _CALIBRATION_CONTEXTS = (64, 256)
 
 def calibration_key(runners: list[ModelRunner], settings: dict) -> str:
     """What a calibration's timings depend on: this machine (CPU model and flags, torch and
-    its thread count), the engine's code, each model's config and weight files, and the
-    settings that shape the timed passes. Any change gives another key."""
+    its thread count, what the CPU kernels run on), the engine's code, each model's config
+    and weight files, and the settings that shape the timed passes. Any change gives another
+    key."""
+    from engine.cpu import kernels as cpu_kernels
     from engine.cpu.build import cpu_identity
 
     h = hashlib.sha256()
     h.update(cpu_identity().encode())
+    if any(runner.kernels != "torch" for runner in runners):  # e.g. AMX tiles on or off
+        h.update(str(cpu_kernels.isa()).encode())
     h.update(f"{platform.python_version()} {torch.__version__} {torch.get_num_threads()}".encode())
     if torch.cuda.is_available():
         h.update(torch.cuda.get_device_name(0).encode())
