@@ -151,8 +151,9 @@ static void split_rows(const float *x, int64_t M, int64_t K, uint16_t *parts, fl
     }
     if (sums)
       for (int64_t b = 0; b < K / 32; b++) {
-        const __m512 s = _mm512_add_ps(_mm512_loadu_ps(xr + 32 * b), _mm512_loadu_ps(xr + 32 * b + 16));
-        sums[i * (K / 32) + b] = _mm512_reduce_add_ps(s);
+        const float *xb = xr + 32 * b;
+        sums[i * (K / 32) + b] =
+            _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)));
       }
   }
 }
@@ -222,9 +223,10 @@ static void amx_chunk(const int q4, const int np, const int mc, const uint16_t *
     /* The next block's unpacking and the last block's sums overlap this one's tile work. */
     if (k + 1 < nb) UNPACK(k + 1)
     if (k + PREFETCH < nb)
-      for (int p = 0; p < np; p++)
-        for (int line = 0; line < stride; line += 64)
-          _mm_prefetch((const char *)panel + p * panel_bytes + (k + PREFETCH) * stride + line, _MM_HINT_T0);
+      for (int p = 0; p < np; p++) {
+        const char *ahead = (const char *)panel + p * panel_bytes + (k + PREFETCH) * stride;
+        for (int line = 0; line < stride; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      }
     if (k > 0) POST(k - 1)
   }
   POST(nb - 1)
