@@ -13,7 +13,8 @@ then SDPA) against the C kernel on the same paged cache with scattered block tab
 `gguf`: the default model's (SmolLM2-135M's) 30 layers' linears on Q4_1 blocks and its LM
 head on Q8_0, as its GGUF file has them (random weights, quantized by the `gguf` package):
 the vector kernel (engine/cpu/csrc/gemm_quant.c) against the kernels with AMX tiles on
-(gemm_amx.c, from 6 rows on: fewer rows run the vector kernel in both columns). Milliseconds, best of --repeats rounds of --iters calls; one thread unless --threads.
+(gemm_amx.c, from 6 rows on: fewer rows run the vector kernel in both columns).
+Milliseconds, best of --repeats rounds of --iters calls; one thread unless --threads.
 """
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ AMX_MIN_ROWS = 6  # AMX_MIN_ROWS in engine/cpu/csrc/gemm_quant.c
 
 @pytest.fixture
 def amx():
-    """Turns the AMX tiles on and off for a test (skips it where the CPU has none) and puts
-    back what was set before."""
+    """`set_amx` for a test (it returns whether the tiles are on: never where the CPU or the
+    OS has none), put back as it was afterwards."""
     before = "+amx" in (cpu_kernels.isa() or "")
     yield cpu_kernels.set_amx
     cpu_kernels.set_amx(before)
@@ -100,7 +100,8 @@ def test_gguf_blocks_give_the_dequantized_weights_results_bit_for_bit(
     wide = cpu_panels.pack_linear_weight(dequantized, allow_bf16=False)
     assert quantized.numel() < wide.numel() * 4 / 3  # 5 (Q4_1) or 8.5 (Q8_0) bits a weight
     for tiles in (False, True):
-        tiles = amx(tiles)
+        if amx(tiles) != tiles:
+            continue  # no AMX here: the first pass was the only kernel
         for rows in range(1, AMX_MIN_ROWS if tiles else 18):  # every tile shape, and tails
             x = torch.randn(rows, in_features, generator=gen)
             res = torch.randn(rows, out_features, generator=gen)

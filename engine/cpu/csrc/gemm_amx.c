@@ -114,7 +114,7 @@ static void configure(int rows) {
  * as a bfloat16. A byte permute brings each nibble's byte under its word, a shift brings
  * the nibble down, and a word permute of a 32-entry table (entry i = i % 16, so the byte's
  * other nibble in bit 4 does not matter) makes it a bfloat16. */
-static void unpack_q4_1(const uint8_t *quants, uint16_t *b, const __m512i *lut) {
+static void unpack_q4_1(const uint8_t *quants, uint16_t *b) {
   for (int r = 0; r < 16; r++) {
     const __m512i raw = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(quants + 16 * r)));
     const __m512i bytes = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, lut[0], raw);
@@ -124,7 +124,7 @@ static void unpack_q4_1(const uint8_t *quants, uint16_t *b, const __m512i *lut) 
 }
 
 /* One Q8_0 block's quants (per k, 16 int8, column c at byte c) as tile B. */
-static void unpack_q8_0(const uint8_t *quants, uint16_t *b, const __m512i *lut) {
+static void unpack_q8_0(const uint8_t *quants, uint16_t *b) {
   const __m512i vpair = lut[3];
   for (int r = 0; r < 16; r++) {
     const __m128i *src = (const __m128i *)(quants + 32 * r);
@@ -158,8 +158,6 @@ static void split_rows(const float *x, int64_t M, int64_t K, uint16_t *parts, fl
   }
 }
 
-#define QBLOCK_BYTES(q4) ((q4) ? 2 * 16 * 2 + 32 * 8 : 16 * 2 + 32 * 16)
-
 /* A buffer that lives as long as its thread and grows as needed (64-byte aligned). */
 static void *scratch(void **buf, size_t *size, size_t need) {
   if (*size < need) {
@@ -174,10 +172,10 @@ static void *scratch(void **buf, size_t *size, size_t need) {
  * the panels p0 .. p0 + np - 1 (np <= APANELS): per block, each panel's quants are unpacked
  * into its B tile, C = A0 B + A1 B + A2 B, and C's sums scaled into the accumulators. */
 static void amx_chunk(const int q4, const int np, const int mc, const uint16_t *a, int64_t M,
-                      const float *sums, const uint8_t *panel, int64_t panel_bytes,
+                      const float *sums, const uint8_t *panel, int64_t stride,
                       const float *bias, const float *res, float *y, int64_t N, int64_t K,
                       int cols) {
-  const int64_t nb = K / 32, stride = QBLOCK_BYTES(q4), part = M * K;
+  const int64_t nb = K / 32, part = M * K, panel_bytes = nb * stride;
   uint16_t b[2][APANELS][512] __attribute__((aligned(64))); /* blocks k and k + 1 */
   float c[2][APANELS][AROWS * 16] __attribute__((aligned(64)));
   float acc[APANELS][AROWS * 16] __attribute__((aligned(64)));
@@ -185,8 +183,8 @@ static void amx_chunk(const int q4, const int np, const int mc, const uint16_t *
 #define UNPACK(k)                                                   \
   for (int p = 0; p < np; p++) {                                    \
     const uint8_t *q = panel + p * panel_bytes + (k) * stride;      \
-    if (q4) unpack_q4_1(q + 64, b[(k) & 1][p], lut);                \
-    else unpack_q8_0(q + 32, b[(k) & 1][p], lut);                   \
+    if (q4) unpack_q4_1(q + 64, b[(k) & 1][p]);                     \
+    else unpack_q8_0(q + 32, b[(k) & 1][p]);                        \
   }
 /* block k's sums, scaled into the accumulators */
 #define POST(k)                                                                              \
@@ -248,13 +246,12 @@ static void amx_chunk(const int q4, const int np, const int mc, const uint16_t *
 static __thread void *parts_buf, *sums_buf;
 static __thread size_t parts_size, sums_size;
 
-/* gemm_quant.c's quant_linear on AMX tiles; q4: Q4_1, else Q8_0. Work items: APANELS
- * panels x AROWS rows. */
-void tandem_amx_linear(const int q4, const float *x, const uint8_t *panels, const float *bias,
-                       const float *residual, float *y, int64_t M, int64_t N, int64_t K,
-                       int nthreads) {
-  const int64_t num_panels = (N + 15) / 16, nb = K / 32;
-  const int64_t panel_bytes = nb * QBLOCK_BYTES(q4);
+/* gemm_quant.c's quant_linear on AMX tiles; q4: Q4_1, else Q8_0, its panel blocks `stride`
+ * bytes each (gemm_quant.c's block_bytes). Work items: APANELS panels x AROWS rows. */
+void tandem_amx_linear(const int q4, const int64_t stride, const float *x,
+                       const uint8_t *panels, const float *bias, const float *residual, float *y,
+                       int64_t M, int64_t N, int64_t K, int nthreads) {
+  const int64_t num_panels = (N + 15) / 16, nb = K / 32, panel_bytes = nb * stride;
   uint16_t *parts = scratch(&parts_buf, &parts_size, (size_t)(M * 3 * K * 2));
   float *sums = q4 ? scratch(&sums_buf, &sums_size, (size_t)(M * nb) * sizeof(float)) : 0;
   split_rows(x, M, K, parts, sums);
@@ -273,7 +270,7 @@ void tandem_amx_linear(const int q4, const float *x, const uint8_t *panels, cons
           configured = mc;
         }
         amx_chunk(q4, np, mc, parts + r0 * K, M, sums ? sums + r0 * nb : 0,
-                  panels + p0 * panel_bytes, panel_bytes, bias ? bias + p0 * 16 : 0,
+                  panels + p0 * panel_bytes, stride, bias ? bias + p0 * 16 : 0,
                   residual ? residual + r0 * N + p0 * 16 : 0, y + r0 * N + p0 * 16, N, K,
                   span(N, p0 * 16, np * 16));
       }
@@ -285,11 +282,11 @@ void tandem_amx_linear(const int q4, const float *x, const uint8_t *panels, cons
 
 int tandem_amx_active(void) { return 0; }
 int tandem_amx_enable(int enable) { (void)enable; return 0; }
-void tandem_amx_linear(const int q4, const float *x, const uint8_t *panels, const float *bias,
-                       const float *residual, float *y, int64_t M, int64_t N, int64_t K,
-                       int nthreads) {
-  (void)q4, (void)x, (void)panels, (void)bias, (void)residual, (void)y, (void)M, (void)N,
-      (void)K, (void)nthreads;
+void tandem_amx_linear(const int q4, const int64_t stride, const float *x,
+                       const uint8_t *panels, const float *bias, const float *residual, float *y,
+                       int64_t M, int64_t N, int64_t K, int nthreads) {
+  (void)q4, (void)stride, (void)x, (void)panels, (void)bias, (void)residual, (void)y;
+  (void)M, (void)N, (void)K, (void)nthreads;
 }
 
 #endif

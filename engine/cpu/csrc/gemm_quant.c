@@ -277,15 +277,16 @@ static void group_q4_1(GROUP_ARGS) { quant_group(Q4_1, GROUP_PASS); }
  * `python -m bench.cpu_kernels gguf`). */
 #define AMX_MIN_ROWS 6
 int tandem_amx_active(void);
-void tandem_amx_linear(int q4, const float *x, const uint8_t *panels, const float *bias,
-                       const float *residual, float *y, int64_t M, int64_t N, int64_t K,
-                       int nthreads);
+void tandem_amx_linear(int q4, int64_t stride, const float *x, const uint8_t *panels,
+                       const float *bias, const float *residual, float *y, int64_t M, int64_t N,
+                       int64_t K, int nthreads);
 
 static void quant_linear(const int type, const float *x, const uint8_t *panels,
                          const float *bias, const float *residual, float *y, int64_t M,
                          int64_t N, int64_t K, int nthreads) {
   if (M >= AMX_MIN_ROWS && tandem_amx_active()) {
-    tandem_amx_linear(type == Q4_1, x, panels, bias, residual, y, M, N, K, nthreads);
+    tandem_amx_linear(type == Q4_1, block_bytes(type), x, panels, bias, residual, y, M, N, K,
+                      nthreads);
     return;
   }
   const int64_t num_panels = (N + QPANEL - 1) / QPANEL;
