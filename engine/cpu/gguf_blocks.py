@@ -5,9 +5,10 @@ A `.gguf` model is served from float32 weights dequantized from the file
 540 MB per pass for SmolLM2-135M, against 96 MB for the file's own Q4_1/Q8_0 blocks. Here
 each packed linear layer (engine/cpu/linear.py) whose every weight row is a row of a Q8_0
 or Q4_1 tensor of the file is switched to those blocks (engine/cpu/csrc/gemm_quant.c), which
-dequantizes them in registers to the very same float32 values and sums in the same order:
-the layer's output is bit for bit what it was, for a fifth of the bytes. (On a CPU with AMX
-tiles, calls of 6 rows or more sum the same products in another order: gemm_amx.c.)
+sums each block's quants times x and then applies the block's scale (and minimum): the same
+weights, the products summed in another order (as close to the exact sum as the float32
+layer, not the same bits), for a fifth of the bytes. (On a CPU with AMX tiles, calls of 6
+rows or more sum the same products in yet another order: gemm_amx.c.)
 
 Rows are matched by content, not by name: each row of the file's tensors is dequantized
 and hashed, and a layer takes the blocks of the rows whose bytes equal its own. That covers

@@ -1,13 +1,21 @@
 #include "vec.h"
+#include <stdlib.h>
 
 /* ---------------------------------------------------------------------------------------
  * Linear on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) (+ residual),
- * W kept in its GGUF quantization, each weight dequantized in registers to exactly the
- * float32 value gguf's own dequantizer gives it, and the products summed in float32.
+ * W kept in its GGUF quantization, the sums in float32.
  *
  * GGUF stores W row by row in blocks of 32 consecutive weights with their own scale:
  *   Q8_0: w = d * q,      q an int8, d a float16;
  *   Q4_1: w = d * q + m,  q a 4-bit unsigned, d and m float16.
+ * Per block and row of x the kernel sums q * x (q widened to float32: exact), then
+ *   y += d * sum_k q_k x_k  (+ m * sum_k x_k for Q4_1, the row's block sums computed once)
+ * which is sum_k w_k x_k for the file's weights, rounded in another order than a float32
+ * matrix of the dequantized weights would be (as close to the exact sum in
+ * tests/test_cpu_kernels.py, from a few blocks on closer). No weight is dequantized: per 16
+ * weights a shift and a permute widen the quants, and each row of x costs one multiply-add
+ * (dequantizing w = d * q + m first was one more per 16 weights: 10-17% slower at 1-3 rows).
+ * Every tile shape sums a row the same way, so a row's result does not depend on the others.
  * engine/cpu/panels.py repacks the blocks once into panels of QPANEL output rows, so a
  * vector lane is an output column (as in gemm.c) and one unpacked vector of weights serves
  * every row of x:
@@ -20,25 +28,20 @@
  * The scales stay the file's float16 and are widened in registers (exact), so the kernel
  * reads the file's own 5 (Q4_1) or 8.5 (Q8_0) bits per weight instead of float32's 32: a
  * one-row pass is bound by memory bandwidth, and widened scales were a sixth more bytes.
- *
- * d * q + m is a multiply and an add in gguf, and the compiler may fuse them here into one
- * FMA: the same value either way, because d * q is exact in float32 (d, a widened float16,
- * has 11 significant bits, q at most 8), so only the add rounds.
  */
 #define QPANEL 16
 #define QBLOCK 32
-/* Rows of x per tile: each tile unpacks the panel's weights once. 8 rows' accumulators fit
- * AVX-512's 32 vector registers; AVX2 (16 registers, two per 16-lane vector) takes 4. */
+/* Rows of x per tile: each tile unpacks the panel's weights once. AVX-512 has 32 vector
+ * registers, AVX2 16 (two per 16-lane vector): 8 rows and 4. */
 #if defined(__AVX512F__)
 #define QROWS 8
 #else
 #define QROWS 4
 #endif
-/* A tile takes several panels side by side: with few rows, one accumulator per row would be
- * one chain of dependent adds, each waiting for the one before (4 cycles), and the panels'
- * chains are independent. With AVX-512, tiles of up to 4 rows take QGROUP panels and wider
- * ones 2; AVX2's 16 registers hold QGROUP panels of one row, 2 of two. Each output is still
- * summed over k in the same order. */
+/* A tile takes several panels side by side (tile_panels): with few rows, one accumulator per
+ * row would be one chain of dependent adds, each waiting for the one before (4 cycles), and
+ * the panels' chains are independent. Each output is still summed over k in the same order.
+ * QGROUP is the most panels a tile (and a thread's work item) takes. */
 #define QGROUP 4
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
@@ -113,29 +116,29 @@ INLINE v16u spread(v16u all, v16u idx) {
 #endif
 }
 
-/* Q8_0: the 16 weights of quant row j of a 64-byte load (rows j0..j0+3), one per output
+/* Q8_0: the 16 quants of quant row j of a 64-byte load (rows j0..j0+3), one per output
  * column, as float32. Row j is words 4j..4j+3; column c's int8 is byte c % 4 of word
  * 4j + c / 4: one permute, then a shift to the top and back (arithmetic) sign-extends.
  * (GCC 12 turns a plain int8 -> int32 vector conversion into a chain of inserts.) */
-INLINE v16 q8_weights(v16u all, int j, v16 d) {
+INLINE v16 q8_quants(v16u all, int j) {
   const uint32_t a = 4 * j, b = a + 1, c = a + 2, e = a + 3;
   const v16u word = spread(all, (v16u){a, a, a, a, b, b, b, b, c, c, c, c, e, e, e, e});
   const v16u up = {24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0};
   const v16i q = (v16i)(word << up) >> 24;
-  return __builtin_convertvector(q, v16) * d;
+  return __builtin_convertvector(q, v16);
 }
 
 #if defined(__AVX512F__)
-/* Q8_0 with AVX-512: the 16 weights of quant row k (16 int8s, one per column) as float32:
+/* Q8_0 with AVX-512: the 16 quants of quant row k (16 int8s, one per column) as float32:
  * one sign-extending load and one conversion. */
-INLINE v16 q8_weights_row(const uint8_t *quants, int k, v16 d) {
+INLINE v16 q8_quants_row(const uint8_t *quants, int k) {
   const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(quants + k * 16)));
-  return (v16)_mm512_cvtepi32_ps(q) * d;
+  return (v16)_mm512_cvtepi32_ps(q);
 }
 #endif
 
-/* Q4_1: the 16 weights of quant row k (8 bytes: a nibble per column) as float32. */
-INLINE v16 q4_1_weights(const uint8_t *quants, int k, v16 d, v16 m) {
+/* Q4_1: the 16 quants of quant row k (8 bytes: a nibble per column) as float32 (0..15). */
+INLINE v16 q4_quants(const uint8_t *quants, int k) {
   uint64_t bytes;
   memcpy(&bytes, quants + k * 8, 8);
   const v16u word = (v16u)(v8q){bytes, bytes, bytes, bytes, bytes, bytes, bytes, bytes};
@@ -144,43 +147,44 @@ INLINE v16 q4_1_weights(const uint8_t *quants, int k, v16 d, v16 m) {
   /* The nibble as a float in one instruction: a permute of 0..15 by the shifted word reads
    * only the index's low 4 bits, so no mask and no int -> float conversion. */
   const v16 values = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return (v16)spread((v16u)values, word >> shift) * d + m;
+  return (v16)spread((v16u)values, word >> shift);
 #else /* a 16-lane permute is two registers' worth on AVX2: mask and convert instead */
   const v16i q = (v16i)((word >> shift) & 15);
-  return __builtin_convertvector(q, v16) * d + m;
+  return __builtin_convertvector(q, v16);
 #endif
 }
 
-/* y[rows, the columns of np panels], the panels `pstride` bytes apart. */
+/* y[rows, the columns of np panels], the panels `pstride` bytes apart. Per block, each
+ * row's sum of q * x over the block's 32 k (q the quants as float32: exact), then
+ *   total += d * sum (+ m * the block's sum of x, Q4_1)
+ * xsum: row r's block sums of x at xsum[r * K / 32 + block] (Q4_1). */
 INLINE void quant_tile(const int type, const int np, const int rows, const float *x, int64_t K,
-                       const uint8_t *panel, int64_t pstride, const float *bias,
-                       const float *res, float *y, int64_t N, int cols) {
+                       const float *xsum, const uint8_t *panel, int64_t pstride,
+                       const float *bias, const float *res, float *y, int64_t N, int cols) {
   v16 acc[QGROUP][QROWS];
   for (int p = 0; p < np; p++)
     for (int r = 0; r < rows; r++) acc[p][r] = (v16){0};
-  const int64_t stride = block_bytes(type);
-  for (int64_t b = 0; b < K / QBLOCK; b++) {
+  const int64_t stride = block_bytes(type), nb = K / QBLOCK;
+  for (int64_t b = 0; b < nb; b++) {
     const uint8_t *quants[QGROUP];
-    v16 d[QGROUP], m[QGROUP];
+    v16 sum[QGROUP][QROWS];
     for (int p = 0; p < np; p++) {
-      const uint8_t *blk = panel + p * pstride + b * stride;
-      d[p] = load_halves(blk);
-      m[p] = type == Q4_1 ? load_halves(blk + 2 * QPANEL) : (v16){0};
-      quants[p] = blk + scale_bytes(type);
+      quants[p] = panel + p * pstride + b * stride + scale_bytes(type);
+      for (int r = 0; r < rows; r++) sum[p][r] = (v16){0};
     }
     const float *xb = x + b * QBLOCK;
     if (type == Q4_1) {
       for (int k = 0; k < QBLOCK; k++)
         for (int p = 0; p < np; p++) {
-          const v16 w = q4_1_weights(quants[p], k, d[p], m[p]);
-          for (int r = 0; r < rows; r++) acc[p][r] += splat16(xb[r * K + k]) * w;
+          const v16 q = q4_quants(quants[p], k);
+          for (int r = 0; r < rows; r++) sum[p][r] += splat16(xb[r * K + k]) * q;
         }
     } else {
 #if defined(__AVX512F__)
       for (int k = 0; k < QBLOCK; k++)
         for (int p = 0; p < np; p++) {
-          const v16 w = q8_weights_row(quants[p], k, d[p]);
-          for (int r = 0; r < rows; r++) acc[p][r] += splat16(xb[r * K + k]) * w;
+          const v16 q = q8_quants_row(quants[p], k);
+          for (int r = 0; r < rows; r++) sum[p][r] += splat16(xb[r * K + k]) * q;
         }
 #else
       for (int k0 = 0; k0 < QBLOCK; k0 += 4) {
@@ -188,11 +192,20 @@ INLINE void quant_tile(const int type, const int np, const int rows, const float
         for (int p = 0; p < np; p++) all[p] = *(const v16u *)(quants[p] + k0 * QPANEL);
         for (int j = 0; j < 4; j++)
           for (int p = 0; p < np; p++) {
-            const v16 w = q8_weights(all[p], j, d[p]);
-            for (int r = 0; r < rows; r++) acc[p][r] += splat16(xb[r * K + k0 + j]) * w;
+            const v16 q = q8_quants(all[p], j);
+            for (int r = 0; r < rows; r++) sum[p][r] += splat16(xb[r * K + k0 + j]) * q;
           }
       }
 #endif
+    }
+    for (int p = 0; p < np; p++) {
+      const uint8_t *blk = panel + p * pstride + b * stride;
+      const v16 d = load_halves(blk);
+      for (int r = 0; r < rows; r++) acc[p][r] += d * sum[p][r];
+      if (type == Q4_1) {
+        const v16 m = load_halves(blk + 2 * QPANEL);
+        for (int r = 0; r < rows; r++) acc[p][r] += m * splat16(xsum[r * nb + b]);
+      }
     }
   }
   for (int p = 0; p < np; p++) {
@@ -209,66 +222,106 @@ INLINE void quant_tile(const int type, const int np, const int rows, const float
   }
 }
 
+/* Panels per tile of `rows` rows. A row and panel has two accumulators, the block's sum and
+ * the total; the totals are touched once a block, so where the registers run short (AVX-512
+ * from 3 rows of 4 panels) the compiler keeps them in memory for little. Measured, 2 threads,
+ * the default model's linears (`python -m bench.cpu_kernels gguf`): 4 panels up to 4 rows
+ * beat 2 panels at 3-4 rows and 1 at 5 (4.85 against 5.89 ms at 3 rows). */
+INLINE int tile_panels(const int rows) {
+#if QROWS == 8
+  return rows <= 4 ? 4 : 2;
+#else
+  return rows == 1 ? 2 : 1;
+#endif
+}
+
 /* One group of np panels (all rows of x): the unrolled tiles. */
-INLINE void quant_group(const int type, const int np, const int group, const float *x,
+INLINE void quant_group(const int type, const int np, const float *x, const float *xsum,
                         const uint8_t *panel, int64_t panel_bytes, const float *b,
                         const float *residual, float *y, int64_t M, int64_t N, int64_t K,
                         int cols) {
+  const int64_t nb = K / QBLOCK;
   for (int64_t r = 0; r < M; r += QROWS) {
-    const float *xr = x + r * K;
+    const float *xr = x + r * K, *sr = xsum ? xsum + r * nb : 0;
     const float *rr = residual ? residual + r * N : 0;
-    float *yr = y + r * N;
     const int rows = M - r < QROWS ? (int)(M - r) : QROWS;
-#define TILE(g, n) quant_tile(type, g, n, xr, K, panel, panel_bytes, b, rr, yr, N, cols)
-    /* constant panel and row counts: unrolled tiles */
-    if (np == 4 && rows == 1) TILE(4, 1);
-    else if (np == 2 && rows == 2) TILE(2, 2);
-    else if (np == 4 && rows == 2) TILE(4, 2);
-    else if (np == 4 && rows == 3) TILE(4, 3);
-    else if (np == 4 && rows == 4) TILE(4, 4);
+    const int tp = tile_panels(rows);
+    for (int p0 = 0; p0 < np; p0 += tp) {
+      const int n = np - p0 < tp ? np - p0 : tp;
+      const uint8_t *pp = panel + p0 * panel_bytes;
+      const float *bp = b ? b + p0 * QPANEL : 0;
+      const float *rp = rr ? rr + p0 * QPANEL : 0;
+      float *yp = y + r * N + p0 * QPANEL;
+      const int c = span(cols, p0 * QPANEL, n * QPANEL);
+#define TILE(g, m) quant_tile(type, g, m, xr, K, sr, pp, panel_bytes, bp, rp, yp, N, c)
+      /* constant panel and row counts: unrolled tiles */
+      if (n == 4 && rows == 1) TILE(4, 1);
 #if QROWS == 8
-    else if (np == 2 && rows == 5) TILE(2, 5);
-    else if (np == 2 && rows == 6) TILE(2, 6);
-    else if (np == 2 && rows == 7) TILE(2, 7);
-    else if (np == 2 && rows == 8) TILE(2, 8);
+      else if (n == 4 && rows == 2) TILE(4, 2);
+      else if (n == 4 && rows == 3) TILE(4, 3);
+      else if (n == 4 && rows == 4) TILE(4, 4);
+      else if (n == 2 && rows == 5) TILE(2, 5);
+      else if (n == 2 && rows == 6) TILE(2, 6);
+      else if (n == 2 && rows == 7) TILE(2, 7);
+      else if (n == 2 && rows == 8) TILE(2, 8);
 #endif
-    else
-      for (int p = 0; p < np; p++) { /* one panel at a time (and a group's last panels) */
-        const uint8_t *pp = panel + p * panel_bytes;
-        const float *bp = b ? b + p * QPANEL : 0;
-        const float *rp = rr ? rr + p * QPANEL : 0;
-        const int c = span(cols, p * QPANEL, QPANEL);
-#define TILE1(n) quant_tile(type, 1, n, xr, K, pp, panel_bytes, bp, rp, yr + p * QPANEL, N, c)
-        switch (rows) {
-          case 1: TILE1(1); break;
-          case 2: TILE1(2); break;
-          case 3: TILE1(3); break;
+      else if (n == 2 && rows == 1) TILE(2, 1);
+      else
+        for (int p = 0; p < n; p++) { /* one panel at a time (and a group's last panels) */
+          const uint8_t *p1 = pp + p * panel_bytes;
+          const float *b1 = bp ? bp + p * QPANEL : 0, *r1 = rp ? rp + p * QPANEL : 0;
+          const int c1 = span(c, p * QPANEL, QPANEL);
+#define TILE1(m) quant_tile(type, 1, m, xr, K, sr, p1, panel_bytes, b1, r1, yp + p * QPANEL, N, c1)
+          switch (rows) {
+            case 1: TILE1(1); break;
+            case 2: TILE1(2); break;
+            case 3: TILE1(3); break;
 #if QROWS == 8
-          case 4: TILE1(4); break;
-          case 5: TILE1(5); break;
-          case 6: TILE1(6); break;
-          case 7: TILE1(7); break;
-          default: TILE1(8); break;
+            case 4: TILE1(4); break;
+            case 5: TILE1(5); break;
+            case 6: TILE1(6); break;
+            case 7: TILE1(7); break;
+            default: TILE1(8); break;
 #else
-          default: TILE1(4); break;
+            default: TILE1(4); break;
 #endif
-        }
+          }
 #undef TILE1
-      }
+        }
 #undef TILE
+    }
   }
-  (void)group;
 }
 
 /* The group kernels, each compiled for its type (outside the OpenMP region, which GCC
  * outlines before inlining, so a type passed into it would stay a run-time value). */
-#define GROUP_ARGS                                                                          \
-  const int np, const int group, const float *x, const uint8_t *panel, int64_t panel_bytes, \
+#define GROUP_ARGS                                                                         \
+  const int np, const float *x, const float *xsum, const uint8_t *panel, int64_t panel_bytes, \
       const float *b, const float *residual, float *y, int64_t M, int64_t N, int64_t K,     \
       int cols
-#define GROUP_PASS np, group, x, panel, panel_bytes, b, residual, y, M, N, K, cols
+#define GROUP_PASS np, x, xsum, panel, panel_bytes, b, residual, y, M, N, K, cols
 static void group_q8_0(GROUP_ARGS) { quant_group(Q8_0, GROUP_PASS); }
 static void group_q4_1(GROUP_ARGS) { quant_group(Q4_1, GROUP_PASS); }
+
+/* Each row's sums of x over the blocks of 32, in one fixed order (a row's sums do not
+ * depend on the other rows): [M][K / 32] in a buffer that lives as long as its thread. */
+static const float *block_sums(const float *x, int64_t M, int64_t K) {
+  static __thread float *buf;
+  static __thread int64_t size;
+  const int64_t nb = K / QBLOCK;
+  if (size < M * nb) {
+    free(buf);
+    size = M * nb;
+    buf = malloc((size_t)size * sizeof(float));
+  }
+  for (int64_t i = 0; i < M * nb; i++) {
+    const v16 two = load16(x + i * QBLOCK) + load16(x + i * QBLOCK + 16);
+    float s = 0.0f;
+    for (int c = 0; c < 16; c++) s += two[c];
+    buf[i] = s;
+  }
+  return buf;
+}
 
 /* Calls of this many rows of x or more run on AMX tiles where the CPU has them (gemm_amx.c:
  * the same sums in another rounding order). 6: at concurrency 1 a step decodes 1 token or
@@ -291,10 +344,11 @@ static void quant_linear(const int type, const float *x, const uint8_t *panels,
   }
   const int64_t num_panels = (N + QPANEL - 1) / QPANEL;
   const int64_t panel_bytes = (K / QBLOCK) * block_bytes(type);
-#if QROWS == 8 /* AVX-512: up to 4 rows x 4 panels, or 8 rows x 2, of accumulators */
-  const int group = M <= 4 ? QGROUP : 2; /* panels per tile */
-#else /* AVX2: 16 registers, two per accumulator */
-  const int group = M == 1 ? QGROUP : M == 2 ? 2 : 1;
+  const float *xsum = type == Q4_1 ? block_sums(x, M, K) : 0;
+#if QROWS == 8 /* AVX-512 */
+  const int group = M <= 4 ? QGROUP : 2; /* panels per work item */
+#else /* AVX2 */
+  const int group = M == 1 ? 2 : 1;
 #endif
   const int64_t num_groups = (num_panels + group - 1) / group;
   void (*const run)(GROUP_ARGS) = type == Q4_1 ? group_q4_1 : group_q8_0;
@@ -307,7 +361,7 @@ static void quant_linear(const int type, const float *x, const uint8_t *panels,
     const int64_t p0 = g * group;
     const int np = span(num_panels, p0, group);
     const int cols = span(N, p0 * QPANEL, np * QPANEL);
-    run(np, group, x, panels + p0 * panel_bytes, panel_bytes, bias ? bias + p0 * QPANEL : 0,
+    run(np, x, xsum, panels + p0 * panel_bytes, panel_bytes, bias ? bias + p0 * QPANEL : 0,
         residual ? residual + p0 * QPANEL : 0, y + p0 * QPANEL, M, N, K, cols);
   }
 }

@@ -146,8 +146,8 @@ int tandem_layers(const tandem_layer *layers, int64_t num_layers, const tandem_b
                         heads, kv_heads, head_dim, q, layer->key_cache, layer->value_cache);
     tandem_paged_attention(q, layer->key_cache, layer->value_cache, batch->tables, batch->width,
                            batch->q_starts, batch->q_lens, batch->ctx_lens, batch->tree,
-                           batch->tree_base, batch->num_seqs, attn, heads, kv_heads, head_dim, batch->block_size,
-                           scale, nthreads);
+                           batch->tree_base, batch->num_seqs, attn, heads, kv_heads, head_dim,
+                           batch->block_size, scale, nthreads);
     linear_any(&layer->o, attn, hidden, hidden, tokens, dim, q_width, nthreads);
     tandem_rms_norm(hidden, layer->post_norm, x, tokens, dim, eps);
     linear_any(&layer->gate_up, x, 0, gate_up, tokens, 2 * inter, dim, nthreads);
