@@ -87,16 +87,21 @@ def test_low_acceptance_switches_speculation_off():
 
 
 def test_probes_back_off_while_they_confirm_k_zero_and_reset_when_drafting_pays():
-    """With speculation off, a probe step (K = 1 for all) comes after 32 steps, then 64,
-    128, ... up to the cap; once the policy drafts on its own, the interval is 32 again."""
+    """With speculation off, a probe step (K = 1 for the request with the least for the draft
+    to catch up) comes after 32 steps, then 64, 128, ... up to the cap; once the policy
+    drafts on its own, the interval is 32 again."""
     policy = AdaptiveDraftLength(8, memory_then_compute_bound(), max_probe_interval=128)
     hopeless = _requests(4, accepted=2, trials=200, temperature=0)
+    for req, computed in zip(hopeless, [1, 2, 0, 1], strict=True):
+        req.num_draft_computed_tokens = computed  # request 1 is the least behind
 
     def probe_gaps(steps: int) -> list[int]:
         gaps, since = [], 0
         for _ in range(steps):
             since += 1
-            if any(policy.choose(hopeless).ks):
+            ks = policy.choose(hopeless).ks
+            if any(ks):
+                assert ks == [0, 1, 0, 0]
                 gaps.append(since)
                 since = 0
         return gaps
@@ -437,10 +442,27 @@ def test_observing_a_step_predicts_what_target_time_predicts():
         assert fresh.draft_scale.value == pytest.approx(0.5, rel=1e-12)
 
 
+def test_depths_kept_less_often_than_predicted_are_drafted_less():
+    """The d-th draft's gain is a^d times what verification measured against a^d: a draft
+    whose first token is always kept and whose second never is, stops at K = 1, while the
+    engine-wide acceptance stays high."""
+    policy = AdaptiveDraftLength(8, memory_then_compute_bound())
+    req = _requests(1, accepted=900, trials=1000, temperature=0)[0]
+    assert policy.choose([req]).ks == [8]
+    for _ in range(300):
+        req.spec.record(8, 1)
+        policy.observe(req, 8, 1)
+    factors = policy.depth_factors()
+    assert factors[0] > 1.0 and factors[1] < 0.1  # first kept beyond a^1, second never
+    assert policy.choose([req]).ks == [1]
+    gains = policy.gains(np.array([0.3, 0.9]))
+    assert np.all(np.diff(gains, axis=1) <= 0) and gains.max() <= 0.99
+
+
 def test_one_requests_draft_length_is_what_the_vectorised_search_gives():
     """A batch of one takes CostModel.best_chain_length (plain Python) instead of the numpy
     search: the same K and the same reason, over acceptances, contexts, other tokens in the
-    pass and online cost factors."""
+    pass, the draft's lag and online cost factors."""
     rng = np.random.default_rng(0)
     for trial in range(400):
         seconds = [0.006 + 0.0004 * n + rng.uniform(0, 0.001) for n in SIZES]
@@ -451,9 +473,10 @@ def test_one_requests_draft_length_is_what_the_vectorised_search_gives():
         a = np.array([rng.uniform(0.0, 0.99)])
         context = np.array([float(rng.integers(1, 3000))])
         other = int(rng.choice([0, 0, 5, 200]))
-        ks, reasons, branches = policy._decide(a, context, other)
-        gains = a[:, None] ** np.arange(1, 5)[None, :]
-        want = int(policy._best_prefix(gains, context, other)[0][0])
-        solo = int(policy._best_alone(gains, context)[0])
+        lag = np.array([float(rng.choice([0, 0, 0.5, 3.0]))])
+        ks, reasons, branches = policy._decide(a, context, other, lag)
+        gains = policy.gains(a)
+        want = int(policy._best_prefix(gains, context, other, lag)[0][0])
+        solo = int(policy._best_alone(gains, context, lag)[0])
         reason = None if want >= 4 else REASON_BATCH if want < solo else REASON_ACCEPTANCE
         assert (ks, reasons, branches) == ([want], [reason], 1), trial

@@ -167,18 +167,26 @@ class CostModel:
         return int(ok.max()) if ok.size else 1
 
     def best_chain_length(
-        self, acceptance: float, context: float, base_tokens: int, max_drafts: int
+        self,
+        gains: list[float],
+        context: float,
+        base_tokens: int,
+        max_drafts: int,
+        catch_up: float = 0.0,
     ) -> int:
-        """For one request drafting a chain (per-token acceptance `acceptance`, `context`
-        tokens cached) in a pass that holds `base_tokens` other tokens (its own last one
-        included): the K in 0..max_drafts with the most expected tokens per second, the
-        first if several tie. What the draft-length policy's vectorised search gives for a
-        batch of one, in plain Python (at c=1 the policy decides every few steps)."""
+        """For one request drafting a chain (`gains[d - 1]`: the chance that its d-th draft
+        is kept, `context` tokens cached) in a pass that holds `base_tokens` other tokens (its
+        own last one included): the K in 0..max_drafts with the most expected tokens per
+        second, the first if several tie; drafting also feeds the draft `catch_up` tokens
+        (its lag, engine/spec/draft_length.py). What the draft-length policy's vectorised search
+        gives for a batch of one, in plain Python (at c=1 the policy decides every few
+        steps)."""
         tokens, rates = 1.0, []
         for k in range(max_drafts + 1):
-            tokens += acceptance**k if k else 0.0
+            tokens += gains[k - 1] if k else 0.0
             target = self._target_at(base_tokens + k, context, context * (1 + k))
-            draft = self._draft_at(k, k, k * context)
+            fed = k + catch_up if k else 0.0
+            draft = self._draft_at(k, fed, fed * context)
             rates.append(
                 tokens / (self.target_scale.value * target + self.draft_scale.value * draft)
             )

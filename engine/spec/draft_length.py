@@ -15,7 +15,9 @@ import numpy as np
 
 from engine.config import SpecConfig
 from engine.core.request import Request
+from engine.spec.chain_choice import ChainChoice
 from engine.spec.cost_model import CostModel
+from engine.spec.tree_choice import TreeChoice
 
 # Reasons a request got fewer than K_max drafts (exported as a metric label).
 REASON_BATCH = "batch_cost"
@@ -23,6 +25,10 @@ REASON_ACCEPTANCE = "low_acceptance"
 REASON_BUDGET = "token_budget"
 REASON_LENGTH = "max_tokens"
 REASON_MEMORY = "kv_memory"
+
+CATCH_UP_STEPS = 32
+"""A request whose draft lags (plain decodes skip it) pays the draft's catch-up when it next
+drafts: the policy charges each step 1/CATCH_UP_STEPS of it (or 1/steps left, if fewer)."""
 
 
 @dataclass
@@ -69,7 +75,7 @@ class FixedDraftLength:
         pass
 
 
-class AdaptiveDraftLength:
+class AdaptiveDraftLength(ChainChoice, TreeChoice):
     """Maximise expected accepted tokens per second for the whole batch.
 
     With per-token acceptance a_i, the d-th draft of request i adds a_i^d expected tokens
@@ -85,12 +91,26 @@ class AdaptiveDraftLength:
     predicted to beat it by more than `uniform_margin` (a request whose drafts keep failing
     still drops to K = 0 then: that difference is large).
 
-    When speculation has been off for `probe_interval` steps, one step drafts K = 1 for every
+    The d-th draft's gain is a_i^d only as a first guess: drafts are not kept independently
+    (the positions after a hard token are hard too), and a request is drafted deep when its
+    estimate is high, partly by luck. So every verified chain also compares, per depth d,
+    how many d-th drafts were kept with how many a_i^d predicted (decayed, engine-wide), and
+    the gains are a_i^d times that ratio (`depth_factors`). On the default pair at
+    concurrency 1 the second draft was kept 37% of the times the first was against the ~52%
+    predicted, and steps of K = 2 made fewer tokens per second than plain decodes.
+
+    Drafting again after plain decodes first feeds the draft every token it skipped: that
+    catch-up is charged as draft tokens, spread over the next `CATCH_UP_STEPS` steps (one
+    speculative step alone rarely repays it; at concurrency 16 the draft's catch-ups when
+    the batch thinned out were most of its time).
+
+    When speculation has been off for `probe_interval` steps, one step drafts K = 1 for one
     request: otherwise a pessimistic cost estimate or acceptance prior could never be corrected,
     since only steps that draft measure the draft's cost and acceptance. A probe is not free
-    (the draft first catches up on every token it skipped), so while probes keep confirming
-    K = 0 the interval doubles, up to `max_probe_interval`; the policy choosing drafts on its
-    own resets it.
+    (the draft first catches up on every token it skipped), so it takes the request with the
+    least to catch up (probing all 16 of a batch cost the default pair 5% of its throughput
+    at concurrency 16), and while probes keep confirming K = 0 the interval doubles, up to
+    `max_probe_interval`; the policy choosing drafts on its own resets it.
 
     A seeded request needs nothing special: its tokens are fixed by (seed, position), not by
     K (engine/sample/sampler.py), so any K gives it the same text.
@@ -118,9 +138,11 @@ class AdaptiveDraftLength:
         self.prior_weight = prior_weight
         self._accepted = prior * prior_weight  # decayed engine-wide counts
         self._trials = prior_weight
-        # Tree steps by branch count: how often some root candidate was kept (decayed).
-        self._root_hits: dict[int, float] = {}
+        self._root_hits: dict[int, float] = {}  # TreeChoice's counts
         self._root_trials: dict[int, float] = {}
+        # Per depth d: drafts kept, and kept as the a^d model predicted (decayed).
+        self._depth_kept = np.zeros(max_draft_tokens)
+        self._depth_predicted = np.zeros(max_draft_tokens)
         self._decided: dict[tuple, tuple[list[int], list[str | None], int]] = {}
         """Decisions by their rounded inputs (`_inputs_key`)."""
 
@@ -135,38 +157,39 @@ class AdaptiveDraftLength:
         est = (req.spec.accepted + w * self.global_acceptance) / (req.spec.trials + w)
         return float(min(max(est, 0.0), 0.99))
 
+    def depth_factors(self) -> np.ndarray:
+        """Per depth: drafts kept over what a^d predicted, 1 as a prior of `prior_weight`."""
+        w = self.prior_weight
+        return (self._depth_kept + w) / (self._depth_predicted + w)
+
+    def gains(self, a: np.ndarray) -> np.ndarray:
+        """[requests, K_max]: the chance that each request's d-th draft is kept, a^d times
+        the measured depth factor, never rising with depth."""
+        raw = a[:, None] ** np.arange(1, self.max_draft_tokens + 1)[None, :]
+        return np.minimum.accumulate(np.minimum(raw * self.depth_factors(), 0.99), axis=1)
+
     def observe(
         self, request: Request, num_drafted: int, num_accepted: int, branches: int = 1
     ) -> None:
         decay = 0.995
+        if branches == 1:
+            # The request's estimate before this step (its counts already hold it).
+            w, trials = self.prior_weight, num_accepted + (num_accepted < num_drafted)
+            a = (request.spec.accepted - num_accepted + w * self.global_acceptance) / (
+                request.spec.trials - trials + w
+            )
+            a = min(max(a, 0.0), 0.99)
+            n = min(num_drafted, self.max_draft_tokens)
+            self._depth_kept *= decay
+            self._depth_predicted *= decay
+            self._depth_kept[: min(num_accepted, n)] += 1
+            self._depth_predicted[:n] += a ** np.arange(1, n + 1)
         if branches > 1:  # the root is a trial of the tree; the path below it, of a chain
-            hit = num_accepted > 0
-            self._root_hits[branches] = decay * self._root_hits.get(branches, 0.0) + hit
-            self._root_trials[branches] = decay * self._root_trials.get(branches, 0.0) + 1
-            if not hit:
+            if not self._observe_root(branches, num_accepted > 0, decay) or num_drafted == 1:
                 return
             num_drafted, num_accepted = num_drafted - 1, num_accepted - 1
-            if num_drafted == 0:
-                return
         self._accepted = decay * self._accepted + num_accepted
         self._trials = decay * self._trials + num_accepted + (num_accepted < num_drafted)
-
-    def root_acceptance(self, a: np.ndarray, n: int) -> np.ndarray:
-        """The chance that one of n root candidates is kept, per request of acceptance a:
-        1 - (1 - a)^n as if the candidates were independent draws, scaled by how the tree
-        steps of n branches measured so far compare with that (candidates of one draft are
-        not independent: they tend to miss together), the formula weighing as a prior."""
-        return np.clip((1 - (1 - a) ** n) * self._root_factor(n), 0.0, 0.99)
-
-    def _root_factor(self, n: int) -> float:
-        """Measured root acceptance of n-branch trees over the independence formula's, the
-        formula weighing as a prior (`root_acceptance`)."""
-        independent = 1 - (1 - self.global_acceptance) ** n
-        w = self.prior_weight
-        measured = (self._root_hits.get(n, 0.0) + w * independent) / (
-            self._root_trials.get(n, 0.0) + w
-        )
-        return measured / max(independent, 1e-9)
 
     def choose(self, requests: list[Request], num_other_tokens: int = 0) -> DraftLengths:
         batch, k_max = len(requests), self.max_draft_tokens
@@ -174,10 +197,11 @@ class AdaptiveDraftLength:
             return DraftLengths([0] * batch, [None] * batch)
         a = np.array([self.acceptance(r) for r in requests])
         context = np.array([r.num_tokens for r in requests], dtype=np.float64)
-        key = self._inputs_key(a, context, num_other_tokens)
+        catch_up = np.array([_catch_up(r) for r in requests])
+        key = self._inputs_key(a, context, num_other_tokens) + (tuple(np.round(catch_up)),)
         decided = self._decided.get(key)
         if decided is None:
-            decided = self._decide(a, context, num_other_tokens)
+            decided = self._decide(a, context, num_other_tokens, catch_up)
             if len(self._decided) >= 4096:
                 self._decided.clear()
             self._decided[key] = decided
@@ -190,11 +214,13 @@ class AdaptiveDraftLength:
             if self._steps_without_drafts >= self._probe_every:
                 self._steps_without_drafts = 0
                 self._probe_every = min(2 * self._probe_every, self.max_probe_interval)
-                ks = [1] * batch
+                behind = [r.num_tokens - r.num_draft_computed_tokens for r in requests]
+                ks = [0] * batch
+                ks[behind.index(min(behind))] = 1
         return DraftLengths(list(ks), list(reasons), branches)
 
     def _inputs_key(self, a: np.ndarray, context: np.ndarray, num_other: int) -> tuple:
-        """What a decision depends on, rounded (acceptance and tree roots' factors to 1/32,
+        """What a decision depends on, rounded (acceptance, depth and tree roots' factors to 1/32,
         online cost factors to 4%, contexts and other tokens to 32): a step whose inputs round
         alike reuses the decision; inputs that close predict rates within a few percent."""
         cost = self.cost
@@ -207,6 +233,7 @@ class AdaptiveDraftLength:
         return (
             num_other // 32,
             tuple((a * 32).astype(np.int64).tolist()),
+            tuple(np.round(32 * self.depth_factors()).astype(np.int64).tolist()),
             tuple((context // 32).astype(np.int64).tolist()),
             tuple(widths),
             tuple(round(25 * s.value) for s in scales),
@@ -214,21 +241,23 @@ class AdaptiveDraftLength:
         )
 
     def _decide(
-        self, a: np.ndarray, context: np.ndarray, num_other_tokens: int
+        self, a: np.ndarray, context: np.ndarray, num_other_tokens: int, catch_up: np.ndarray
     ) -> tuple[list[int], list[str | None], int]:
-        """(K per request, why each is below K_max, tree branches): the batch's best rate."""
+        """(K per request, why each is below K_max, tree branches): the batch's best rate.
+        `catch_up`: per request, the draft tokens a step pays for its lag (`_catch_up`)."""
         batch, k_max = len(a), self.max_draft_tokens
+        gains = self.gains(a)  # [batch, k_max]: the d-th draft's expected tokens
         if batch == 1 and self.max_branches == 1:  # one request: plain numbers, no arrays
-            best, a1, c1 = self.cost.best_chain_length, float(a[0]), float(context[0])
-            k = best(a1, c1, num_other_tokens + 1, k_max)
-            solo = best(a1, c1, 1, k_max) if num_other_tokens else k  # as _best_alone
+            best, g1, c1 = self.cost.best_chain_length, gains[0].tolist(), float(context[0])
+            lag = float(catch_up[0])
+            k = best(g1, c1, num_other_tokens + 1, k_max, lag)
+            solo = best(g1, c1, 1, k_max, lag) if num_other_tokens else k  # as _best_alone
             return [k], [None if k >= k_max else REASON_BATCH if k < solo else REASON_ACCEPTANCE], 1
-        gains = a[:, None] ** np.arange(1, k_max + 1)[None, :]  # [batch, k_max]: d-th draft's
-        ks, rate = self._best_prefix(gains, context, num_other_tokens)
-        uniform_ks, uniform_rate = self._best_uniform(gains, context, num_other_tokens)
+        ks, rate = self._best_prefix(gains, context, num_other_tokens, catch_up)
+        uniform_ks, uniform_rate = self._best_uniform(gains, context, num_other_tokens, catch_up)
         if rate < (1 + self.uniform_margin) * uniform_rate:
             ks = uniform_ks
-        solo = self._best_alone(gains, context)
+        solo = self._best_alone(gains, context, catch_up)
         reasons: list[str | None] = []
         for k, k_solo in zip(ks, solo, strict=True):
             if k >= k_max:
@@ -237,99 +266,19 @@ class AdaptiveDraftLength:
                 reasons.append(REASON_BATCH if k < k_solo else REASON_ACCEPTANCE)
         branches = 1
         if self.max_branches > 1:
-            n, k_tree, tree_rate = self._best_tree(a, context, num_other_tokens)
+            n, k_tree, tree_rate = self._best_tree(a, context, num_other_tokens, catch_up)
             if n > 1 and tree_rate > (1 + self.uniform_margin) * max(rate, uniform_rate):
                 ks, branches = np.full(batch, k_tree, dtype=np.int64), n
                 reasons = [None] * batch
         return [int(k) for k in ks], reasons, branches
 
-    def _seconds(
-        self,
-        base_tokens: float,
-        drafts: np.ndarray,
-        passes: np.ndarray,
-        decode_pairs: float,
-        draft_pairs: np.ndarray,
-        branches: int = 1,
-    ) -> np.ndarray:
-        """Predicted step time: the target pass holds base_tokens (prefill tokens and every
-        request's last token, each of the latter a query over its context: decode_pairs) plus
-        the drafts, each of which is one more query over its request's context."""
-        return self.cost.target_time(
-            base_tokens + drafts, decode_pairs, decode_pairs + draft_pairs, branches
-        ) + self.cost.draft_time(passes, drafts, draft_pairs, branches)
 
-    def _best_uniform(
-        self, gains: np.ndarray, context: np.ndarray, num_other: int
-    ) -> tuple[np.ndarray, float]:
-        """The best single K for every request, and its expected tokens per second."""
-        rows, k_max = gains.shape
-        k = np.arange(0, k_max + 1)
-        tokens = rows + np.concatenate([[0.0], np.cumsum(gains.sum(axis=0))])
-        total_context = float(context.sum())
-        seconds = self._seconds(num_other + rows, rows * k, k, total_context, k * total_context)
-        rates = tokens / seconds
-        best = int(np.argmax(rates))
-        return np.full(rows, best, dtype=np.int64), float(rates[best])
-
-    def _best_prefix(
-        self, gains: np.ndarray, context: np.ndarray, num_other: int
-    ) -> tuple[np.ndarray, float]:
-        """K per request from the best prefix of increments ranked by gain, and its expected
-        tokens per second. Each draft adds a token to the target pass, a query over its
-        request's context to both models, and possibly a draft pass (the deepest draft sets
-        how many); the plain-decode part (every request's last token) is paid regardless."""
-        rows, k_max = gains.shape
-        order = np.argsort(-gains, axis=None, kind="stable")
-        owner = order // k_max
-        depth = order % k_max + 1
-        m = np.arange(0, order.size + 1)  # prefix length = total draft tokens
-        tokens = rows + np.concatenate([[0.0], np.cumsum(gains.reshape(-1)[order])])
-        passes = np.concatenate([[0], np.maximum.accumulate(depth)])
-        draft_pairs = np.concatenate([[0.0], np.cumsum(context[owner])])
-        seconds = self._seconds(num_other + rows, m, passes, float(context.sum()), draft_pairs)
-        rates = tokens / seconds
-        best = int(np.argmax(rates))
-        ks = np.zeros(rows, dtype=np.int64)
-        np.add.at(ks, owner[:best], 1)
-        return ks, float(rates[best])
-
-    def _best_tree(
-        self, a: np.ndarray, context: np.ndarray, num_other: int
-    ) -> tuple[int, int, float]:
-        """The best draft tree for every request (N candidates for the next token, each
-        continued to depth K), and its expected tokens per second. N candidates find the
-        target's token with `root_acceptance` (1 - (1 - a)^N as if independent, corrected by
-        the tree steps measured), the positions after it with a each; the pass pays N x K
-        draft tokens and K draft passes of N rows."""
-        rows, k_max = len(a), self.max_draft_tokens
-        total_context = float(context.sum())
-        best = (1, 0, 0.0)
-        for n in range(2, self.max_branches + 1):
-            first = self.root_acceptance(a, n)  # [rows]
-            depth = np.arange(1, k_max + 1)
-            gains = first[:, None] * a[:, None] ** (depth[None, :] - 1)  # [rows, k_max]
-            k = np.arange(1, k_max + 1)
-            tokens = rows + np.cumsum(gains.sum(axis=0))
-            seconds = self._seconds(
-                num_other + rows, rows * k * n, k, total_context, k * n * total_context, n
-            )
-            rates = tokens / seconds
-            i = int(np.argmax(rates))
-            if rates[i] > best[2]:
-                best = (n, int(k[i]), float(rates[i]))
-        return best
-
-    def _best_alone(self, gains: np.ndarray, context: np.ndarray) -> np.ndarray:
-        """K per request if it were the only one decoding (vectorised over requests)."""
-        rows, k_max = gains.shape
-        drafts = np.arange(0, k_max + 1)[None, :]  # K = 0..k_max for each request
-        tokens = 1 + np.concatenate([np.zeros((rows, 1)), np.cumsum(gains, 1)], axis=1)
-        ctx = context[:, None]
-        seconds = self.cost.target_time(1 + drafts, ctx, (1 + drafts) * ctx) + self.cost.draft_time(
-            drafts, drafts, drafts * ctx
-        )
-        return np.argmax(tokens / seconds, axis=1)
+def _catch_up(req: Request) -> float:
+    """Draft tokens a step of `req` is charged for the draft's lag (CATCH_UP_STEPS)."""
+    behind = req.num_tokens - req.num_draft_computed_tokens - 1  # its last token is fed anyway
+    if behind <= 0:
+        return 0.0
+    return behind / min(max(req.params.max_tokens - req.num_output_tokens, 1), CATCH_UP_STEPS)
 
 
 class NoSpeculation(FixedDraftLength):

@@ -1,0 +1,95 @@
+"""The chain half of the adaptive draft-length policy (engine/spec/draft_length.py): the
+vectorised searches for the batch's best draft lengths, on the cost model's predicted step
+time. (engine/spec/tree_choice.py is the tree half.)"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.spec.cost_model import CostModel
+
+
+class ChainChoice:
+    """Mixed into AdaptiveDraftLength, whose cost model (`cost`) it reads. Every search takes
+    `gains` [requests, K_max] (the chance that a request's d-th draft is kept), the requests'
+    contexts, the tokens of other requests in the pass, and `catch_up`: per request, the
+    draft tokens a step that drafts pays for the draft's lag."""
+
+    cost: CostModel
+
+    def _seconds(
+        self,
+        base_tokens: float,
+        drafts: np.ndarray,
+        passes: np.ndarray,
+        decode_pairs: float,
+        draft_pairs: np.ndarray,
+        branches: int = 1,
+        fed: np.ndarray | float = 0.0,
+        fed_pairs: np.ndarray | float = 0.0,
+    ) -> np.ndarray:
+        """Predicted step time: the target pass holds base_tokens (prefill tokens and every
+        request's last token, each of the latter a query over its context: decode_pairs) plus
+        the drafts, each of which is one more query over its request's context; the draft
+        also feeds `fed` catch-up tokens (`fed_pairs` query x key pairs)."""
+        return self.cost.target_time(
+            base_tokens + drafts, decode_pairs, decode_pairs + draft_pairs, branches
+        ) + self.cost.draft_time(passes, drafts + fed, draft_pairs + fed_pairs, branches)
+
+    def _best_uniform(
+        self, gains: np.ndarray, context: np.ndarray, num_other: int, catch_up: np.ndarray
+    ) -> tuple[np.ndarray, float]:
+        """The best single K for every request, and its expected tokens per second."""
+        rows, k_max = gains.shape
+        k = np.arange(0, k_max + 1)
+        tokens = rows + np.concatenate([[0.0], np.cumsum(gains.sum(axis=0))])
+        total_context = float(context.sum())
+        drafting = k > 0
+        seconds = self._seconds(
+            num_other + rows, rows * k, k, total_context, k * total_context, 1,
+            drafting * catch_up.sum(), drafting * float(catch_up @ context),
+        )  # fmt: skip
+        rates = tokens / seconds
+        best = int(np.argmax(rates))
+        return np.full(rows, best, dtype=np.int64), float(rates[best])
+
+    def _best_prefix(
+        self, gains: np.ndarray, context: np.ndarray, num_other: int, catch_up: np.ndarray
+    ) -> tuple[np.ndarray, float]:
+        """K per request from the best prefix of increments ranked by gain, and its expected
+        tokens per second. Each draft adds a token to the target pass, a query over its
+        request's context to both models, and possibly a draft pass (the deepest draft sets
+        how many); the plain-decode part (every request's last token) is paid regardless."""
+        rows, k_max = gains.shape
+        order = np.argsort(-gains, axis=None, kind="stable")
+        owner = order // k_max
+        depth = order % k_max + 1
+        m = np.arange(0, order.size + 1)  # prefix length = total draft tokens
+        tokens = rows + np.concatenate([[0.0], np.cumsum(gains.reshape(-1)[order])])
+        passes = np.concatenate([[0], np.maximum.accumulate(depth)])
+        draft_pairs = np.concatenate([[0.0], np.cumsum(context[owner])])
+        lag = np.where(depth == 1, catch_up[owner], 0.0)  # paid with a request's first draft
+        fed = np.concatenate([[0.0], np.cumsum(lag)])
+        fed_pairs = np.concatenate([[0.0], np.cumsum(lag * context[owner])])
+        seconds = self._seconds(
+            num_other + rows, m, passes, float(context.sum()), draft_pairs, 1, fed, fed_pairs
+        )
+        rates = tokens / seconds
+        best = int(np.argmax(rates))
+        ks = np.zeros(rows, dtype=np.int64)
+        np.add.at(ks, owner[:best], 1)
+        return ks, float(rates[best])
+
+    def _best_alone(
+        self, gains: np.ndarray, context: np.ndarray, catch_up: np.ndarray
+    ) -> np.ndarray:
+        """K per request if it were the only one decoding (vectorised over requests)."""
+        rows, k_max = gains.shape
+        drafts = np.arange(0, k_max + 1)[None, :]  # K = 0..k_max for each request
+        tokens = 1 + np.concatenate([np.zeros((rows, 1)), np.cumsum(gains, 1)], axis=1)
+        ctx = context[:, None]
+        fed = drafts + (drafts > 0) * catch_up[:, None]
+        seconds = self.cost.target_time(1 + drafts, ctx, (1 + drafts) * ctx) + self.cost.draft_time(
+            drafts, fed, fed * ctx
+        )
+        return np.argmax(tokens / seconds, axis=1)
