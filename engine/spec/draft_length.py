@@ -108,8 +108,8 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
     request: otherwise a pessimistic cost estimate or acceptance prior could never be corrected,
     since only steps that draft measure the draft's cost and acceptance. A probe is not free
     (the draft first catches up on every token it skipped), so it takes the request with the
-    least to catch up (probing all 16 of a batch cost the default pair 5% of its throughput
-    at concurrency 16), and while probes keep confirming K = 0 the interval doubles, up to
+    least to catch up (a probe of every request in a full batch made the draft catch up on
+    all of them), and while probes keep confirming K = 0 the interval doubles, up to
     `max_probe_interval`; the policy choosing drafts on its own resets it.
 
     A seeded request needs nothing special: its tokens are fixed by (seed, position), not by
@@ -153,8 +153,11 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
     def acceptance(self, req: Request) -> float:
         """Per-token acceptance: the engine-wide rate as a prior, updated by the request's own
         verified drafts (a rejection ends a trial run, so trials = accepted + rejections)."""
+        return self._estimate(req.spec.accepted, req.spec.trials)
+
+    def _estimate(self, accepted: float, trials: float) -> float:
         w = self.prior_weight
-        est = (req.spec.accepted + w * self.global_acceptance) / (req.spec.trials + w)
+        est = (accepted + w * self.global_acceptance) / (trials + w)
         return float(min(max(est, 0.0), 0.99))
 
     def depth_factors(self) -> np.ndarray:
@@ -174,11 +177,8 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
         decay = 0.995
         if branches == 1:
             # The request's estimate before this step (its counts already hold it).
-            w, trials = self.prior_weight, num_accepted + (num_accepted < num_drafted)
-            a = (request.spec.accepted - num_accepted + w * self.global_acceptance) / (
-                request.spec.trials - trials + w
-            )
-            a = min(max(a, 0.0), 0.99)
+            trials = num_accepted + (num_accepted < num_drafted)
+            a = self._estimate(request.spec.accepted - num_accepted, request.spec.trials - trials)
             n = min(num_drafted, self.max_draft_tokens)
             self._depth_kept *= decay
             self._depth_predicted *= decay
