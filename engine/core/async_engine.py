@@ -232,6 +232,11 @@ class AsyncEngine(EngineClient):
                 self._stats = copy.deepcopy(self.engine.stats())
                 self._num_published += num_taken
             self._publish(outputs)
+            if outputs:
+                # The event loop was just woken to stream these: let it run now, between
+                # passes, on this core, rather than preempt a kernel thread mid-pass (its
+                # partner then waits at the next barrier). The GIL is free here too.
+                os.sched_yield()
             if not self.engine.has_work() and self._inbox.empty():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
