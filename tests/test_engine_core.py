@@ -120,7 +120,11 @@ def test_shared_prompt_prefix_shares_blocks(tiny_dirs):
     assert engine.stats().prefix_cache_hit_tokens == 24
     drain(engine, outputs)
     assert [outputs["first"], outputs["second"]] == expected
-    assert engine.stats().prompt_tokens > 0
+    # Prompt tokens computed: both prompts but the 24 the second found cached, none of the
+    # decode steps' tokens.
+    stats = engine.stats()
+    assert stats.prompt_tokens == len(prompts[0]) + len(prompts[1]) - 24
+    assert stats.generation_tokens == 20
 
 
 @pytest.mark.parametrize(

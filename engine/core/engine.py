@@ -216,8 +216,9 @@ class LLMEngine:
         timed = self._graph_captures() == captures
         self._observe_timing(sched, drafts, drafted - start + observed, verified - drafted, timed)
         self.totals.forward_seconds += results.forward_seconds
+        self._count(sched)
         outputs = self.scheduler.update(sched, results.tokens, results.prompt_logprobs)
-        self._count(sched, outputs)
+        self.totals.generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         self.totals.step_seconds += time.perf_counter() - step_start
         return outputs
 
@@ -286,13 +287,14 @@ class LLMEngine:
         shape = PassShape.of(query_lens, context_lens)
         self.cost_model.observe_target(shape, target_seconds, branches)
 
-    def _count(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+    def _count(self, sched: SchedulerOutput) -> None:
+        """The step's inputs, counted before the scheduler's update moves the requests on."""
         t = self.totals
         for item in sched.scheduled:
             req = item.request
             # Prompt tokens computed this step (recomputation after preemption counts again).
-            t.prompt_tokens += max(0, min(item.num_new_tokens, req.num_prompt_tokens))
-        t.generation_tokens += sum(len(o.new_token_ids) for o in outputs)
+            prompt_left = req.num_prompt_tokens - req.num_computed_tokens
+            t.prompt_tokens += max(0, min(item.num_new_tokens, prompt_left))
         drafted = sum(item.num_draft_tokens for item in sched.scheduled)
         t.mean_draft_length = drafted / max(sched.num_decodes, 1)
         t.decode_request_steps += sched.num_decodes
