@@ -23,7 +23,9 @@ model, and how often its argmax is the same token (transformers' forward, float3
 4) warm-up requests on other instructions (on CUDA they capture the graphs the run needs; the
 counters below leave them out), and prints tok/s
 (prefills included), the draft tokens accepted at each position, tokens per verifying pass and
-the draft's share of engine time. Models as served by
+the draft's share of engine time; at concurrency 1 also the decode steps by K (how many, their
+mean wall time, tokens per step, time per token: what speculation costs and makes on this
+machine). Models as served by
 default: the SmolLM2 GGUF on its own blocks, `models/draft`.
 """
 
@@ -142,7 +144,10 @@ def speed(
 
     _closed_loop(eng, list(enumerate(prompts[requests:], start=requests)), concurrency, params)
     before = copy.deepcopy(eng.stats())
-    tokens, seconds = _closed_loop(eng, list(enumerate(prompts[:requests])), concurrency, params)
+    steps: dict[int, list[tuple[float, int]]] = {}
+    tokens, seconds = _closed_loop(
+        eng, list(enumerate(prompts[:requests])), concurrency, params, steps
+    )
     s = _since(eng.stats(), before)
     accepted = " / ".join(
         f"{a} of {d}"
@@ -159,6 +164,8 @@ def speed(
         f"draft {100 * share:.0f}% of engine time, {s.spec_tree_steps} tree steps",
         flush=True,
     )
+    if concurrency == 1:  # one request: a step's mean K is its K
+        print(f"{'':>15}  decode steps by K: {_by_k(steps)}", flush=True)
     del eng  # the next config's engine sizes its KV pool from the memory left
     gc.collect()
     if torch.cuda.is_available():
@@ -170,20 +177,40 @@ def _closed_loop(
     prompts: list[tuple[int, list[int]]],
     concurrency: int,
     params: Callable[[int], SamplingParams],
+    steps: dict[int, list[tuple[float, int]]] | None = None,
 ) -> tuple[int, float]:
-    """Run `prompts` (index, tokens) with `concurrency` in flight; output tokens, seconds."""
+    """Run `prompts` (index, tokens) with `concurrency` in flight; output tokens, seconds.
+    With `steps`, every step that computed no prompt token is added to it as (seconds, tokens
+    out) under its mean K, rounded."""
     queue = iter(prompts)
     for i, prompt in itertools.islice(queue, concurrency):
         eng.add_request(str(i), prompt, params(i))
     tokens, start = 0, time.perf_counter()
     while eng.has_work():
-        for out in eng.step():
+        prompt_tokens, step_start = eng.totals.prompt_tokens, time.perf_counter()
+        outputs = eng.step()
+        if steps is not None and eng.totals.prompt_tokens == prompt_tokens:
+            step = (time.perf_counter() - step_start, sum(len(o.new_token_ids) for o in outputs))
+            steps.setdefault(round(eng.totals.mean_draft_length), []).append(step)
+        for out in outputs:
             tokens += len(out.new_token_ids)
             if out.finished:
                 nxt = next(queue, None)
                 if nxt is not None:
                     eng.add_request(str(nxt[0]), nxt[1], params(nxt[0]))
     return tokens, time.perf_counter() - start
+
+
+def _by_k(steps: dict[int, list[tuple[float, int]]]) -> str:
+    """Per K: how many steps, their mean time, tokens out per step and time per token."""
+    parts = []
+    for k, rows in sorted(steps.items()):
+        secs, toks = sum(t for t, _ in rows), sum(n for _, n in rows)
+        parts.append(
+            f"K={k}: {len(rows)} x {1e3 * secs / len(rows):.2f} ms, "
+            f"{toks / len(rows):.2f} tokens, {1e3 * secs / max(toks, 1):.2f} ms/token"
+        )
+    return "; ".join(parts) or "-"
 
 
 def _since(after: EngineStats, before: EngineStats) -> EngineStats:
