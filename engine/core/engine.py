@@ -290,11 +290,9 @@ class LLMEngine:
     def _count(self, sched: SchedulerOutput) -> None:
         """The step's inputs, counted before the scheduler's update moves the requests on."""
         t = self.totals
-        for item in sched.scheduled:
-            req = item.request
-            # Prompt tokens computed this step (recomputation after preemption counts again).
-            prompt_left = req.num_prompt_tokens - req.num_computed_tokens
-            t.prompt_tokens += max(0, min(item.num_new_tokens, prompt_left))
+        for item in sched.scheduled:  # prompt tokens (recomputed ones after preemption count)
+            left = item.request.num_prompt_tokens - item.request.num_computed_tokens
+            t.prompt_tokens += max(0, min(item.num_new_tokens, left))
         drafted = sum(item.num_draft_tokens for item in sched.scheduled)
         t.mean_draft_length = drafted / max(sched.num_decodes, 1)
         t.decode_request_steps += sched.num_decodes
