@@ -442,6 +442,31 @@ def test_observing_a_step_predicts_what_target_time_predicts():
         assert fresh.draft_scale.value == pytest.approx(0.5, rel=1e-12)
 
 
+def test_small_passes_learn_what_one_more_token_costs():
+    """At concurrency 1 a pass holds 1 + K tokens. A start-up table that made a second token
+    look almost free (4.0 against 4.3 ms) keeps buying K = 1 under one shared scale; once
+    real 1- and 2-token passes are seen (4.4 and 6.0 ms, verification included), each count
+    has its own scale and half-kept drafts stop paying."""
+    seconds = [0.0040, 0.0043] + [0.0043 + 0.0005 * n for n in SIZES[2:]]
+
+    def decide(cost: CostModel) -> list[int]:
+        return AdaptiveDraftLength(1, cost).choose(_requests(1, accepted=50, trials=100)).ks
+
+    cost = CostModel(SIZES, seconds, draft_fixed=0.0009, draft_per_token=0.0)
+    assert decide(cost) == [1]
+    for _ in range(10):
+        cost.observe_target(PassShape(1), 0.0044)
+        cost.observe_target(PassShape(2), 0.0060)
+    assert cost.target_time(1) == pytest.approx(0.0044)
+    assert cost.target_time(2) == pytest.approx(0.0060)
+    assert decide(cost) == [0]
+    # Bigger passes keep the shared scale: the mean of what every pass measured.
+    shared = cost.target_scale.value
+    assert cost.target_time(64) == pytest.approx(shared * float(CostModel(SIZES, seconds, 0, 0)
+                                                                 .target_time(64)))  # fmt: skip
+    assert 4.4 / 4.0 < shared < 6.0 / 4.3
+
+
 def test_depths_kept_less_often_than_predicted_are_drafted_less():
     """The d-th draft's gain is a^d times what verification measured against a^d: a draft
     whose first token is always kept and whose second never is, stops at K = 1, while the
@@ -469,6 +494,9 @@ def test_one_requests_draft_length_is_what_the_vectorised_search_gives():
         cost = CostModel(SIZES, seconds, 0.0005, 0.00003, kv_coef=2e-7, qk_coef=3e-9,
                          draft_per_pair=1e-9)  # fmt: skip
         cost.target_scale.value, cost.draft_scale.value = rng.uniform(0.5, 2.0, size=2)
+        for n in rng.choice(np.arange(1, 9), size=int(rng.integers(0, 5)), replace=False):
+            small = cost.small_scales[n]  # passes of n tokens measured apart
+            small.value, small.count = rng.uniform(0.5, 2.0), 8
         policy = AdaptiveDraftLength(4, cost)
         a = np.array([rng.uniform(0.0, 0.99)])
         context = np.array([float(rng.integers(1, 3000))])

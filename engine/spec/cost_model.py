@@ -15,7 +15,8 @@ The start-up fit (engine/spec/calibration.py) is cached per machine, models and 
 later starts skip it; `--recalibrate on` forces a fresh one. Every real step then rescales its
 prediction by the measured/predicted ratio (a running mean at first, an EMA after that,
 one step's ratio clipped to [0.5, 2] so a pause on a shared machine moves the model a little,
-not a lot). Steps with draft trees of N branches learn one more factor each for target and
+not a lot); target passes of up to `SMALL_PASS` tokens also learn a factor per token count.
+Steps with draft trees of N branches learn one more factor each for target and
 draft: what they cost beyond that prediction (walking a tree's nodes on the host, a draft
 pass of N rows per level), so `--draft-branches auto` stops choosing trees on a machine
 where they do not pay.
@@ -33,6 +34,13 @@ import numpy as np
 
 CAPACITY_SLACK = 1.25
 _EMA = 0.05
+SMALL_PASS = 8
+"""Target passes of up to this many tokens (every step at concurrency 1: the last token and
+its drafts) learn an online scale per token count, not only the shared one: the start-up table
+times each count once in a quiet moment, and at these sizes what a verified token adds (a
+multiply-add per weight on the CPU, sampling, the draft's weights evicted between passes) is a
+tenth of a pass that one shared factor cannot correct."""
+_SMALL_MIN_OBSERVED = 8
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,9 @@ class CostModel:
         self.draft_per_token = draft_per_token
         self.draft_per_pair = draft_per_pair
         self.target_scale = _Scale()
+        self.small_scales = [_Scale() for _ in range(SMALL_PASS + 1)]
+        """Index n: the scale of target passes of n tokens, used once observed
+        `_SMALL_MIN_OBSERVED` times (before that, `target_scale`)."""
         self.draft_scale = _Scale()
         self.tree_scales: dict[int, tuple[_Scale, _Scale]] = {}
         """Per tree width N > 1: (target, draft) cost beyond the two scales above."""
@@ -106,8 +117,23 @@ class CostModel:
         qk_pairs: np.ndarray | float = 0.0,
         branches: int = 1,
     ) -> np.ndarray:
-        scale = self.target_scale.value * self._tree_scale(branches, 0)
+        scale = self._target_scales(num_tokens) * self._tree_scale(branches, 0)
         return scale * self._target_calibrated(num_tokens, kv_tokens, qk_pairs)
+
+    def _target_scales(self, num_tokens: np.ndarray | float) -> np.ndarray:
+        """The online scale of target passes of `num_tokens` (elementwise)."""
+        n = np.asarray(num_tokens)
+        by_count = np.array([self.target_scale_at(i) for i in range(SMALL_PASS + 1)])
+        small = by_count[np.clip(n, 0, SMALL_PASS).astype(np.int64)]
+        return np.where(n <= SMALL_PASS, small, self.target_scale.value)
+
+    def target_scale_at(self, num_tokens: int) -> float:
+        """The online scale of target passes of `num_tokens` tokens."""
+        if num_tokens <= SMALL_PASS:
+            small = self.small_scales[max(int(num_tokens), 0)]
+            if small.count >= _SMALL_MIN_OBSERVED:
+                return small.value
+        return self.target_scale.value
 
     def draft_time(
         self,
@@ -187,9 +213,8 @@ class CostModel:
             target = self._target_at(base_tokens + k, context, context * (1 + k))
             fed = k + catch_up if k else 0.0
             draft = self._draft_at(k, fed, fed * context)
-            rates.append(
-                tokens / (self.target_scale.value * target + self.draft_scale.value * draft)
-            )
+            target_scale = self.target_scale_at(base_tokens + k)
+            rates.append(tokens / (target_scale * target + self.draft_scale.value * draft))
         return rates.index(max(rates))
 
     # observe_* and best_chain_length take plain numbers: Python arithmetic, not numpy's
@@ -206,13 +231,23 @@ class CostModel:
 
     def observe_target(self, shape: PassShape, seconds: float, branches: int = 1) -> None:
         calibrated = self._target_at(shape.num_tokens, shape.kv_tokens, shape.qk_pairs)
-        self._observe(0, self.target_scale, seconds, calibrated, branches)
+        if branches > 1:  # a tree's cost beyond what a chain's pass of as many tokens costs
+            tree = self.tree_scales.setdefault(branches, (_Scale(), _Scale()))
+            tree[0].observe(seconds, self.target_scale_at(shape.num_tokens) * calibrated)
+            return
+        self.target_scale.observe(seconds, calibrated)
+        if shape.num_tokens <= SMALL_PASS:
+            self.small_scales[shape.num_tokens].observe(seconds, calibrated)
 
     def observe_draft(
         self, num_passes: int, num_drafts: int, qk_pairs: int, seconds: float, branches: int = 1
     ) -> None:
         calibrated = self._draft_at(num_passes, num_drafts, qk_pairs)
-        self._observe(1, self.draft_scale, seconds, calibrated, branches)
+        if branches > 1:  # a tree's cost beyond the chains' scale
+            tree = self.tree_scales.setdefault(branches, (_Scale(), _Scale()))
+            tree[1].observe(seconds, self.draft_scale.value * calibrated)
+            return
+        self.draft_scale.observe(seconds, calibrated)
 
     def _table_at(self, num_tokens: int) -> float:
         """`_table` at one token count."""
@@ -227,15 +262,6 @@ class CostModel:
             return table[-1] + slope * (num_tokens - sizes[-1])
         slope = (table[i + 1] - table[i]) / (sizes[i + 1] - sizes[i])
         return table[i] + slope * (num_tokens - sizes[i])
-
-    def _observe(
-        self, which: int, scale: _Scale, seconds: float, calibrated: float, branches: int
-    ) -> None:
-        if branches <= 1:
-            scale.observe(seconds, calibrated)
-        else:  # a tree's cost beyond the chains' scale
-            tree = self.tree_scales.setdefault(branches, (_Scale(), _Scale()))
-            tree[which].observe(seconds, scale.value * calibrated)
 
     def to_dict(self) -> dict:
         """The start-up fit (not the online scale), as JSON-able numbers."""
