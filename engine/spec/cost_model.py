@@ -36,10 +36,10 @@ CAPACITY_SLACK = 1.25
 _EMA = 0.05
 SMALL_PASS = 8
 """Target passes of up to this many tokens (every step at concurrency 1: the last token and
-its drafts) learn an online scale per token count, not only the shared one: the start-up table
-times each count once in a quiet moment, and at these sizes what a verified token adds (a
-multiply-add per weight on the CPU, sampling, the draft's weights evicted between passes) is a
-tenth of a pass that one shared factor cannot correct."""
+its drafts) learn an online scale per token count, not only the shared one. The start-up table
+times each count once, in a quiet moment; at these sizes the policy decides on what one more
+verified token adds (on the CPU a multiply-add per weight, plus its sampling), and one shared
+factor corrects the table's level, not that difference."""
 _SMALL_MIN_OBSERVED = 8
 
 
