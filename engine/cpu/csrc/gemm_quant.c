@@ -345,11 +345,7 @@ static void quant_linear(const int type, const float *x, const uint8_t *panels,
   const int64_t num_panels = (N + QPANEL - 1) / QPANEL;
   const int64_t panel_bytes = (K / QBLOCK) * block_bytes(type);
   const float *xsum = type == Q4_1 ? block_sums(x, M, K) : 0;
-#if QROWS == 8 /* AVX-512 */
-  const int group = M <= 4 ? QGROUP : 2; /* panels per work item */
-#else /* AVX2 */
-  const int group = M == 1 ? 2 : 1;
-#endif
+  const int group = tile_panels(M < QROWS ? (int)M : QROWS); /* panels per work item */
   const int64_t num_groups = (num_panels + group - 1) / group;
   void (*const run)(GROUP_ARGS) = type == Q4_1 ? group_q4_1 : group_q8_0;
   /* Panels handed out a few at a time (a group, or 4 single panels): a worker the OS
