@@ -175,6 +175,15 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
             self._depth_cache = factors, tuple(round(32 * f) for f in factors)
         return self._depth_cache
 
+    def _gains_one(self, a: float) -> list[float]:
+        """`gains()` for one request, in plain Python (numpy's per-call cost is most of it
+        at concurrency 1, where the policy decides every few steps)."""
+        gains, gain = [], 0.99
+        for d, factor in enumerate(self._depth_factors()[0], start=1):
+            gain = min(a**d * factor, 0.99, gain)
+            gains.append(gain)
+        return gains
+
     def gains(self, a: np.ndarray) -> np.ndarray:
         """[requests, K_max]: the chance that each request's d-th draft is kept, a^d times
         the measured depth factor, never rising with depth."""
@@ -269,10 +278,7 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
         `catch_up`: per request, the draft tokens a step pays for its lag (`_catch_up`)."""
         batch, k_max = len(a), self.max_draft_tokens
         if batch == 1 and self.max_branches == 1:  # one request: plain numbers, no arrays
-            g1, gain, a1 = [], 0.99, float(a[0])  # gains() for one request
-            for d, factor in enumerate(self._depth_factors()[0], start=1):
-                gain = min(a1**d * factor, 0.99, gain)
-                g1.append(gain)
+            g1 = self._gains_one(float(a[0]))
             best, c1, lag = self.cost.best_chain_length, float(context[0]), float(catch_up[0])
             k = best(g1, c1, num_other_tokens + 1, k_max, lag)
             solo = best(g1, c1, 1, k_max, lag) if num_other_tokens else k  # as _best_alone
