@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,7 @@ from engine.spec.calibration import (
 )
 from engine.spec.cost_model import CostModel, PassShape
 from engine.spec.draft_length import (
+    PROBE_STEPS,
     REASON_ACCEPTANCE,
     REASON_BATCH,
     AdaptiveDraftLength,
@@ -87,28 +90,41 @@ def test_low_acceptance_switches_speculation_off():
 
 
 def test_probes_back_off_while_they_confirm_k_zero_and_reset_when_drafting_pays():
-    """With speculation off, a probe step (K = 1 for the request with the least for the draft
-    to catch up) comes after 32 steps, then 64, 128, ... up to the cap; once the policy
-    drafts on its own, the interval is 32 again."""
+    """With speculation off, a probe (K = 1 for PROBE_STEPS steps, for the request with the
+    least for the draft to catch up when it starts) comes after 32 plain steps, then 64, 128,
+    ... up to the cap; once the policy drafts on its own, the interval is 32 again."""
     policy = AdaptiveDraftLength(8, memory_then_compute_bound(), max_probe_interval=128)
     hopeless = _requests(4, accepted=2, trials=200, temperature=0)
     for req, computed in zip(hopeless, [1, 2, 0, 1], strict=True):
         req.num_draft_computed_tokens = computed  # request 1 is the least behind
 
-    def probe_gaps(steps: int) -> list[int]:
-        gaps, since = [], 0
+    def probes(steps: int) -> list[tuple[int, int]]:
+        """(plain steps before, steps) of each probe."""
+        runs: list[tuple[int, int]] = []
+        plain = probing = 0
         for _ in range(steps):
-            since += 1
             ks = policy.choose(hopeless).ks
             if any(ks):
                 assert ks == [0, 1, 0, 0]
-                gaps.append(since)
-                since = 0
-        return gaps
+                probing += 1
+                continue
+            if probing:
+                runs.append((plain, probing))
+                plain = probing = 0
+            plain += 1
+        return runs
 
-    assert probe_gaps(32 + 64 + 128 + 128 + 128) == [32, 64, 128, 128, 128]
+    p = PROBE_STEPS
+    assert probes(32 + 64 + 128 + 128 + 128 + 5 * p + 1) == [
+        (31, p), (63, p), (127, p), (127, p), (127, p)
+    ]  # fmt: skip
     assert policy.choose(_requests(1, accepted=99, trials=100, temperature=0)).ks[0] > 0
-    assert probe_gaps(32) == [32]
+    assert probes(32 + p + 1) == [(31, p)]
+    # A probe whose request leaves ends with it.
+    fresh = AdaptiveDraftLength(8, memory_then_compute_bound())
+    assert not any(k for _ in range(31) for k in fresh.choose(hopeless).ks)
+    assert fresh.choose(hopeless).ks == [0, 1, 0, 0]
+    assert fresh.choose(hopeless[2:]).ks == [0, 0]
 
 
 def test_more_acceptance_never_means_fewer_drafts():
@@ -508,3 +524,55 @@ def test_one_requests_draft_length_is_what_the_vectorised_search_gives():
         solo = int(policy._best_alone(gains, context, lag)[0])
         reason = None if want >= 4 else REASON_BATCH if want < solo else REASON_ACCEPTANCE
         assert (ks, reasons, branches) == ([want], [reason], 1), trial
+
+
+def test_a_steps_cost_outside_the_passes_makes_speculation_pay_sooner():
+    """A step pays for more than its passes (sampling, bookkeeping, a server streaming its
+    outputs), once however many tokens it makes. At concurrency 1, half-kept drafts that lose
+    to plain decodes on the passes alone (1.5 tokens in 6.5 ms against 1 in 4 ms) win once
+    steps are measured to cost 2 ms more (1.5 in 8.5 against 1 in 6)."""
+    seconds = [0.0040, 0.0056] + [0.0056 + 0.0005 * n for n in SIZES[2:]]
+    cost = CostModel(SIZES, seconds, draft_fixed=0.0009, draft_per_token=0.0)
+    reqs = _requests(1, accepted=50, trials=100)
+    assert AdaptiveDraftLength(1, cost).choose(reqs).ks == [0]
+    for _ in range(7):
+        cost.observe_step(1, 0.0060, 0.0040)
+    assert cost.step_overhead(1) == 0.0  # too few steps seen yet
+    assert AdaptiveDraftLength(1, cost).choose(reqs).ks == [0]
+    cost.observe_step(1, 0.0060, 0.0040)
+    assert cost.step_overhead(1) == pytest.approx(0.002)
+    assert cost.step_overhead(2) == 0.0  # measured per batch size
+    assert AdaptiveDraftLength(1, cost).choose(reqs).ks == [1]
+    policy = AdaptiveDraftLength(1, cost)  # the vectorised search agrees
+    a, context, lag = np.array([policy.acceptance(reqs[0])]), np.array([3.0]), np.zeros(1)
+    assert policy._best_prefix(policy.gains(a), context, 0, lag)[0].tolist() == [1]
+    cost.observe_step(1, 1.0, 0.0040)  # a pause counts for at most twice the average
+    assert cost.step_overhead(1) == pytest.approx(0.002 + 0.002 / 9)  # the 9th: a mean still
+
+
+def test_the_engine_charges_decode_steps_for_the_time_outside_their_passes(tiny_dirs):
+    """Each decode step that leaves work is charged, when the next step starts, for the
+    interval less its passes: what the caller does between steps (here a 20 ms sleep, in a
+    server the streaming) counts; the idle time after the last step does not."""
+    spec = SpecConfig("draft", str(tiny_dirs["llama_draft"]), max_draft_tokens=2)
+    engine = make_engine(tiny_dirs["llama"], spec=spec)
+    seen: list[tuple[int, float, float]] = []
+    engine.cost_model.observe_step = lambda batch, interval, passes: seen.append(
+        (batch, interval, passes)
+    )
+    prompts = random_prompts([6, 9], vocab=300, seed=33)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"s{i}", p, greedy(8))
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        time.sleep(0.02)
+    time.sleep(0.3)
+    engine.add_request("later", prompts[0], greedy(4))
+    drain(engine)
+    assert 0 < len(seen) < steps + 4
+    assert {batch for batch, _, _ in seen} <= {1, 2}
+    assert all(0 <= passes < interval for _, interval, passes in seen)
+    assert all(interval - passes >= 0.02 for _, interval, passes in seen[: steps - 2])
+    assert all(interval < 0.3 for _, interval, _ in seen)

@@ -60,25 +60,15 @@ class LLMEngine:
                 f"--quantization {quantization} runs on the CPU in float32 "
                 f"(got --device {self.device.type}, --dtype {config.model.dtype})"
             )
+        impl = config.model.model_impl
         self.runner = ModelRunner(
-            config.model.model,
-            self.device,
-            dtype,
-            self.attention_backend,
-            config.model.model_impl,
-            quantization,
+            config.model.model, self.device, dtype, self.attention_backend, impl, quantization
         )
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = model_files.eos_token_ids(config.model.model, self.runner.hf_config)
         self.max_model_len = self._max_model_len()
         self.proposer = build_proposer(
-            config.spec,
-            self.device,
-            dtype,
-            self.runner,
-            self.attention_backend,
-            config.model.model_impl,
-            quantization,
+            config.spec, self.device, dtype, self.runner, self.attention_backend, impl, quantization
         )
 
         block_size = config.cache.block_size
@@ -135,6 +125,8 @@ class LLMEngine:
         self.grammars = Grammars(config.model.model, self.vocab_size, self.eos_token_ids)
         """Structured output's compiled grammars (engine/sample/grammar.py)."""
         self.totals = EngineStats()
+        self._last_decode: tuple[float, int, float] | None = None
+        """The last step, if it decoded only and left work: (start, requests, passes' seconds)."""
         self._seeds = itertools.count(config.model.seed)
         logger.info(
             "engine ready: %s on %s/%s (%s forward, %s attention, decode graphs %s), %d KV "
@@ -193,6 +185,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         step_start = time.perf_counter()
+        last, self._last_decode = self._last_decode, None
+        if last is not None and self.cost_model is not None:  # what it cost beyond its passes
+            self.cost_model.observe_step(last[1], step_start - last[0], last[2])
         sched = self.scheduler.schedule()
         self.totals.steps += 1
         if not sched.scheduled:
@@ -220,6 +215,9 @@ class LLMEngine:
         outputs = self.scheduler.update(sched, results.tokens, results.prompt_logprobs)
         self.totals.generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         self.totals.step_seconds += time.perf_counter() - step_start
+        if timed and sched.num_decodes == len(sched.scheduled) and self.has_work():
+            # Until the next step starts: what the caller does between steps (streaming) too.
+            self._last_decode = (step_start, sched.num_decodes, verified - start + observed)
         return outputs
 
     def stats(self) -> EngineStats:

@@ -19,6 +19,7 @@ class ChainChoice:
 
     def _seconds(
         self,
+        rows: int,
         base_tokens: float,
         drafts: np.ndarray,
         passes: np.ndarray,
@@ -28,13 +29,18 @@ class ChainChoice:
         fed: np.ndarray | float = 0.0,
         fed_pairs: np.ndarray | float = 0.0,
     ) -> np.ndarray:
-        """Predicted step time: the target pass holds base_tokens (prefill tokens and every
-        request's last token, each of the latter a query over its context: decode_pairs) plus
-        the drafts, each of which is one more query over its request's context; the draft
-        also feeds `fed` catch-up tokens (`fed_pairs` query x key pairs)."""
-        return self.cost.target_time(
-            base_tokens + drafts, decode_pairs, decode_pairs + draft_pairs, branches
-        ) + self.cost.draft_time(passes, drafts + fed, draft_pairs + fed_pairs, branches)
+        """Predicted step time of `rows` decoding requests: the target pass holds base_tokens
+        (prefill tokens and every request's last token, each of the latter a query over its
+        context: decode_pairs) plus the drafts, each of which is one more query over its
+        request's context; the draft also feeds `fed` catch-up tokens (`fed_pairs` query x key
+        pairs); and the step's cost outside the passes, the same for every K."""
+        return (
+            self.cost.target_time(
+                base_tokens + drafts, decode_pairs, decode_pairs + draft_pairs, branches
+            )
+            + self.cost.draft_time(passes, drafts + fed, draft_pairs + fed_pairs, branches)
+            + self.cost.step_overhead(rows)
+        )
 
     def _best_uniform(
         self, gains: np.ndarray, context: np.ndarray, num_other: int, catch_up: np.ndarray
@@ -46,7 +52,7 @@ class ChainChoice:
         total_context = float(context.sum())
         drafting = k > 0
         seconds = self._seconds(
-            num_other + rows, rows * k, k, total_context, k * total_context, 1,
+            rows, num_other + rows, rows * k, k, total_context, k * total_context, 1,
             drafting * catch_up.sum(), drafting * float(catch_up @ context),
         )  # fmt: skip
         rates = tokens / seconds
@@ -72,7 +78,7 @@ class ChainChoice:
         fed = np.concatenate([[0.0], np.cumsum(lag)])
         fed_pairs = np.concatenate([[0.0], np.cumsum(lag * context[owner])])
         seconds = self._seconds(
-            num_other + rows, m, passes, float(context.sum()), draft_pairs, 1, fed, fed_pairs
+            rows, num_other + rows, m, passes, float(context.sum()), draft_pairs, 1, fed, fed_pairs
         )
         rates = tokens / seconds
         best = int(np.argmax(rates))
@@ -89,7 +95,9 @@ class ChainChoice:
         tokens = 1 + np.concatenate([np.zeros((rows, 1)), np.cumsum(gains, 1)], axis=1)
         ctx = context[:, None]
         fed = drafts + (drafts > 0) * catch_up[:, None]
-        seconds = self.cost.target_time(1 + drafts, ctx, (1 + drafts) * ctx) + self.cost.draft_time(
-            drafts, fed, fed * ctx
+        seconds = (
+            self.cost.target_time(1 + drafts, ctx, (1 + drafts) * ctx)
+            + self.cost.draft_time(drafts, fed, fed * ctx)
+            + self.cost.step_overhead(1)
         )
         return np.argmax(tokens / seconds, axis=1)

@@ -21,6 +21,12 @@ draft: what they cost beyond that prediction (walking a tree's nodes on the host
 pass of N rows per level), so `--draft-branches auto` stops choosing trees on a machine
 where they do not pay.
 
+A step also costs time outside both models' passes: scheduling, sampling, bookkeeping, and
+whatever its caller does before the next step (a server streams the step's outputs to its
+clients). That part is paid once a step, however many tokens the step makes, so it is part
+of what speculation amortizes: measured per decoding batch size from the interval between the
+starts of consecutive decode steps, less their passes (`observe_step`, `step_overhead`).
+
 The verifier capacity P is the number of tokens a target pass takes for about the cost of a
 single-token pass (within `CAPACITY_SLACK`).
 """
@@ -41,6 +47,7 @@ times each count once, in a quiet moment; at these sizes the policy decides on w
 verified token adds (on the CPU a multiply-add per weight, plus its sampling), and one shared
 factor corrects the table's level, not that difference."""
 _SMALL_MIN_OBSERVED = 8
+_OVERHEAD_MIN_OBSERVED = 8
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,22 @@ class _Scale:
         self.value += rate * (ratio - self.value)
 
 
+class _Seconds:
+    """Seconds averaged as `_Scale` averages ratios: a running mean over the first
+    observations, an EMA after that; one observation counts for at most twice the average
+    (a pause on a shared machine moves it a little, not a lot)."""
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.count = 0
+
+    def observe(self, seconds: float) -> None:
+        if self.count:
+            seconds = min(seconds, 2.0 * self.value)
+        self.count += 1
+        self.value += max(_EMA, 1.0 / self.count) * (seconds - self.value)
+
+
 class CostModel:
     def __init__(
         self,
@@ -109,6 +132,8 @@ class CostModel:
         self.draft_scale = _Scale()
         self.tree_scales: dict[int, tuple[_Scale, _Scale]] = {}
         """Per tree width N > 1: (target, draft) cost beyond the two scales above."""
+        self.overheads: dict[int, _Seconds] = {}
+        """Per decoding batch size: what a step costs outside both models' passes."""
 
     def target_time(
         self,
@@ -146,6 +171,12 @@ class CostModel:
         queries attend `qk_pairs` keys in total (as trees of `branches` when > 1)."""
         scale = self.draft_scale.value * self._tree_scale(branches, 1)
         return scale * self._draft_calibrated(num_passes, num_drafts, qk_pairs)
+
+    def step_overhead(self, batch: int) -> float:
+        """Seconds a decode step of `batch` requests costs outside both models' passes, as
+        measured (`observe_step`); 0 until `_OVERHEAD_MIN_OBSERVED` such steps were."""
+        seen = self.overheads.get(batch)
+        return seen.value if seen is not None and seen.count >= _OVERHEAD_MIN_OBSERVED else 0.0
 
     def _tree_scale(self, branches: int, which: int) -> float:
         scales = self.tree_scales.get(branches)
@@ -199,12 +230,14 @@ class CostModel:
         base_tokens: int,
         max_drafts: int,
         catch_up: float = 0.0,
+        overhead: float = 0.0,
     ) -> int:
         """For one request drafting a chain (`gains[d - 1]`: the chance that its d-th draft
         is kept, `context` tokens cached) in a pass that holds `base_tokens` other tokens (its
         own last one included): the K in 0..max_drafts with the most expected tokens per
         second, the first if several tie; drafting also feeds the draft `catch_up` tokens
-        (its lag, engine/spec/draft_length.py). What the draft-length policy's vectorised search
+        (its lag, engine/spec/draft_length.py); every K pays the step's `overhead` seconds
+        outside the passes. What the draft-length policy's vectorised search
         gives for a batch of one, in plain Python (at c=1 the policy decides every few
         steps)."""
         tokens, rates = 1.0, []
@@ -214,7 +247,8 @@ class CostModel:
             fed = k + catch_up if k else 0.0
             draft = self._draft_at(k, fed, fed * context)
             target_scale = self.target_scale_at(base_tokens + k)
-            rates.append(tokens / (target_scale * target + self.draft_scale.value * draft))
+            seconds = target_scale * target + self.draft_scale.value * draft + overhead
+            rates.append(tokens / seconds)
         return rates.index(max(rates))
 
     # observe_* and best_chain_length take plain numbers: Python arithmetic, not numpy's
@@ -238,6 +272,11 @@ class CostModel:
         self.target_scale.observe(seconds, calibrated)
         if shape.num_tokens <= SMALL_PASS:
             self.small_scales[shape.num_tokens].observe(seconds, calibrated)
+
+    def observe_step(self, batch: int, interval: float, passes: float) -> None:
+        """A decode step of `batch` requests: `interval` seconds from its start to the next
+        step's start, `passes` of them in the target's and the draft's passes."""
+        self.overheads.setdefault(batch, _Seconds()).observe(max(interval - passes, 0.0))
 
     def observe_draft(
         self, num_passes: int, num_drafts: int, qk_pairs: int, seconds: float, branches: int = 1

@@ -26,6 +26,10 @@ REASON_BUDGET = "token_budget"
 REASON_LENGTH = "max_tokens"
 REASON_MEMORY = "kv_memory"
 
+PROBE_STEPS = 8
+"""Consecutive steps a probe drafts (K = 1) for its request: its first step pays the draft's
+catch-up, so one step alone does not measure what drafting costs in steady state."""
+
 CATCH_UP_STEPS = 32
 """A request whose draft lags (plain decodes skip it) pays the draft's catch-up when it next
 drafts: the policy charges each step 1/CATCH_UP_STEPS of it (or 1/steps left, if fewer)."""
@@ -69,9 +73,7 @@ class FixedDraftLength:
         n = len(requests)
         return DraftLengths([self.max_draft_tokens] * n, [None] * n, self.branches)
 
-    def observe(
-        self, request: Request, num_drafted: int, num_accepted: int, branches: int = 1
-    ) -> None:
+    def observe(self, *args: object, **kwargs: object) -> None:  # nothing to learn
         pass
 
 
@@ -81,9 +83,12 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
     With per-token acceptance a_i, the d-th draft of request i adds a_i^d expected tokens
     (it counts only if drafts 1..d-1 were accepted). Every increment (i, d) is ranked by that
     gain; the policy takes the prefix of the ranking that maximises
-        (B + sum of gains) / (T_target(n_other + B + drafts) + T_draft(passes, drafts))
+        (B + sum of gains) / (T_target(n_other + B + drafts) + T_draft(passes, drafts) + T_step(B))
     using the measured cost model, which charges a pass for its tokens and for the context its
-    queries attend to (`PassShape`). An empty prefix is plain decoding.
+    queries attend to (`PassShape`), and a step of B requests what such steps were measured to
+    cost outside the passes (T_step: sampling, bookkeeping, and in a server streaming the
+    outputs; paid once a step, so more tokens a step amortize it). An empty prefix is plain
+    decoding.
 
     Giving requests different K has costs the model leaves out: every distinct query count is
     one more attention call per layer, and the deepest draft sets the number of draft passes
@@ -104,9 +109,10 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
     speculative step alone rarely repays it; at concurrency 16 the draft's catch-ups when
     the batch thinned out were most of its time).
 
-    When speculation has been off for `probe_interval` steps, one step drafts K = 1 for one
-    request: otherwise a pessimistic cost estimate or acceptance prior could never be corrected,
-    since only steps that draft measure the draft's cost and acceptance. A probe is not free
+    When speculation has been off for `probe_interval` steps, one request drafts K = 1 for
+    `PROBE_STEPS` steps: otherwise a pessimistic cost estimate or acceptance prior could never be
+    corrected, since only steps that draft measure the draft's cost and acceptance. A probe is
+    not free
     (the draft first catches up on every token it skipped), so it takes the request with the
     least to catch up (a probe of every request in a full batch made the draft catch up on
     all of them), and while probes keep confirming K = 0 the interval doubles, up to
@@ -135,6 +141,7 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
         self.max_probe_interval = max_probe_interval
         self._probe_every = probe_interval
         self._steps_without_drafts = 0
+        self._probing = ("", 0)  # the request a probe drafts for, and its steps left
         self.prior_weight = prior_weight
         self._accepted = prior * prior_weight  # decayed engine-wide counts
         self._trials = prior_weight
@@ -215,8 +222,7 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
         batch, k_max = len(requests), self.max_draft_tokens
         if batch == 0 or k_max == 0:
             return DraftLengths([0] * batch, [None] * batch)
-        # Plain Python until a decision is missing: at concurrency 1, building arrays for every
-        # step's key took the policy 85 us a step (2% of a 4.5 ms step); this way 30 us.
+        # Plain Python until a decision is missing (arrays for every key: 85 us a step, this 30)
         a = [self.acceptance(r) for r in requests]
         context = [r.num_tokens for r in requests]
         catch_up = [_catch_up(r) for r in requests]
@@ -236,21 +242,34 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
         if any(ks):
             self._steps_without_drafts = 0
             self._probe_every = self.probe_interval
+            self._probing = ("", 0)
         else:
-            self._steps_without_drafts += 1
-            if self._steps_without_drafts >= self._probe_every:
-                self._steps_without_drafts = 0
-                self._probe_every = min(2 * self._probe_every, self.max_probe_interval)
-                behind = [r.num_tokens - r.num_draft_computed_tokens for r in requests]
-                ks = [0] * batch
-                ks[behind.index(min(behind))] = 1
+            ks = self._probe(requests, ks)
         return DraftLengths(list(ks), list(reasons), branches)
+
+    def _probe(self, requests: list[Request], ks: list[int]) -> list[int]:
+        """`ks` (all 0), or K = 1 for the request a probe drafts for this step."""
+        probed, left = self._probing
+        ids = [r.request_id for r in requests]
+        if left and probed in ids:  # a probe's later steps: the same request
+            self._probing = (probed, left - 1)
+            return [int(i == probed) for i in ids]
+        self._steps_without_drafts += 1
+        if self._steps_without_drafts < self._probe_every:
+            return ks
+        self._steps_without_drafts = 0
+        self._probe_every = min(2 * self._probe_every, self.max_probe_interval)
+        behind = [r.num_tokens - r.num_draft_computed_tokens for r in requests]
+        probed = ids[behind.index(min(behind))]
+        self._probing = (probed, PROBE_STEPS - 1)
+        return [int(i == probed) for i in ids]
 
     def _inputs_key(
         self, a: list[float], context: list[int], num_other: int, catch_up: list[float]
     ) -> tuple:
         """What a decision depends on, rounded (acceptance, depth and tree roots' factors to 1/32,
-        online cost factors to 4%, contexts and other tokens to 32, catch-ups to a token): a
+        online cost factors to 4%, the step's overhead to 5% of a one-token pass, contexts and
+        other tokens to 32, catch-ups to a token): a
         step whose inputs round alike reuses the decision; inputs that close predict rates
         within a few percent."""
         cost = self.cost
@@ -267,6 +286,7 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
             tuple(n // 32 for n in context),
             tuple(widths),
             tuple(round(25 * s.value) for s in scales),
+            round(20 * cost.step_overhead(len(a)) / max(cost.target_seconds[0], 1e-9)),
             trees,
             tuple(round(c) for c in catch_up),
         )
@@ -280,8 +300,9 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
         if batch == 1 and self.max_branches == 1:  # one request: plain numbers, no arrays
             g1 = self._gains_one(float(a[0]))
             best, c1, lag = self.cost.best_chain_length, float(context[0]), float(catch_up[0])
-            k = best(g1, c1, num_other_tokens + 1, k_max, lag)
-            solo = best(g1, c1, 1, k_max, lag) if num_other_tokens else k  # as _best_alone
+            over = self.cost.step_overhead(1)
+            k = best(g1, c1, num_other_tokens + 1, k_max, lag, over)
+            solo = best(g1, c1, 1, k_max, lag, over) if num_other_tokens else k  # as _best_alone
             return [k], [None if k >= k_max else REASON_BATCH if k < solo else REASON_ACCEPTANCE], 1
         gains = self.gains(a)  # [batch, k_max]: the d-th draft's expected tokens
         ks, rate = self._best_prefix(gains, context, num_other_tokens, catch_up)

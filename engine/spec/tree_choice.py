@@ -60,7 +60,7 @@ class TreeChoice:
             k = np.arange(1, k_max + 1)
             tokens = rows + np.cumsum(gains.sum(axis=0))
             seconds = self._seconds(
-                num_other + rows, rows * k * n, k, total_context, k * n * total_context, n,
+                rows, num_other + rows, rows * k * n, k, total_context, k * n * total_context, n,
                 catch_up.sum(), float(catch_up @ context),
             )  # fmt: skip
             rates = tokens / seconds
