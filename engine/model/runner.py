@@ -321,7 +321,9 @@ class ModelRunner:
         rows = torch.tensor(logit_index, dtype=torch.long, device=self.device)
         if self.native is not None:
             hidden = self.last_hidden = self.native(input_ids, position_ids, metadata)
-            return self._widen(self.native.logits(hidden.index_select(0, rows)).float())
+            # One logit row per token (a decode, a verification): rows 0..n-1, in order.
+            picked = hidden if len(logit_index) == len(token_ids) else hidden.index_select(0, rows)
+            return self._widen(self.native.logits(picked).float())
         return self._widen(self.hf_logits(input_ids, position_ids, metadata, rows).float())
 
     def _widen(self, logits: torch.Tensor) -> torch.Tensor:

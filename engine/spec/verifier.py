@@ -124,10 +124,12 @@ class Verifier:
             result.prompt_logprobs[req.request_id] = _prompt_logprobs(
                 req, prompt_logits[req.request_id]
             )
-        if samplers and trees:
-            self._sample_trees(samplers, torch.cat(sample_parts), drafts, trees, runner, result)
-        elif samplers:
-            self._sample(samplers, torch.cat(sample_parts), drafts, result)
+        if samplers:  # (a single part, as at concurrency 1, need not be copied)
+            rows = sample_parts[0] if len(sample_parts) == 1 else torch.cat(sample_parts)
+            if trees:
+                self._sample_trees(samplers, rows, drafts, trees, runner, result)
+            else:
+                self._sample(samplers, rows, drafts, result)
         return result
 
     def _sample(
