@@ -215,7 +215,8 @@ class LLMEngine:
         outputs = self.scheduler.update(sched, results.tokens, results.prompt_logprobs)
         self.totals.generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         self.totals.step_seconds += time.perf_counter() - step_start
-        if timed and sched.num_decodes == len(sched.scheduled) and self.has_work():
+        decode_only = sched.num_decodes == len(sched.scheduled)
+        if self.cost_model is not None and timed and decode_only and self.has_work():
             # Until the next step starts: what the caller does between steps (streaming) too.
             self._last_decode = (step_start, sched.num_decodes, verified - start + observed)
         return outputs

@@ -237,9 +237,8 @@ class CostModel:
         own last one included): the K in 0..max_drafts with the most expected tokens per
         second, the first if several tie; drafting also feeds the draft `catch_up` tokens
         (its lag, engine/spec/draft_length.py); every K pays the step's `overhead` seconds
-        outside the passes. What the draft-length policy's vectorised search
-        gives for a batch of one, in plain Python (at c=1 the policy decides every few
-        steps)."""
+        outside the passes. What the draft-length policy's vectorised search gives for a batch
+        of one, in plain Python (at c=1 the policy decides every few steps)."""
         tokens, rates = 1.0, []
         for k in range(max_drafts + 1):
             tokens += gains[k - 1] if k else 0.0

@@ -73,7 +73,9 @@ class FixedDraftLength:
         n = len(requests)
         return DraftLengths([self.max_draft_tokens] * n, [None] * n, self.branches)
 
-    def observe(self, *args: object, **kwargs: object) -> None:  # nothing to learn
+    def observe(
+        self, request: Request, num_drafted: int, num_accepted: int, branches: int = 1
+    ) -> None:
         pass
 
 
@@ -112,10 +114,9 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
     When speculation has been off for `probe_interval` steps, one request drafts K = 1 for
     `PROBE_STEPS` steps: otherwise a pessimistic cost estimate or acceptance prior could never be
     corrected, since only steps that draft measure the draft's cost and acceptance. A probe is
-    not free
-    (the draft first catches up on every token it skipped), so it takes the request with the
-    least to catch up (a probe of every request in a full batch made the draft catch up on
-    all of them), and while probes keep confirming K = 0 the interval doubles, up to
+    not free (the draft first catches up on every token it skipped), so it takes the request
+    with the least to catch up (a probe of every request in a full batch made the draft catch
+    up on all of them), and while probes keep confirming K = 0 the interval doubles, up to
     `max_probe_interval`; the policy choosing drafts on its own resets it.
 
     A seeded request needs nothing special: its tokens are fixed by (seed, position), not by
@@ -269,9 +270,8 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
     ) -> tuple:
         """What a decision depends on, rounded (acceptance, depth and tree roots' factors to 1/32,
         online cost factors to 4%, the step's overhead to 5% of a one-token pass, contexts and
-        other tokens to 32, catch-ups to a token): a
-        step whose inputs round alike reuses the decision; inputs that close predict rates
-        within a few percent."""
+        other tokens to 32, catch-ups to a token): a step whose inputs round alike reuses the
+        decision; inputs that close predict rates within a few percent."""
         cost = self.cost
         widths = sorted(cost.tree_scales)
         scales = [cost.target_scale, *cost.small_scales, cost.draft_scale]
