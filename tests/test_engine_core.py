@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
 
 from engine.config import SpecConfig
 from engine.core.request import SamplingParams
+from engine.core.stats import EngineStats
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 
 LENGTHS = [1, 3, 5, 7, 9, 12, 15, 17, 20, 24, 31, 33, 40, 47, 55, 64]
@@ -228,3 +231,23 @@ def test_reference_attention_on_cuda_gives_transformers_greedy_tokens(tiny_dirs)
         engine.add_request(f"g{i}", p, greedy(MAX_TOKENS))
     outputs = drain(engine)
     assert [outputs[f"g{i}"] for i in range(len(prompts))] == expected
+
+
+def test_a_stats_snapshot_shares_no_container_with_the_live_stats():
+    """AsyncEngine publishes `stats().snapshot()` after every step for other threads to read:
+    every list or dict field must be a copy, or the next step would change a published one."""
+    live = EngineStats(
+        spec_drafted_by_position=[3, 2],
+        spec_accepted_by_position=[2, 1],
+        draft_length_reasons={"cost": 4},
+        speed_of_light={"tokens_per_s": 1.0},
+    )
+    snap = live.snapshot()
+    containers = 0
+    for f in fields(EngineStats):
+        value = getattr(live, f.name)
+        assert getattr(snap, f.name) == value, f.name
+        if isinstance(value, (list, dict)):
+            containers += 1
+            assert getattr(snap, f.name) is not value, f.name
+    assert containers >= 4

@@ -16,7 +16,6 @@ the default model about 1.6x slower on 2 cores.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import os
 import queue
@@ -229,7 +228,7 @@ class AsyncEngine(EngineClient):
                     self._step_started = time.monotonic()
                     outputs += self.engine.step()
                     self._step_started = None
-                self._stats = copy.deepcopy(self.engine.stats())
+                self._stats = self.engine.stats().snapshot()
                 self._num_published += num_taken
             self._publish(outputs)
             if outputs:
