@@ -2,7 +2,7 @@
 
   python -m bench.cpu_kernels linear      # all the target's linears, per row count
   python -m bench.cpu_kernels attention   # one layer's attention, per batch shape
-  python -m bench.cpu_kernels gguf        # SmolLM2's linears on GGUF blocks: vector vs AMX
+  python -m bench.cpu_kernels gguf        # SmolLM2's linears on GGUF blocks: float32, VNNI, AMX
 
 `linear`: the 8 layers' q/k/v, o, gate/up and down projections plus the LM head, each with
 its own weight (about 100 MB in float32, so weights come from memory as in a real pass, not
@@ -12,8 +12,9 @@ packed C GEMM on float32 panels and on (exact) bfloat16 panels. `attention`: the
 then SDPA) against the C kernel on the same paged cache with scattered block tables.
 `gguf`: the default model's (SmolLM2-135M's) 30 layers' linears on Q4_1 blocks and its LM
 head on Q8_0, as its GGUF file has them (random weights, quantized by the `gguf` package):
-the vector kernel (engine/cpu/csrc/gemm_quant.c) against the kernels with AMX tiles on
-(gemm_amx.c, from 6 rows on: fewer rows run the vector kernel in both columns).
+the float32 vector kernel (engine/cpu/csrc/gemm_quant.c), its Q4_1 calls on VNNI dot products
+(gemm_vnni.c; the head stays on the vector kernel), and with AMX tiles on as well (gemm_amx.c,
+from 6 rows on: fewer rows run as in the VNNI column). "n/a" where the CPU lacks the unit.
 Milliseconds, best of --repeats rounds of --iters calls; one thread unless --threads.
 """
 
@@ -100,9 +101,9 @@ def bench_gguf(args: argparse.Namespace) -> None:
         made[(out, inp, kind)] = cpu_panels.pack_quant_weight(blocks, kind)
     # a copy per layer: 96 MB in all, read from memory as in a real pass
     panels = [made[shape].clone() for shape in shapes]
-    has_tiles = cpu_kernels.set_amx(True)
-    print("| rows | vector kernel | AMX tiles |")
-    print("|---:|---:|---:|")
+    has_vnni, has_tiles = cpu_kernels.set_vnni(True), cpu_kernels.set_amx(True)
+    print("| rows | float32 vector kernel | VNNI (Q4_1) | AMX tiles (6+ rows) |")
+    print("|---:|---:|---:|---:|")
     for rows in args.rows:
         xs = {inp: torch.randn(rows, inp) for _, inp, _ in shapes}
 
@@ -110,15 +111,18 @@ def bench_gguf(args: argparse.Namespace) -> None:
             for (out, inp, kind), panel in zip(shapes, panels, strict=True):
                 cpu_kernels.linear(xs[inp], panel, None, out, None, kind)
 
-        times = []
-        for tiles in (False, True):
-            if tiles and not has_tiles:
-                times.append(None)
+        cells = []
+        for vnni, tiles, present in ((False, False, True), (True, False, has_vnni),
+                                     (has_vnni, True, has_tiles)):  # fmt: skip
+            if not present:
+                cells.append("n/a")
                 continue
+            cpu_kernels.set_vnni(vnni)
             cpu_kernels.set_amx(tiles)
-            times.append(best_ms(one_model, args.iters, args.repeats))
+            cells.append(f"{best_ms(one_model, args.iters, args.repeats):.2f} ms")
+        cpu_kernels.set_vnni(True)
         cpu_kernels.set_amx(True)
-        print(f"| {rows} | " + " | ".join(f"{t:.2f} ms" if t else "no AMX" for t in times) + " |")
+        print(f"| {rows} | " + " | ".join(cells) + " |")
 
 
 def bench_attention(args: argparse.Namespace) -> None:

@@ -67,13 +67,22 @@ def test_bfloat16_panels_only_when_exact_and_then_bit_identical():
 AMX_MIN_ROWS = 6  # AMX_MIN_ROWS in engine/cpu/csrc/gemm_quant.c
 
 
+def _unit_switch(unit: str, switch):
+    """`switch` (cpu_kernels.set_amx or set_vnni: it returns whether the unit is now on,
+    never where the CPU or the OS has none) for a test, put back as it was afterwards."""
+    before = f"+{unit}" in (cpu_kernels.isa() or "")
+    yield switch
+    switch(before)
+
+
 @pytest.fixture
 def amx():
-    """`set_amx` for a test (it returns whether the tiles are on: never where the CPU or the
-    OS has none), put back as it was afterwards."""
-    before = "+amx" in (cpu_kernels.isa() or "")
-    yield cpu_kernels.set_amx
-    cpu_kernels.set_amx(before)
+    yield from _unit_switch("amx", cpu_kernels.set_amx)
+
+
+@pytest.fixture
+def vnni():
+    yield from _unit_switch("vnni", cpu_kernels.set_vnni)
 
 
 def _gguf_case(quant: str, out_features: int, in_features: int):
@@ -90,16 +99,20 @@ def _gguf_case(quant: str, out_features: int, in_features: int):
 
 @pytest.mark.parametrize("quant", cpu_panels.QUANT_TYPES)
 @pytest.mark.parametrize("out_features,in_features", [(16, 32), (37, 96), (300, 576)])
+@pytest.mark.parametrize("use_vnni", [False, True])
 def test_gguf_blocks_sum_as_closely_as_the_dequantized_weights_and_rows_keep_their_bits(
-    quant, out_features, in_features, amx
+    quant, out_features, in_features, use_vnni, amx, vnni
 ):
-    """Q8_0 / Q4_1 blocks: per block the quants' products summed, then scaled (gemm_quant.c).
+    """Q8_0 / Q4_1 blocks: per block the quants' products summed, then scaled (gemm_quant.c,
+    and for Q4_1 with VNNI gemm_vnni.c: x in 24-bit fixed point per block, integer sums).
     As close to the exact (float64) result as the float32 panels of gguf's own dequantization
     (within 4x: on a single Q4_1 block the minimum's term cancels against the scaled sum,
     2.5x on average, 3x without FMA instructions; from a few blocks on the block sums are
     closer to it than the panels),
     and a row's output is the same bits in every call of the vector kernel, whatever the
     other rows: with AMX tiles on, calls of fewer than AMX_MIN_ROWS rows."""
+    if vnni(use_vnni) != use_vnni:
+        pytest.skip("no AVX-512 VNNI on this machine")
     quantized, dequantized, b, gen = _gguf_case(quant, out_features, in_features)
     wide = cpu_panels.pack_linear_weight(dequantized, allow_bf16=False)
     assert quantized.numel() < wide.numel() * 4 / 3  # 5 (Q4_1) or 8.5 (Q8_0) bits a weight
@@ -111,6 +124,11 @@ def test_gguf_blocks_sum_as_closely_as_the_dequantized_weights_and_rows_keep_the
     error = (full.double() - exact).abs()
     panels = (cpu_kernels.linear(x, wide, b, out_features, res.clone()).double() - exact).abs()
     assert error.mean() <= 4 * panels.mean() and error.max() <= 4 * panels.max()
+    if use_vnni and quant == "Q4_1":  # the integer sums did run: another rounding order
+        vnni(False)
+        other = cpu_kernels.linear(x, quantized, b, out_features, res.clone(), quant)
+        assert not torch.equal(full, other)
+        vnni(True)
     order = torch.randperm(17, generator=gen)
     shuffled = cpu_kernels.linear(x[order], quantized, b, out_features, res[order], quant)
     assert torch.equal(shuffled, full[order])
@@ -121,6 +139,22 @@ def test_gguf_blocks_sum_as_closely_as_the_dequantized_weights_and_rows_keep_the
             part = slice(17 - rows, 17)
             got = cpu_kernels.linear(x[part], quantized, b, out_features, res[part].clone(), quant)
             assert torch.equal(got, full[part]), (tiles, rows)
+
+
+def test_vnni_sums_keep_non_finite_inputs_and_zero_blocks(vnni):
+    """A block of x holding inf or NaN gives NaN or inf where float32 sums would, not a
+    finite number from a wrapped integer; an all-zero block adds only the bias."""
+    if not vnni(True):
+        pytest.skip("no AVX-512 VNNI on this machine")
+    quantized, dequantized, b, gen = _gguf_case("Q4_1", 16, 64)
+    x = torch.randn(3, 64, generator=gen)
+    x[0, 5] = float("nan")
+    x[1, 40] = float("inf")
+    x[2] = 0.0
+    got = cpu_kernels.linear(x, quantized, b, 16, None, "Q4_1")
+    assert got[0].isnan().all()
+    assert not got[1].isfinite().any()
+    assert torch.equal(got[2], b)
 
 
 @pytest.mark.parametrize("quant", cpu_panels.QUANT_TYPES)

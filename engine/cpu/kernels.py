@@ -49,12 +49,14 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
 
 def isa() -> str | None:
     """The vector instruction set the kernels were compiled for (avx512f, avx2+fma, neon,
-    ...), `+amx` when the GGUF linears of 6 rows or more run on AMX tiles
-    (engine/cpu/csrc/gemm_amx.c), or None when the kernels are unavailable."""
+    ...), `+vnni` when the Q4_1 linears' vector kernel runs on AVX-512 VNNI integer dot
+    products (engine/cpu/csrc/gemm_vnni.c), `+amx` when the GGUF linears of 6 rows or more
+    run on AMX tiles (engine/cpu/csrc/gemm_amx.c), or None when the kernels are unavailable."""
     lib = load()
     if lib is None:
         return None
-    return lib.tandem_isa().decode() + ("+amx" if lib.tandem_amx_active() else "")
+    vnni = "+vnni" if lib.tandem_vnni_active() else ""
+    return lib.tandem_isa().decode() + vnni + ("+amx" if lib.tandem_amx_active() else "")
 
 
 def set_amx(enabled: bool) -> bool:
@@ -62,6 +64,13 @@ def set_amx(enabled: bool) -> bool:
     on the vector kernel; returns whether they now use the tiles. `TANDEM_AMX=0` in the
     environment sets the default to off."""
     return bool(_require().tandem_amx_enable(int(enabled)))
+
+
+def set_vnni(enabled: bool) -> bool:
+    """Let the Q4_1 linears' vector kernel use VNNI dot products (where the CPU has them) or
+    keep it on float32 multiply-adds; returns whether it now uses them. `TANDEM_VNNI=0` in
+    the environment sets the default to off."""
+    return bool(_require().tandem_vnni_enable(int(enabled)))
 
 
 _KERNELS = {
@@ -246,23 +255,18 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     )
     lib.tandem_paged_attention.restype = i32
     lib.tandem_layers.argtypes = (
-        [ptr, i64, ptr, ptr]
-        + [i64] * 6
-        + [ctypes.c_float] * 2
-        + [
-            ptr,
-            i32,
-        ]
+        [ptr, i64, ptr, ptr] + [i64] * 6 + [ctypes.c_float] * 2 + [ptr, i32]
     )
     lib.tandem_layers.restype = i32
     lib.tandem_sample_rows.argtypes = [ptr, ptr, i64, i64, ptr, i32]
     lib.tandem_sample_rows.restype = None
     lib.tandem_isa.argtypes = []
     lib.tandem_isa.restype = ctypes.c_char_p
-    lib.tandem_amx_active.argtypes = []
-    lib.tandem_amx_active.restype = i32
-    lib.tandem_amx_enable.argtypes = [i32]
-    lib.tandem_amx_enable.restype = i32
+    for unit in ("amx", "vnni"):  # tandem_amx_active(), tandem_amx_enable(int), ...
+        getattr(lib, f"tandem_{unit}_active").argtypes = []
+        getattr(lib, f"tandem_{unit}_enable").argtypes = [i32]
+        getattr(lib, f"tandem_{unit}_active").restype = i32
+        getattr(lib, f"tandem_{unit}_enable").restype = i32
     return lib
 
 

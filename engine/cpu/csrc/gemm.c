@@ -65,11 +65,8 @@ INLINE void linear_tile(const int bf16, const int np, const int m, const float *
       float row[PANEL];
       store(row, lo[p][r]);
       store(row + 8, hi[p][r]);
-      if (bias)
-        for (int c = 0; c < n; c++) row[c] += bias[p * PANEL + c];
-      if (res)
-        for (int c = 0; c < n; c++) row[c] += res[r * N + p * PANEL + c];
-      memcpy(y + r * N + p * PANEL, row, (size_t)n * sizeof(float));
+      put_row(row, n, bias ? bias + p * PANEL : 0, res ? res + r * N + p * PANEL : 0,
+              y + r * N + p * PANEL);
     }
   }
 }
@@ -113,11 +110,8 @@ INLINE void linear_tile16(const int bf16, const int np, const int m, const float
       float lanes[PANEL], row[PANEL];
       *(v16 *)lanes = acc[p][r];
       for (int c = 0; c < n; c++) row[c] = lanes[column_lane(bf16, c)];
-      if (bias)
-        for (int c = 0; c < n; c++) row[c] += bias[p * PANEL + c];
-      if (res)
-        for (int c = 0; c < n; c++) row[c] += res[r * N + p * PANEL + c];
-      memcpy(y + r * N + p * PANEL, row, (size_t)n * sizeof(float));
+      put_row(row, n, bias ? bias + p * PANEL : 0, res ? res + r * N + p * PANEL : 0,
+              y + r * N + p * PANEL);
     }
   }
 }

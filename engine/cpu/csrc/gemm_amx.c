@@ -234,11 +234,8 @@ static void amx_chunk(const int q4, const int np, const int mc, const uint16_t *
     const int n = span(cols, p * 16, 16);
     for (int i = 0; i < mc; i++) {
       float *row = acc[p] + 16 * i;
-      if (bias)
-        for (int j = 0; j < n; j++) row[j] += bias[p * 16 + j];
-      if (res)
-        for (int j = 0; j < n; j++) row[j] += res[i * N + p * 16 + j];
-      memcpy(y + i * N + p * 16, row, (size_t)n * sizeof(float));
+      put_row(row, n, bias ? bias + p * 16 : 0, res ? res + i * N + p * 16 : 0,
+              y + i * N + p * 16);
     }
   }
 }

@@ -163,14 +163,18 @@ INLINE v16 q4_quants(const uint8_t *quants, int k) {
  * On this repository's 2-core AVX-512 machine, alternated (`python -m bench.cpu_kernels gguf
  * --rows 1 2 4 --threads 2`): the default model's linears at 1 row 3.6-3.8 ms against
  * 3.8-4.9 without, 2 and 4 rows 5-10% faster. Prefetching only ahead, without the first
- * blocks, gained about half of that; 2 or 6 blocks ahead did no better than 4. */
+ * blocks, gained about half of that; 2 or 6 blocks ahead did no better than 4.
+ * The hint is for the outer caches (prefetcht2), not L1 (prefetcht0): on a 2-core AMD EPYC
+ * (Zen 4), 2026-11-26, the same command's 1 row took 4.1-4.3 ms against 6.1-6.7 ms with
+ * prefetcht0, and the LM head alone 0.85-0.99 against 1.4 ms (likely: 4 blocks of 4 panels
+ * ahead are more lines than L1 keeps in flight, and there they held up the tile's loads). */
 INLINE void prefetch_blocks(const int type, const int np, const uint8_t *panel,
                             int64_t pstride, int64_t b, int64_t nb) {
   const int64_t stride = block_bytes(type);
   for (int64_t a = b == 0 ? 0 : b + QAHEAD; a <= b + QAHEAD && a < nb; a++)
     for (int p = 0; p < np; p++)
       for (int64_t line = 0; line < stride; line += 64)
-        __builtin_prefetch(panel + p * pstride + a * stride + line, 0, 3);
+        __builtin_prefetch(panel + p * pstride + a * stride + line, 0, 1);
 }
 
 /* y[rows, the columns of np panels], the panels `pstride` bytes apart. Per block, each
@@ -233,11 +237,8 @@ INLINE void quant_tile(const int type, const int np, const int rows, const float
     for (int r = 0; r < rows; r++) {
       float row[QPANEL];
       store16(row, acc[p][r]);
-      if (bias)
-        for (int c = 0; c < n; c++) row[c] += bias[p * QPANEL + c];
-      if (res)
-        for (int c = 0; c < n; c++) row[c] += res[r * N + p * QPANEL + c];
-      memcpy(y + r * N + p * QPANEL, row, (size_t)n * sizeof(float));
+      put_row(row, n, bias ? bias + p * QPANEL : 0, res ? res + r * N + p * QPANEL : 0,
+              y + r * N + p * QPANEL);
     }
   }
 }
@@ -354,6 +355,13 @@ void tandem_amx_linear(int q4, int64_t stride, const float *x, const uint8_t *pa
                        const float *bias, const float *residual, float *y, int64_t M, int64_t N,
                        int64_t K, int nthreads);
 
+/* Q4_1 calls of the vector kernel run on VNNI integer dot products where the CPU has them
+ * (gemm_vnni.c: x in 24-bit fixed point per block, the sums in another order). */
+int tandem_vnni_active(void);
+void tandem_vnni_linear_q4_1(const float *x, const float *xsum, const uint8_t *panels,
+                             const float *bias, const float *residual, float *y, int64_t M,
+                             int64_t N, int64_t K, int nthreads);
+
 static void quant_linear(const int type, const float *x, const uint8_t *panels,
                          const float *bias, const float *residual, float *y, int64_t M,
                          int64_t N, int64_t K, int nthreads) {
@@ -362,9 +370,13 @@ static void quant_linear(const int type, const float *x, const uint8_t *panels,
                       nthreads);
     return;
   }
+  const float *xsum = type == Q4_1 ? block_sums(x, M, K) : 0;
+  if (type == Q4_1 && tandem_vnni_active()) {
+    tandem_vnni_linear_q4_1(x, xsum, panels, bias, residual, y, M, N, K, nthreads);
+    return;
+  }
   const int64_t num_panels = (N + QPANEL - 1) / QPANEL;
   const int64_t panel_bytes = (K / QBLOCK) * block_bytes(type);
-  const float *xsum = type == Q4_1 ? block_sums(x, M, K) : 0;
   const int group = tile_panels(M < QROWS ? (int)M : QROWS); /* panels per work item */
   const int64_t num_groups = (num_panels + group - 1) / group;
   void (*const run)(GROUP_ARGS) = type == Q4_1 ? group_q4_1 : group_q8_0;

@@ -33,6 +33,14 @@ INLINE float hsum(v8 v) {
   for (int i = 0; i < 8; i++) s += v[i];
   return s;
 }
+/* An output row's n columns: row (+ bias) (+ residual), in that order, written to y. */
+INLINE void put_row(float *row, int n, const float *bias, const float *res, float *y) {
+  if (bias)
+    for (int c = 0; c < n; c++) row[c] += bias[c];
+  if (res)
+    for (int c = 0; c < n; c++) row[c] += res[c];
+  memcpy(y, row, (size_t)n * sizeof(float));
+}
 /* How many of `width` items starting at `start` exist among `total`: a panel group's panels,
  * a group's or a panel's columns (the last ones of a matrix are short). */
 INLINE int span(int64_t total, int64_t start, int64_t width) {
