@@ -12,8 +12,8 @@ packed C GEMM on float32 panels and on (exact) bfloat16 panels. `attention`: the
 then SDPA) against the C kernel on the same paged cache with scattered block tables.
 `gguf`: the default model's (SmolLM2-135M's) 30 layers' linears on Q4_1 blocks and its LM
 head on Q8_0, as its GGUF file has them (random weights, quantized by the `gguf` package):
-the float32 vector kernel (engine/cpu/csrc/gemm_quant.c), its Q4_1 calls on VNNI dot products
-(gemm_vnni.c; the head stays on the vector kernel), and with AMX tiles on as well (gemm_amx.c,
+the float32 vector kernel (engine/cpu/csrc/gemm_quant.c), its calls on VNNI dot products
+(gemm_vnni.c), and with AMX tiles on as well (gemm_amx.c,
 from 6 rows on: fewer rows run as in the VNNI column). "n/a" where the CPU lacks the unit.
 Milliseconds, best of --repeats rounds of --iters calls; one thread unless --threads.
 """
@@ -102,7 +102,7 @@ def bench_gguf(args: argparse.Namespace) -> None:
     # a copy per layer: 96 MB in all, read from memory as in a real pass
     panels = [made[shape].clone() for shape in shapes]
     has_vnni, has_tiles = cpu_kernels.set_vnni(True), cpu_kernels.set_amx(True)
-    print("| rows | float32 vector kernel | VNNI (Q4_1) | AMX tiles (6+ rows) |")
+    print("| rows | float32 vector kernel | VNNI | AMX tiles (6+ rows) |")
     print("|---:|---:|---:|---:|")
     for rows in args.rows:
         xs = {inp: torch.randn(rows, inp) for _, inp, _ in shapes}

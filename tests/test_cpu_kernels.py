@@ -104,7 +104,7 @@ def test_gguf_blocks_sum_as_closely_as_the_dequantized_weights_and_rows_keep_the
     quant, out_features, in_features, use_vnni, amx, vnni
 ):
     """Q8_0 / Q4_1 blocks: per block the quants' products summed, then scaled (gemm_quant.c,
-    and for Q4_1 with VNNI gemm_vnni.c: x in 24-bit fixed point per block, integer sums).
+    or with VNNI gemm_vnni.c: x in 24-bit fixed point per block, integer sums).
     As close to the exact (float64) result as the float32 panels of gguf's own dequantization
     (within 4x: on a single Q4_1 block the minimum's term cancels against the scaled sum,
     2.5x on average, 3x without FMA instructions; from a few blocks on the block sums are
@@ -124,7 +124,7 @@ def test_gguf_blocks_sum_as_closely_as_the_dequantized_weights_and_rows_keep_the
     error = (full.double() - exact).abs()
     panels = (cpu_kernels.linear(x, wide, b, out_features, res.clone()).double() - exact).abs()
     assert error.mean() <= 4 * panels.mean() and error.max() <= 4 * panels.max()
-    if use_vnni and quant == "Q4_1":  # the integer sums did run: another rounding order
+    if use_vnni:  # the integer sums did run: another rounding order
         vnni(False)
         other = cpu_kernels.linear(x, quantized, b, out_features, res.clone(), quant)
         assert not torch.equal(full, other)
@@ -141,17 +141,18 @@ def test_gguf_blocks_sum_as_closely_as_the_dequantized_weights_and_rows_keep_the
             assert torch.equal(got, full[part]), (tiles, rows)
 
 
-def test_vnni_sums_keep_non_finite_inputs_and_zero_blocks(vnni):
+@pytest.mark.parametrize("quant", cpu_panels.QUANT_TYPES)
+def test_vnni_sums_keep_non_finite_inputs_and_zero_blocks(quant, vnni):
     """A block of x holding inf or NaN gives NaN or inf where float32 sums would, not a
     finite number from a wrapped integer; an all-zero block adds only the bias."""
     if not vnni(True):
         pytest.skip("no AVX-512 VNNI on this machine")
-    quantized, dequantized, b, gen = _gguf_case("Q4_1", 16, 64)
+    quantized, dequantized, b, gen = _gguf_case(quant, 16, 64)
     x = torch.randn(3, 64, generator=gen)
     x[0, 5] = float("nan")
     x[1, 40] = float("inf")
     x[2] = 0.0
-    got = cpu_kernels.linear(x, quantized, b, 16, None, "Q4_1")
+    got = cpu_kernels.linear(x, quantized, b, 16, None, quant)
     assert got[0].isnan().all()
     assert not got[1].isfinite().any()
     assert torch.equal(got[2], b)

@@ -49,7 +49,7 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
 
 def isa() -> str | None:
     """The vector instruction set the kernels were compiled for (avx512f, avx2+fma, neon,
-    ...), `+vnni` when the Q4_1 linears' vector kernel runs on AVX-512 VNNI integer dot
+    ...), `+vnni` when the GGUF linears' vector kernel runs on AVX-512 VNNI integer dot
     products (engine/cpu/csrc/gemm_vnni.c), `+amx` when the GGUF linears of 6 rows or more
     run on AMX tiles (engine/cpu/csrc/gemm_amx.c), or None when the kernels are unavailable."""
     lib = load()
@@ -67,7 +67,7 @@ def set_amx(enabled: bool) -> bool:
 
 
 def set_vnni(enabled: bool) -> bool:
-    """Let the Q4_1 linears' vector kernel use VNNI dot products (where the CPU has them) or
+    """Let the GGUF linears' vector kernel use VNNI dot products (where the CPU has them) or
     keep it on float32 multiply-adds; returns whether it now uses them. `TANDEM_VNNI=0` in
     the environment sets the default to off."""
     return bool(_require().tandem_vnni_enable(int(enabled)))

@@ -355,12 +355,12 @@ void tandem_amx_linear(int q4, int64_t stride, const float *x, const uint8_t *pa
                        const float *bias, const float *residual, float *y, int64_t M, int64_t N,
                        int64_t K, int nthreads);
 
-/* Q4_1 calls of the vector kernel run on VNNI integer dot products where the CPU has them
+/* The vector kernel's calls run on VNNI integer dot products where the CPU has them
  * (gemm_vnni.c: x in 24-bit fixed point per block, the sums in another order). */
 int tandem_vnni_active(void);
-void tandem_vnni_linear_q4_1(const float *x, const float *xsum, const uint8_t *panels,
-                             const float *bias, const float *residual, float *y, int64_t M,
-                             int64_t N, int64_t K, int nthreads);
+void tandem_vnni_linear(int q4, const float *x, const float *xsum, const uint8_t *panels,
+                        const float *bias, const float *residual, float *y, int64_t M, int64_t N,
+                        int64_t K, int nthreads);
 
 static void quant_linear(const int type, const float *x, const uint8_t *panels,
                          const float *bias, const float *residual, float *y, int64_t M,
@@ -371,8 +371,8 @@ static void quant_linear(const int type, const float *x, const uint8_t *panels,
     return;
   }
   const float *xsum = type == Q4_1 ? block_sums(x, M, K) : 0;
-  if (type == Q4_1 && tandem_vnni_active()) {
-    tandem_vnni_linear_q4_1(x, xsum, panels, bias, residual, y, M, N, K, nthreads);
+  if (tandem_vnni_active()) {
+    tandem_vnni_linear(type == Q4_1, x, xsum, panels, bias, residual, y, M, N, K, nthreads);
     return;
   }
   const int64_t num_panels = (N + QPANEL - 1) / QPANEL;

@@ -1,34 +1,41 @@
 #include "vec.h"
 
 /* ---------------------------------------------------------------------------------------
- * gemm_quant.c's Q4_1 linear on AVX-512 VNNI integer dot products, for the vector kernel's
- * calls (fewer than AMX_MIN_ROWS rows where AMX tiles run the rest; every call where not).
+ * gemm_quant.c's GGUF linears (Q4_1, Q8_0) on AVX-512 VNNI integer dot products, for the
+ * vector kernel's calls (fewer than AMX_MIN_ROWS rows where AMX tiles run the rest; every call
+ * where not).
  *
  * Why: a one-row pass (a decode step at concurrency 1) is the default model's commonest
- * call. gemm_quant.c widens each quant to float32 and spends a shift, a permute and a
- * multiply-add per 16 weights: at one row that is compute-bound, short of the memory's
- * bandwidth. VPDPBUSD multiplies 64 unsigned bytes by 64 signed bytes and adds the products
- * four by four into 16 int32 lanes: one instruction per 64 weights and part of x. On a
- * 2-core AMD EPYC (Zen 4), the default model's linears and head (`python -m bench.cpu_kernels
- * gguf --threads 2`, 2026-11-26): 1 row 3.8 ms against 4.1-4.3 ms in float32, 5 rows 9.7-9.8
- * against 10.4-10.8, 16 rows 24.3-25.3 against 26.7-27.8.
+ * call, and a verification pass of a few rows the next. gemm_quant.c widens each quant to
+ * float32: per 16 weights a shift and a permute (Q4_1) or a widening load and a conversion
+ * (Q8_0), then a multiply-add per row of x. VPDPBUSD multiplies 64 unsigned bytes by 64
+ * signed bytes and adds the products four by four into 16 int32 lanes: per 64 weights a
+ * permute and one or two bit operations, then three instructions per row of x. On a 2-core
+ * AMD EPYC (Zen 4), the default model's linears and head (`python -m bench.cpu_kernels gguf
+ * --rows 1 2 5 16 --threads 2`, 2026-11-26, three runs): 1 row 4.1-4.4 ms against 4.3-4.7 in
+ * float32 (a one-row pass is near the memory's speed either way), 2 rows 5.2-5.6 against
+ * 5.3-5.6, 5 rows 9.4-10.3 against 10.2-10.6, 16 rows 22.8-23.0 against 26.1 (a third run
+ * of 16 rows, 34.7 against 31.8, came in a slow stretch of the machine).
  *
  * Exactness: per row of x and block of 32, x is scaled to integers of at most 23 bits plus
  * sign, X_k = round(x_k * L / max|x|) with L = 8355710 and s = max|x| / L, and X is split
  * into three signed bytes, X = X0 + 256 X1 + 65536 X2 (balanced base 256, exact). The
- * quants q (0..15) times each part sum exactly in int32; then, per block,
- *   sum_k q_k x_k ~ s * (S0 + 256 (S1 + 256 S2))   (one float32 rounding, then the scale)
- *   total += (d * s) * that + m * (sum_k x_k)       (the row's float32 block sum, as before)
+ * quants times each part sum exactly in int32 (S_j); then, per block,
+ *   Q4_1 (q 0..15):   sum_k q_k x_k ~ s * (S0 + 256 (S1 + 256 S2)), one float32 rounding,
+ *                     total += (d * s) * that + m * (sum_k x_k) (the row's float32 block sum);
+ *   Q8_0 (q -128..127, taken as the unsigned q + 128, so S_j = the dot - 128 * sum_k X_jk):
+ *                     sum_k q_k x_k ~ s * ((S0 + 256 S1) + 65536 S2), total += (d * s) * that.
  * The only rounding before the float32 sums is x_k to X_k * s: at most 2^-24 of the
  * block's largest |x|, the size of float32's own rounding of that element. So the sums are as
  * close to the exact ones as gemm_quant.c's (tests/test_cpu_kernels.py), in another order:
  * not the same bits. A row's result depends only on that row, so it is the same in every
  * call of any number of rows. A non-finite x makes its block's sums NaN, as float32 would.
  *
- * Layout: gemm_quant.c's Q4_1 panels unchanged. Per 64-byte load (8 quant rows k of 16
- * columns, column c's nibble at bit 32 * (c % 2) + 4 * (c / 2) of row k's 8 bytes), a byte
- * permute gathers, for 4 consecutive k, the byte holding each column's nibble into that
- * column's 32-bit lane; a per-lane shift and a mask leave the nibbles as bytes.
+ * Layout: gemm_quant.c's panels unchanged. A byte permute gathers, for 4 consecutive k, each
+ * column's 4 quants into that column's 32-bit lane: Q8_0 from a 64-byte load of 4 quant
+ * rows (column c at byte c), then +128; Q4_1 from a load of 8 rows (column c's nibble at bit
+ * 32 * (c % 2) + 4 * (c / 2) of row k's 8 bytes) the bytes holding the nibbles, then a
+ * per-lane shift and a mask.
  *
  * `TANDEM_VNNI=0` in the environment keeps the calls on gemm_quant.c's float32 kernel.
  */
@@ -38,28 +45,32 @@
 
 #define VPANEL 16
 #define VBLOCK 32
-#define VBLOCK_BYTES (4 * VPANEL + VBLOCK * 8) /* d[16], m[16] float16, 32 rows of 8 bytes */
+#define Q4_BYTES (4 * VPANEL + VBLOCK * 8)      /* Q4_1: d[16], m[16] float16, 32 rows of 8 bytes */
+#define Q8_BYTES (2 * VPANEL + VBLOCK * VPANEL) /* Q8_0: d[16] float16, 32 rows of 16 int8 */
 #define VLIMIT 8355710.0f /* < 127 * (1 + 256 + 65536): three balanced bytes hold it */
 #define VAHEAD 4 /* blocks ahead prefetched, into the outer caches (gemm_quant.c says why) */
-/* A row of x prepared per block: 3 parts x 8 groups of 4 k (int32 of 4 signed bytes), then
- * the block's scale s as the float32 bits. */
-#define VPREP (3 * 8 + 1)
+/* A row of x prepared per block: 3 parts x 8 groups of 4 k (int32 of 4 signed bytes), the
+ * block's scale s as the float32 bits, and each part's sum over the block (for Q8_0). */
+#define VPREP (3 * 8 + 1 + 3)
 
 static int vnni_state = -1;
-static __m512i gather_idx[2], nibble_shift;
+static __m512i gather_idx[2], nibble_shift, q8_idx;
 
 int tandem_vnni_active(void) {
   if (vnni_state < 0) {
     const char *env = getenv("TANDEM_VNNI");
     vnni_state = !(env && env[0] == '0');
-    uint8_t idx[2][64];
+    uint8_t idx[2][64], q8[64];
     uint32_t shift[16];
     for (int c = 0; c < 16; c++) {
       shift[c] = (uint32_t)(4 * ((c / 2) & 1));
-      for (int g = 0; g < 2; g++)
-        for (int i = 0; i < 4; i++) /* row 4g + i of the load; the byte with column c */
+      for (int i = 0; i < 4; i++) {
+        for (int g = 0; g < 2; g++) /* Q4_1: row 4g + i of the load; the byte with column c */
           idx[g][4 * c + i] = (uint8_t)(8 * (4 * g + i) + 4 * (c % 2) + c / 4);
+        q8[4 * c + i] = (uint8_t)(16 * i + c); /* Q8_0: row i of the load, byte c */
+      }
     }
+    q8_idx = _mm512_loadu_si512(q8);
     gather_idx[0] = _mm512_loadu_si512(idx[0]);
     gather_idx[1] = _mm512_loadu_si512(idx[1]);
     nibble_shift = _mm512_loadu_si512(shift);
@@ -85,15 +96,18 @@ static void prepare_row(const float *x, int64_t K, int32_t *out) {
     const float s = finite ? top / VLIMIT : NAN;
     const __m512i half[2] = {_mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv))),
                              _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)))};
+    int32_t sums[3] = {0, 0, 0};
     for (int h = 0; h < 2; h++) {
       __m512i rest = half[h];
       for (int j = 0; j < 3; j++) { /* the part: rest's low byte, sign-extended */
         const __m512i part = _mm512_srai_epi32(_mm512_slli_epi32(rest, 24), 24);
         _mm_storeu_si128((__m128i *)(out + 8 * j + 4 * h), _mm512_cvtepi32_epi8(part));
+        sums[j] += _mm512_reduce_add_epi32(part);
         rest = _mm512_srai_epi32(_mm512_sub_epi32(rest, part), 8);
       }
     }
     memcpy(out + 3 * 8, &s, 4);
+    memcpy(out + 3 * 8 + 1, sums, sizeof sums);
   }
 }
 
@@ -102,49 +116,68 @@ INLINE __m512 halves(const uint8_t *p) {
 }
 
 /* y[rows, the columns of np panels `pstride` bytes apart]; xp: the rows' prepared blocks,
- * xsum: their block sums (gemm_quant.c's block_sums), nb blocks a row. */
-INLINE void vnni_tile(const int np, const int rows, const int32_t *xp, const float *xsum,
+ * xsum: their block sums (gemm_quant.c's block_sums; Q4_1), nb blocks a row. Q8_0 (q8):
+ * the int8 quants become unsigned with +128, and each part's sum times 128 comes off. */
+INLINE void vnni_tile(const int q8, const int np, const int rows, const int32_t *xp,
+                      const float *xsum,
                       int64_t nb, const uint8_t *panel, int64_t pstride, const float *bias,
                       const float *res, float *y, int64_t N, int cols) {
   __m512 total[4][4];
   for (int p = 0; p < np; p++)
     for (int r = 0; r < rows; r++) total[p][r] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(15);
+  const __m512i low4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(-128);
+  const int64_t bytes = q8 ? Q8_BYTES : Q4_BYTES, head = q8 ? 2 * VPANEL : 4 * VPANEL;
   for (int64_t b = 0; b < nb; b++) {
     for (int64_t a = b == 0 ? 0 : b + VAHEAD; a <= b + VAHEAD && a < nb; a++)
       for (int p = 0; p < np; p++)
-        for (int line = 0; line < VBLOCK_BYTES; line += 64)
-          __builtin_prefetch(panel + p * pstride + a * VBLOCK_BYTES + line, 0, 1);
+        for (int line = 0; line < bytes; line += 64)
+          __builtin_prefetch(panel + p * pstride + a * bytes + line, 0, 1);
     __m512i acc[4][4][3];
     for (int p = 0; p < np; p++)
       for (int r = 0; r < rows; r++)
         for (int j = 0; j < 3; j++) acc[p][r][j] = _mm512_setzero_si512();
-    for (int h = 0; h < 4; h++) /* quant rows 8h .. 8h + 7 */
+    for (int h = 0; h < (q8 ? 8 : 4); h++) /* a 64-byte load: quant rows 4h.. (Q8_0), 8h.. */
       for (int p = 0; p < np; p++) {
-        const uint8_t *blk = panel + p * pstride + b * VBLOCK_BYTES;
-        const __m512i raw = _mm512_loadu_si512(blk + 4 * VPANEL + 64 * h);
-        for (int g = 0; g < 2; g++) {
-          const __m512i bytes = _mm512_permutexvar_epi8(gather_idx[g], raw);
-          const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(bytes, nibble_shift), low4);
+        const __m512i raw = _mm512_loadu_si512(panel + p * pstride + b * bytes + head + 64 * h);
+        for (int g = 0; g < (q8 ? 1 : 2); g++) {
+          const __m512i q =
+              q8 ? _mm512_xor_si512(_mm512_permutexvar_epi8(q8_idx, raw), flip)
+                 : _mm512_and_si512(
+                       _mm512_srlv_epi32(_mm512_permutexvar_epi8(gather_idx[g], raw), nibble_shift),
+                       low4);
           for (int r = 0; r < rows; r++) {
-            const int32_t *parts = xp + (r * nb + b) * VPREP + 2 * h + g;
+            const int32_t *parts = xp + (r * nb + b) * VPREP + (q8 ? h : 2 * h + g);
             for (int j = 0; j < 3; j++)
               acc[p][r][j] = _mm512_dpbusd_epi32(acc[p][r][j], q, _mm512_set1_epi32(parts[8 * j]));
           }
         }
       }
     for (int p = 0; p < np; p++) {
-      const uint8_t *blk = panel + p * pstride + b * VBLOCK_BYTES;
-      const __m512 d = halves(blk), m = halves(blk + 2 * VPANEL);
+      const uint8_t *blk = panel + p * pstride + b * bytes;
+      const __m512 d = halves(blk);
       for (int r = 0; r < rows; r++) {
+        const int32_t *prep = xp + (r * nb + b) * VPREP;
         float s;
-        memcpy(&s, xp + (r * nb + b) * VPREP + 3 * 8, 4);
-        /* S1 + 256 S2 < 2^24 (|S_j| <= 128 * 15 * 32): exact as a float */
-        const __m512i upper = _mm512_add_epi32(acc[p][r][1], _mm512_slli_epi32(acc[p][r][2], 8));
-        const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(upper), _mm512_set1_ps(256.0f),
-                                           _mm512_cvtepi32_ps(acc[p][r][0]));
+        memcpy(&s, prep + 3 * 8, 4);
+        __m512 sum;
+        if (q8) { /* S_j = acc_j - 128 sum_j, |S_j| <= 128 * 128 * 32; S0 + 256 S1 < 2^31 */
+          __m512i part[3];
+          for (int j = 0; j < 3; j++)
+            part[j] = _mm512_sub_epi32(acc[p][r][j], _mm512_set1_epi32(128 * prep[3 * 8 + 1 + j]));
+          const __m512i lower = _mm512_add_epi32(part[0], _mm512_slli_epi32(part[1], 8));
+          sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[2]), _mm512_set1_ps(65536.0f),
+                                _mm512_cvtepi32_ps(lower));
+        } else { /* S1 + 256 S2 < 2^24 (|S_j| <= 128 * 15 * 32): exact as a float */
+          const __m512i upper =
+              _mm512_add_epi32(acc[p][r][1], _mm512_slli_epi32(acc[p][r][2], 8));
+          sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(upper), _mm512_set1_ps(256.0f),
+                                _mm512_cvtepi32_ps(acc[p][r][0]));
+        }
         total[p][r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(s)), sum, total[p][r]);
-        total[p][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * nb + b]), total[p][r]);
+        if (!q8)
+          total[p][r] =
+              _mm512_fmadd_ps(halves(blk + 2 * VPANEL), _mm512_set1_ps(xsum[r * nb + b]),
+                              total[p][r]);
       }
     }
   }
@@ -163,20 +196,21 @@ INLINE void vnni_tile(const int np, const int rows, const int32_t *xp, const flo
 INLINE int vnni_panels(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
 
 /* One work item: np panels, all M rows, in tiles of up to 4 rows. */
-static void vnni_group(const int np, const int32_t *xp, const float *xsum, const uint8_t *panel,
+INLINE void vnni_group(const int q8, const int np, const int32_t *xp, const float *xsum,
+                       const uint8_t *panel,
                        int64_t panel_bytes, const float *bias, const float *residual, float *y,
                        int64_t M, int64_t N, int64_t nb, int cols) {
   for (int64_t r = 0; r < M; r += 4) {
     const int rows = M - r < 4 ? (int)(M - r) : 4, tp = vnni_panels(rows);
     const int32_t *xr = xp + r * nb * VPREP;
-    const float *sr = xsum + r * nb, *rr = residual ? residual + r * N : 0;
+    const float *sr = xsum ? xsum + r * nb : 0, *rr = residual ? residual + r * N : 0;
     for (int p0 = 0; p0 < np; p0 += tp) {
       const int n = np - p0 < tp ? np - p0 : tp;
       const uint8_t *pp = panel + p0 * panel_bytes;
       const float *bp = bias ? bias + p0 * VPANEL : 0, *rp = rr ? rr + p0 * VPANEL : 0;
       float *yp = y + r * N + p0 * VPANEL;
       const int c = span(cols, p0 * VPANEL, n * VPANEL);
-#define VTILE(g, m) vnni_tile(g, m, xr, sr, nb, pp, panel_bytes, bp, rp, yp, N, c)
+#define VTILE(g, m) vnni_tile(q8, g, m, xr, sr, nb, pp, panel_bytes, bp, rp, yp, N, c)
       if (n == 4 && rows == 1) VTILE(4, 1);
       else if (n == 2 && rows == 2) VTILE(2, 2);
       else
@@ -184,7 +218,7 @@ static void vnni_group(const int np, const int32_t *xp, const float *xsum, const
           const uint8_t *p1 = pp + p * panel_bytes;
           const float *b1 = bp ? bp + p * VPANEL : 0, *r1 = rp ? rp + p * VPANEL : 0;
           const int c1 = span(c, p * VPANEL, VPANEL);
-#define VTILE1(m) vnni_tile(1, m, xr, sr, nb, p1, panel_bytes, b1, r1, yp + p * VPANEL, N, c1)
+#define VTILE1(m) vnni_tile(q8, 1, m, xr, sr, nb, p1, panel_bytes, b1, r1, yp + p * VPANEL, N, c1)
           switch (rows) {
             case 1: VTILE1(1); break;
             case 2: VTILE1(2); break;
@@ -198,10 +232,24 @@ static void vnni_group(const int np, const int32_t *xp, const float *xsum, const
   }
 }
 
-/* gemm_quant.c's tandem_linear_q4_1 on VNNI; xsum: x's block sums [M][K / 32]. */
-void tandem_vnni_linear_q4_1(const float *x, const float *xsum, const uint8_t *panels,
-                             const float *bias, const float *residual, float *y, int64_t M,
-                             int64_t N, int64_t K, int nthreads) {
+/* The group kernels, each compiled for its type (outside the OpenMP region, which GCC
+ * outlines before inlining: a type passed into it would stay a run-time value). */
+#define VGROUP_ARGS                                                                       \
+  const int np, const int32_t *xp, const float *xsum, const uint8_t *panel,              \
+      int64_t panel_bytes, const float *bias, const float *residual, float *y, int64_t M, \
+      int64_t N, int64_t nb, int cols
+static void group_q4_1(VGROUP_ARGS) {
+  vnni_group(0, np, xp, xsum, panel, panel_bytes, bias, residual, y, M, N, nb, cols);
+}
+static void group_q8_0(VGROUP_ARGS) {
+  vnni_group(1, np, xp, xsum, panel, panel_bytes, bias, residual, y, M, N, nb, cols);
+}
+
+/* gemm_quant.c's tandem_linear_q4_1 (q4) or tandem_linear_q8_0 on VNNI; xsum: x's block
+ * sums [M][K / 32] (Q4_1). */
+void tandem_vnni_linear(const int q4, const float *x, const float *xsum, const uint8_t *panels,
+                        const float *bias, const float *residual, float *y, int64_t M, int64_t N,
+                        int64_t K, int nthreads) {
   static __thread int32_t *buf;
   static __thread int64_t size;
   const int64_t nb = K / VBLOCK;
@@ -212,16 +260,18 @@ void tandem_vnni_linear_q4_1(const float *x, const float *xsum, const uint8_t *p
   }
   for (int64_t r = 0; r < M; r++) prepare_row(x + r * K, K, buf + r * nb * VPREP);
   const int32_t *xp = buf;
-  const int64_t num_panels = (N + VPANEL - 1) / VPANEL, panel_bytes = nb * VBLOCK_BYTES;
+  const int64_t num_panels = (N + VPANEL - 1) / VPANEL;
+  const int64_t panel_bytes = nb * (q4 ? Q4_BYTES : Q8_BYTES);
   const int group = M == 1 ? 4 : 2; /* panels per work item, handed out one at a time */
   const int64_t num_groups = (num_panels + group - 1) / group;
+  void (*const run)(VGROUP_ARGS) = q4 ? group_q4_1 : group_q8_0;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1)
   for (int64_t g = 0; g < num_groups; g++) {
     const int64_t p0 = g * group;
     const int np = span(num_panels, p0, group);
-    vnni_group(np, xp, xsum, panels + p0 * panel_bytes, panel_bytes, bias ? bias + p0 * VPANEL : 0,
-               residual ? residual + p0 * VPANEL : 0, y + p0 * VPANEL, M, N, nb,
-               span(N, p0 * VPANEL, np * VPANEL));
+    run(np, xp, xsum, panels + p0 * panel_bytes, panel_bytes, bias ? bias + p0 * VPANEL : 0,
+        residual ? residual + p0 * VPANEL : 0, y + p0 * VPANEL, M, N, nb,
+        span(N, p0 * VPANEL, np * VPANEL));
   }
 }
 
@@ -229,10 +279,10 @@ void tandem_vnni_linear_q4_1(const float *x, const float *xsum, const uint8_t *p
 
 int tandem_vnni_active(void) { return 0; }
 int tandem_vnni_enable(int enable) { (void)enable; return 0; }
-void tandem_vnni_linear_q4_1(const float *x, const float *xsum, const uint8_t *panels,
-                             const float *bias, const float *residual, float *y, int64_t M,
-                             int64_t N, int64_t K, int nthreads) {
-  (void)x, (void)xsum, (void)panels, (void)bias, (void)residual, (void)y;
+void tandem_vnni_linear(const int q4, const float *x, const float *xsum, const uint8_t *panels,
+                        const float *bias, const float *residual, float *y, int64_t M, int64_t N,
+                        int64_t K, int nthreads) {
+  (void)q4, (void)x, (void)xsum, (void)panels, (void)bias, (void)residual, (void)y;
   (void)M, (void)N, (void)K, (void)nthreads;
 }
 
