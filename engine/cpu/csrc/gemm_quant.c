@@ -165,7 +165,8 @@ INLINE v16 q4_quants(const uint8_t *quants, int k) {
  * 3.8-4.9 without, 2 and 4 rows 5-10% faster. Prefetching only ahead, without the first
  * blocks, gained about half of that; 2 or 6 blocks ahead did no better than 4.
  * The hint is for the outer caches (prefetcht2), not L1 (prefetcht0): on a 2-core AMD EPYC
- * (Zen 4), 2026-11-26, the same command's 1 row took 4.1-4.3 ms against 6.1-6.7 ms with
+ * (Zen 4), 2026-11-26, `python -m bench.cpu_kernels gguf --rows 1 2 5 16 --threads 2` at 1 row
+ * took 4.1-4.3 ms against 6.1-6.7 ms with
  * prefetcht0, and the LM head alone 0.85-0.99 against 1.4 ms (likely: 4 blocks of 4 panels
  * ahead are more lines than L1 keeps in flight, and there they held up the tile's loads). */
 INLINE void prefetch_blocks(const int type, const int np, const uint8_t *panel,

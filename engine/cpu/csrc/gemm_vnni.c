@@ -86,8 +86,9 @@ int tandem_vnni_enable(int enable) {
   return vnni_state;
 }
 
-/* Row x (K floats) as prepared blocks (VPREP int32 each, see above). */
-static void prepare_row(const float *x, int64_t K, int32_t *out) {
+/* Row x (K floats) as prepared blocks (VPREP int32 each, see above; the parts' sums only for
+ * Q8_0, q8). */
+static void prepare_row(const int q8, const float *x, int64_t K, int32_t *out) {
   for (int64_t b = 0; b < K / VBLOCK; b++, out += VPREP) {
     const __m512 lo = _mm512_loadu_ps(x + b * VBLOCK), hi = _mm512_loadu_ps(x + b * VBLOCK + 16);
     const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
@@ -102,7 +103,7 @@ static void prepare_row(const float *x, int64_t K, int32_t *out) {
       for (int j = 0; j < 3; j++) { /* the part: rest's low byte, sign-extended */
         const __m512i part = _mm512_srai_epi32(_mm512_slli_epi32(rest, 24), 24);
         _mm_storeu_si128((__m128i *)(out + 8 * j + 4 * h), _mm512_cvtepi32_epi8(part));
-        sums[j] += _mm512_reduce_add_epi32(part);
+        if (q8) sums[j] += _mm512_reduce_add_epi32(part);
         rest = _mm512_srai_epi32(_mm512_sub_epi32(rest, part), 8);
       }
     }
@@ -258,7 +259,7 @@ void tandem_vnni_linear(const int q4, const float *x, const float *xsum, const u
     size = M * nb * VPREP;
     buf = malloc((size_t)size * sizeof(int32_t));
   }
-  for (int64_t r = 0; r < M; r++) prepare_row(x + r * K, K, buf + r * nb * VPREP);
+  for (int64_t r = 0; r < M; r++) prepare_row(!q4, x + r * K, K, buf + r * nb * VPREP);
   const int32_t *xp = buf;
   const int64_t num_panels = (N + VPANEL - 1) / VPANEL;
   const int64_t panel_bytes = nb * (q4 ? Q4_BYTES : Q8_BYTES);
