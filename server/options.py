@@ -161,8 +161,8 @@ OPTIONS: tuple[Option, ...] = (
         "--gguf-blocks",
         parse_bool,
         "on (default): with the CPU kernels, a .gguf model's linear layers read the file's own "
-        "Q8_0/Q4_1 blocks: the same weights as the converted float32 ones, summed per block and "
-        "then scaled (the same sums in another rounding order), about a fifth of the bytes "
+        "Q8_0/Q4_1/Q4_0 blocks: the same weights as the converted float32 ones, summed per block "
+        "and then scaled (the same sums in another rounding order), about a fifth of the bytes "
         "per pass; off = its dequantized float32 weights",
         metavar="on|off",
     ),

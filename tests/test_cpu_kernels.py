@@ -19,6 +19,7 @@ from engine.config import SpecConfig
 from engine.cpu import build as kernel_build
 from engine.cpu import kernels as cpu_kernels
 from engine.cpu import panels as cpu_panels
+from engine.cpu.gguf_blocks import q4_0_as_q4_1
 from engine.model.inputs import SeqInput
 from engine.model.on_cpu import use_cpu_kernels
 from engine.model.runner import ModelRunner
@@ -86,7 +87,8 @@ def vnni():
 
 
 def _gguf_case(quant: str, out_features: int, in_features: int):
-    """(GGUF panels, their dequantized float32 weights, a bias, a generator)."""
+    """(GGUF panels, their dequantized float32 weights, a bias, a generator); Q4_0 blocks
+    are packed as the Q4_1 blocks the engine runs them as (engine/cpu/gguf_blocks.py)."""
     gguf = pytest.importorskip("gguf")
     gen = torch.Generator().manual_seed(out_features)
     w = torch.randn(out_features, in_features, generator=gen)
@@ -94,10 +96,12 @@ def _gguf_case(quant: str, out_features: int, in_features: int):
     blocks = gguf.quants.quantize(w.numpy(), kind)
     dequantized = torch.from_numpy(gguf.quants.dequantize(blocks, kind).astype("float32"))
     b = torch.randn(out_features, generator=gen)
+    if quant == "Q4_0":
+        blocks, quant = q4_0_as_q4_1(blocks), "Q4_1"
     return cpu_panels.pack_quant_weight(blocks, quant), dequantized, b, gen
 
 
-@pytest.mark.parametrize("quant", cpu_panels.QUANT_TYPES)
+@pytest.mark.parametrize("quant", [*cpu_panels.QUANT_TYPES, "Q4_0"])
 @pytest.mark.parametrize("out_features,in_features", [(16, 32), (37, 96), (300, 576)])
 @pytest.mark.parametrize("use_vnni", [False, True])
 def test_gguf_blocks_sum_as_closely_as_the_dequantized_weights_and_rows_keep_their_bits(
@@ -114,6 +118,7 @@ def test_gguf_blocks_sum_as_closely_as_the_dequantized_weights_and_rows_keep_the
     if vnni(use_vnni) != use_vnni:
         pytest.skip("no AVX-512 VNNI on this machine")
     quantized, dequantized, b, gen = _gguf_case(quant, out_features, in_features)
+    quant = "Q4_1" if quant == "Q4_0" else quant  # the kernel's type (see _gguf_case)
     wide = cpu_panels.pack_linear_weight(dequantized, allow_bf16=False)
     assert quantized.numel() < wide.numel() * 4 / 3  # 5 (Q4_1) or 8.5 (Q8_0) bits a weight
     x = torch.randn(17, in_features, generator=gen) * 4

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from engine.core.async_engine import AsyncEngine
-from engine.model.files import prepare
+from engine.cpu.linear import PackedLinear
+from engine.model.files import locate, prepare
 from server.settings import load_settings
 from tests.server_helpers import running
 
@@ -53,6 +54,10 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def reference(model_dir) -> dict[str, list[int]]:
+    return _hf_reference(model_dir)
+
+
+def _hf_reference(model_dir: str) -> dict[str, list[int]]:
     """Hugging Face generate(), greedy, on the dequantized weights: question -> token ids."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -128,6 +133,32 @@ def test_greedy_chat_equals_hf_generate(model_dir, reference, spec):
         assert stats.spec_drafted_tokens > 0
         if "speculative.draft_model" in spec:  # a trained draft: most first drafts are kept
             assert stats.spec_accepted_by_position[0] > 0.4 * stats.spec_drafted_by_position[0]
+
+
+def test_a_q4_0_file_runs_on_its_own_blocks_and_equals_hf_generate(tmp_path):
+    """The default model re-quantized to Q4_0 (bench/requantize_gguf.py): its linears run on
+    the file's Q4_0 blocks (as Q4_1 blocks of the same weights, engine/cpu/gguf_blocks.py),
+    and greedy chat with the trained draft equals generate() on its dequantized weights."""
+    from bench.requantize_gguf import requantize
+    from engine.cpu import kernels as cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
+    path = tmp_path / "SmolLM2-135M-Instruct.Q4_0.gguf"
+    assert requantize(locate(DEFAULT_MODEL), path, "Q4_0")["Q4_0"] == 30 * 7
+    cache = str(tmp_path / "models")
+    model_dir = prepare(str(path), cache_dir=cache)
+    reference = _hf_reference(model_dir)
+    settings, engine = _start(**{"model.path": str(path), "model.cache_dir": cache})
+    runner = engine.engine.runner
+    assert "120 on Q4_0 (run as Q4_1)" in runner.kernels  # fused q|k|v and gate|up
+    linears = [m for m in runner.native.modules() if isinstance(m, PackedLinear)]
+    assert sum(m.quant == "Q4_1" for m in linears) == 30 * 4
+    with running(settings, engine, timeout=120) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        _check_against_reference(client, model_dir, reference, concurrency=1)
+        _check_against_reference(client, model_dir, reference, concurrency=16)
+        assert engine.stats().spec_drafted_tokens > 0
 
 
 def test_default_config_serves_the_real_model_with_its_draft():

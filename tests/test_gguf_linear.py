@@ -1,7 +1,7 @@
-"""engine/cpu/gguf_blocks.py: packed linears switched onto a GGUF file's own Q8_0 / Q4_1 blocks
-only where every row is found there, with the same outputs up to the summation order (the blocks'
-kernel sums each block's quants before scaling them). (The real model runs this way in
-tests/test_default_model.py.)"""
+"""engine/cpu/gguf_blocks.py: packed linears switched onto a GGUF file's own Q8_0 / Q4_1
+blocks (Q4_0 as Q4_1 blocks of the same weights) only where every row is found there, with
+the same outputs up to the summation order (the blocks' kernel sums each block's quants
+before scaling them). (The real model runs this way in tests/test_default_model.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine.cpu import kernels as cpu_kernels
-from engine.cpu.gguf_blocks import gguf_tensors, use_gguf_blocks
+from engine.cpu.gguf_blocks import gguf_tensors, q4_0_as_q4_1, use_gguf_blocks
 from engine.cpu.linear import PackedLinear
 from engine.model import files as model_files
 
@@ -43,6 +43,8 @@ def test_layers_whose_rows_are_all_in_the_file_switch_and_keep_their_outputs(tmp
     k_blocks, k = _quantized(16, 64, "Q4_1", 1)  # attn_k
     e_blocks, e = _quantized(40, 64, "Q8_0", 2)  # token_embd (a tied LM head)
     f_blocks, f = _quantized(32, 64, "Q8_0", 3)
+    g_blocks, g = _quantized(32, 64, "Q4_0", 6)  # ffn_gate
+    v_blocks, v = _quantized(16, 64, "Q4_0", 7)  # attn_v
     path = tmp_path / "m.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     for name, blocks, kind in [
@@ -50,6 +52,8 @@ def test_layers_whose_rows_are_all_in_the_file_switch_and_keep_their_outputs(tmp
         ("blk.0.attn_k.weight", k_blocks, "Q4_1"),
         ("token_embd.weight", e_blocks, "Q8_0"),
         ("blk.0.ffn_up.weight", f_blocks, "Q8_0"),
+        ("blk.0.ffn_gate.weight", g_blocks, "Q4_0"),
+        ("blk.0.attn_v.weight", v_blocks, "Q4_0"),
     ]:
         qtype = gguf.GGMLQuantizationType[kind]
         writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
@@ -67,12 +71,15 @@ def test_layers_whose_rows_are_all_in_the_file_switch_and_keep_their_outputs(tmp
             "head": _linear(e),
             "stray": _linear(stray),
             "mixed": _linear(torch.cat([q, e[:16]])),  # Q4_1 rows next to Q8_0 rows
+            "gate": _linear(g),  # Q4_0: runs as Q4_1 blocks
+            "kv": _linear(torch.cat([k, v])),  # Q4_1 rows next to Q4_0 rows: one kernel type
         }
     )
     x = torch.randn(5, 64)
     before = {name: layer(x) for name, layer in module.items()}
-    assert use_gguf_blocks(module, path) == {"Q4_1": 1, "Q8_0": 1}
+    assert use_gguf_blocks(module, path) == {"Q4_1": 1, "Q8_0": 1, "Q4_0": 1, "Q4_0+Q4_1": 1}
     assert module["qk"].quant == "Q4_1" and module["head"].quant == "Q8_0"
+    assert module["gate"].quant == "Q4_1" and module["kv"].quant == "Q4_1"
     assert module["stray"].quant is None and module["mixed"].quant is None
     for name, layer in module.items():
         if layer.quant is None:  # left as it was: the same bits
@@ -80,6 +87,27 @@ def test_layers_whose_rows_are_all_in_the_file_switch_and_keep_their_outputs(tmp
         else:  # the same sums, rounded in another order
             torch.testing.assert_close(layer(x), before[name], rtol=1e-5, atol=1e-5)
             assert not torch.equal(layer(x), before[name]), name  # the blocks' kernel ran
+
+
+def test_q4_0_blocks_become_q4_1_blocks_of_the_same_weights():
+    """m = -8 d: every weight the same float32 value (the same bits, but for a zero weight
+    under a negative scale, -0.0 in Q4_0 and 0.0 here), scales from the smallest subnormal
+    to the largest that fits; a scale whose -8 d overflows float16 is refused."""
+    blocks, w = _quantized(24, 96, "Q4_0", 8)
+    d = blocks.reshape(24, 3, 18)[..., :2].copy().view(np.float16)
+    d[0, 0], d[1, 1], d[2, 2], d[3, 0] = 2.0**-24, 6e-5, 8188.0, -8188.0  # subnormal .. limit
+    blocks.reshape(24, 3, 18)[..., :2] = d.view(np.uint8)
+    w = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_0)
+    as_q4_1 = q4_0_as_q4_1(blocks)
+    assert as_q4_1.shape == (24, 3 * 20)
+    same = gguf.quants.dequantize(as_q4_1, gguf.GGMLQuantizationType.Q4_1).astype(np.float32)
+    w = w.astype(np.float32)
+    assert np.array_equal(same, w)
+    nonzero = w != 0
+    assert np.array_equal(same[nonzero].view(np.uint32), w[nonzero].view(np.uint32))
+    d[4, 1] = 8192.0  # -8 d = -65536: past float16's largest
+    blocks.reshape(24, 3, 18)[..., :2] = d.view(np.uint8)
+    assert q4_0_as_q4_1(blocks) is None
 
 
 def test_the_tensor_table_reader_agrees_with_ggufs_own(tmp_path: Path):

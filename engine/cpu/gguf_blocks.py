@@ -3,13 +3,17 @@
 A `.gguf` model is served from float32 weights dequantized from the file
 (engine/model/files.py). On the CPU those weights are also what a pass reads from memory:
 540 MB per pass for SmolLM2-135M, against 96 MB for the file's own Q4_1/Q8_0 blocks. Here
-each packed linear layer (engine/cpu/linear.py) whose every weight row is a row of a Q8_0
-or Q4_1 tensor of the file is switched to those blocks (engine/cpu/csrc/gemm_quant.c), which
+each packed linear layer (engine/cpu/linear.py) whose every weight row is a row of a Q8_0,
+Q4_1 or Q4_0 tensor of the file is switched to those blocks (engine/cpu/csrc/gemm_quant.c), which
 sums each block's quants times x and then applies the block's scale (and minimum): the same
 weights, the products summed in another order (as close to the exact sum as the float32
 layer, not the same bits), for a fifth of the bytes. (On a CPU with AVX-512 VNNI, the
 calls take x in 24-bit fixed point per block and sum in integers: gemm_vnni.c; with AMX
 tiles, calls of 6 rows or more sum the same products in yet another order: gemm_amx.c.)
+
+A Q4_0 tensor (w = d (q - 8), a float16 scale and 32 nibbles a block) runs as Q4_1 blocks
+with the minimum m = -8 d: the same weights exactly (`q4_0_as_q4_1`), 2 more bytes a block
+(5 bits a weight instead of 4.5) and no kernel of its own.
 
 Rows are matched by content, not by name: each row of the file's tensors is dequantized
 and hashed, and a layer takes the blocks of the rows whose bytes equal its own. That covers
@@ -103,33 +107,60 @@ def gguf_tensors(path: Path) -> list[tuple[str, int, np.ndarray]]:
     return tensors
 
 
+def q4_0_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
+    """Q4_0 blocks [rows, blocks * 18 bytes] (float16 d, then 16 bytes of nibbles: w = d (q - 8))
+    as Q4_1 blocks [rows, blocks * 20 bytes] (d, m, the same nibbles: w = d q + m) with
+    m = -8 d, or None when some -8 d would overflow float16 (|d| > 8188).
+
+    The weights are the same values: -8 d is d with its exponent moved (exact in float16
+    where it does not overflow), d q and 8 d are exact in float32 (11-bit d times a 4-bit
+    integer), and so is their difference d (q - 8), which has at most 15 significant bits
+    (the same bits, but for a zero weight under a negative d: -0.0 in Q4_0, 0.0 here)."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 18)
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)
+    with np.errstate(over="ignore"):  # an overflow is refused below
+        m = (d.astype(np.float32) * -8.0).astype(np.float16)
+    if not np.isfinite(m[np.isfinite(d)]).all():
+        return None
+    return np.concatenate([blocks[..., :2], m.view(np.uint8), blocks[..., 2:]], axis=-1).reshape(
+        rows, -1
+    )
+
+
 def _row_keys(rows: np.ndarray) -> list[bytes]:
     return [hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in rows]
 
 
 class _Rows:
-    """Every row of the file's Q8_0 / Q4_1 tensors, by the hash of its dequantized bytes."""
+    """Every row of the file's Q8_0 / Q4_1 / Q4_0 tensors, by the hash of its dequantized
+    bytes (Q4_0 rows held as Q4_1 blocks)."""
 
     def __init__(self, gguf_path: Path) -> None:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        self.tensors: list[tuple[str, np.ndarray]] = []  # (type, raw blocks [rows, bytes])
+        # (kernel type, the file's type, raw blocks [rows, bytes]) per tensor
+        self.tensors: list[tuple[str, str, np.ndarray]] = []
         self.index: dict[bytes, tuple[int, int]] = {}  # row hash -> (tensor, row)
         for _, number, raw in gguf_tensors(gguf_path):
             qtype = GGMLQuantizationType(number)
-            kind = qtype.name
-            if kind not in cpu_panels.QUANT_TYPES:
+            source = kind = qtype.name
+            blocks: np.ndarray | None = raw
+            if source == "Q4_0":
+                kind, blocks = "Q4_1", q4_0_as_q4_1(raw)
+            if kind not in cpu_panels.QUANT_TYPES or blocks is None:
                 continue
             values = dequantize(raw, qtype).astype(np.float32, copy=False)
             t = len(self.tensors)
-            self.tensors.append((kind, raw))
+            self.tensors.append((kind, source, blocks))
             for r, key in enumerate(_row_keys(values)):
                 self.index.setdefault(key, (t, r))
 
-    def blocks_for(self, weight: torch.Tensor) -> tuple[str, np.ndarray] | None:
-        """(type, blocks [rows, bytes]) whose dequantized values are exactly `weight`'s rows,
-        or None when some row is missing or the rows mix types."""
+    def blocks_for(self, weight: torch.Tensor) -> tuple[str, str, np.ndarray] | None:
+        """(kernel type, what the file holds, blocks [rows, bytes]) whose dequantized values
+        are exactly `weight`'s rows, or None when some row is missing or the rows mix kernel
+        types. The file's types are named as in the file, "Q4_0+Q4_1" for rows of both."""
         values = weight.detach().float().contiguous().numpy()
         if values.shape[1] % cpu_panels.QBLOCK:
             return None
@@ -137,16 +168,18 @@ class _Rows:
         if any(f is None for f in found):
             return None
         kinds = {self.tensors[t][0] for t, _ in found}
-        widths = {self.tensors[t][1].shape[1] for t, _ in found}
+        widths = {self.tensors[t][2].shape[1] for t, _ in found}
         if len(kinds) != 1 or len(widths) != 1:
             return None
-        blocks = np.stack([self.tensors[t][1][r] for t, r in found])
-        return kinds.pop(), blocks
+        sources = "+".join(sorted({self.tensors[t][1] for t, _ in found}))
+        blocks = np.stack([self.tensors[t][2][r] for t, r in found])
+        return kinds.pop(), sources, blocks
 
 
 def use_gguf_blocks(module: nn.Module, gguf_path: Path) -> dict[str, int]:
     """Switch every `PackedLinear` of `module` whose weights are rows of `gguf_path`'s Q8_0 /
-    Q4_1 tensors to those blocks; returns how many layers went to each type."""
+    Q4_1 / Q4_0 tensors to those blocks; returns how many layers went to each of the file's
+    types ("Q4_0" layers run as Q4_1 blocks)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -158,10 +191,10 @@ def use_gguf_blocks(module: nn.Module, gguf_path: Path) -> dict[str, int]:
         match = rows.blocks_for(layer.weight)
         if match is None:
             continue
-        kind, blocks = match
+        kind, source, blocks = match
         check = dequantize(blocks, GGMLQuantizationType[kind]).astype(np.float32, copy=False)
         if not np.array_equal(check, layer.weight.detach().numpy()):  # a hash collision
             continue
         layer.use_quantized(cpu_panels.pack_quant_weight(blocks, kind), kind)
-        switched[kind] = switched.get(kind, 0) + 1
+        switched[source] = switched.get(source, 0) + 1
     return switched

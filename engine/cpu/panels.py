@@ -1,7 +1,8 @@
 """Weights packed into the layouts the C GEMMs read (engine/cpu/csrc/gemm.c, gemm_quant.c):
 panels of `PANEL` output columns side by side, in float32, in bfloat16 when every weight is
 exactly a bfloat16 value, or as a GGUF file's Q8_0 / Q4_1 blocks (their float16 scales
-and quants regrouped by panel, not a byte more)."""
+and quants regrouped by panel, not a byte more; Q4_0 blocks come here as Q4_1 blocks,
+engine/cpu/gguf_blocks.py)."""
 
 from __future__ import annotations
 

@@ -78,6 +78,9 @@ def _use_gguf_blocks(runner: ModelRunner, module: torch.nn.Module) -> str:
         return ""
     switched = use_gguf_blocks(module, source)
     if not switched:
-        return f"; no layer matches a Q8_0/Q4_1 tensor of {source.name}"
-    kinds = ", ".join(f"{n} on {kind}" for kind, n in sorted(switched.items()))
+        return f"; no layer matches a Q8_0/Q4_1/Q4_0 tensor of {source.name}"
+    kinds = ", ".join(
+        f"{n} on {kind}" + (" (run as Q4_1)" if "Q4_0" in kind else "")
+        for kind, n in sorted(switched.items())
+    )
     return f"; {kinds} blocks of {source.name}"
