@@ -323,6 +323,7 @@ def main() -> None:
     # Sections written by hand from their commands' printed output, after the chat tables.
     for fragment in (
         "chat_runs_cpu.md",
+        "server_overhead_cpu.md",
         "chat-eagle.json",
         "quantization_cpu.md",
         "verification_cpu.md",
