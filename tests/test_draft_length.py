@@ -19,6 +19,7 @@ from engine.spec.calibration import (
 )
 from engine.spec.cost_model import CostModel, PassShape
 from engine.spec.draft_length import (
+    CATCH_UP_STEPS,
     PROBE_STEPS,
     REASON_ACCEPTANCE,
     REASON_BATCH,
@@ -557,7 +558,7 @@ def test_the_engine_charges_decode_steps_for_the_time_outside_their_passes(tiny_
     spec = SpecConfig("draft", str(tiny_dirs["llama_draft"]), max_draft_tokens=2)
     engine = make_engine(tiny_dirs["llama"], spec=spec)
     seen: list[tuple[int, float, float]] = []
-    engine.cost_model.observe_step = lambda batch, interval, passes: seen.append(
+    engine.cost_model.observe_step = lambda batch, interval, passes, drafting: seen.append(
         (batch, interval, passes)
     )
     prompts = random_prompts([6, 9], vocab=300, seed=33)
@@ -576,3 +577,59 @@ def test_the_engine_charges_decode_steps_for_the_time_outside_their_passes(tiny_
     assert all(0 <= passes < interval for _, interval, passes in seen)
     assert all(interval - passes >= 0.02 for _, interval, passes in seen[: steps - 2])
     assert all(interval < 0.3 for _, interval, _ in seen)
+
+
+def test_steps_that_draft_are_charged_their_own_overhead():
+    """A drafting step also verifies its drafts and rolls back the rejected ones, so its cost
+    outside the passes is measured apart from a plain step's (each kind falls back on the
+    other's until measured). Half-kept drafts that win when both kinds cost 2 ms more than
+    their passes (1.5 tokens in 8.5 ms against 1 in 6) lose when drafting steps cost 3 ms
+    (1.5 in 9.5 against 1 in 6)."""
+    seconds = [0.0040, 0.0056] + [0.0056 + 0.0005 * n for n in SIZES[2:]]
+    cost = CostModel(SIZES, seconds, draft_fixed=0.0009, draft_per_token=0.0)
+    reqs = _requests(1, accepted=50, trials=100)
+    for _ in range(8):
+        cost.observe_step(1, 0.0060, 0.0040, drafting=False)
+    assert cost.step_overhead(1, drafting=True) == pytest.approx(0.002)  # the plain steps'
+    assert AdaptiveDraftLength(1, cost).choose(reqs).ks == [1]
+    for _ in range(8):
+        cost.observe_step(1, 0.0095, 0.0065, drafting=True)
+    assert cost.step_overhead(1, drafting=True) == pytest.approx(0.003)
+    assert cost.step_overhead(1, drafting=False) == pytest.approx(0.002)
+    assert AdaptiveDraftLength(1, cost).choose(reqs).ks == [0]
+    policy = AdaptiveDraftLength(1, cost)  # the vectorised searches agree
+    a, context, lag = np.array([policy.acceptance(reqs[0])]), np.array([3.0]), np.zeros(1)
+    assert policy._best_prefix(policy.gains(a), context, 0, lag)[0].tolist() == [0]
+    assert policy._best_uniform(policy.gains(a), context, 0, lag)[0].tolist() == [0]
+    assert policy._best_alone(policy.gains(a), context, lag).tolist() == [0]
+
+
+def test_a_lagging_draft_is_charged_over_the_drafting_runs_the_policy_measures():
+    """The draft's catch-up is spread over the drafting steps expected to follow: 32 as a
+    prior, then the measured mean length of the runs of drafting steps the policy chose. Runs
+    of 2 steps make a 12-token lag cost 6 draft tokens a step, not 12 / 32: a draft that pays
+    when it is caught up no longer starts 12 tokens behind."""
+    cost = CostModel(SIZES, [0.0040, 0.0042] + [0.0042 + 0.001 * n for n in SIZES[2:]],
+                     draft_fixed=0.0005, draft_per_token=0.0004)  # fmt: skip
+    policy = AdaptiveDraftLength(1, cost, probe_interval=10**6)
+    req = _requests(1, accepted=80, trials=100, context=40)[0]
+    behind = _requests(1, accepted=80, trials=100, context=40)[0]
+    behind.request_id = "behind"
+    behind.num_draft_computed_tokens = behind.num_tokens - 13  # 12 tokens to catch up
+    assert policy.streak_steps == CATCH_UP_STEPS
+    assert policy.choose([behind]).ks == [1]  # 12 / 32 of a lag a step: cheap enough
+    policy._streaks.clear()
+    req.num_draft_computed_tokens = req.num_tokens  # caught up
+    for _ in range(100):  # runs of two drafting steps, each ended by a plain one
+        req.spec.accepted = 80
+        assert [policy.choose([req]).ks for _ in range(2)] == [[1], [1]]
+        req.spec.accepted = 0
+        assert policy.choose([req]).ks == [0]
+    assert policy.streak_steps == pytest.approx(2.0, abs=0.05)
+    req.spec.accepted = 80
+    assert policy.choose([req]).ks == [1]
+    assert policy.choose([behind]).ks == [0]
+    probing = AdaptiveDraftLength(1, cost, probe_interval=1)  # a probe's forced steps: no run
+    req.spec.accepted = 0
+    assert sum(probing.choose([req]).ks[0] for _ in range(20)) > 0
+    assert probing.streak_steps == CATCH_UP_STEPS

@@ -125,7 +125,7 @@ class LLMEngine:
         self.grammars = Grammars(config.model.model, self.vocab_size, self.eos_token_ids)
         """Structured output's compiled grammars (engine/sample/grammar.py)."""
         self.totals = EngineStats()
-        self._last_decode: tuple[float, int, float] | None = None
+        self._last_decode: tuple[float, int, float, bool] | None = None
         """The last step, if it decoded only and left work: (start, requests, passes' seconds)."""
         self._seeds = itertools.count(config.model.seed)
         logger.info(
@@ -187,7 +187,7 @@ class LLMEngine:
         step_start = time.perf_counter()
         last, self._last_decode = self._last_decode, None
         if last is not None and self.cost_model is not None:  # what it cost beyond its passes
-            self.cost_model.observe_step(last[1], step_start - last[0], last[2])
+            self.cost_model.observe_step(last[1], step_start - last[0], last[2], last[3])
         sched = self.scheduler.schedule()
         self.totals.steps += 1
         if not sched.scheduled:
@@ -218,7 +218,9 @@ class LLMEngine:
         decode_only = sched.num_decodes == len(sched.scheduled)
         if self.cost_model is not None and timed and decode_only and self.has_work():
             # Until the next step starts: what the caller does between steps (streaming) too.
-            self._last_decode = (step_start, sched.num_decodes, verified - start + observed)
+            drafted_any = drafts is not None and any(drafts.token_ids)
+            passes = verified - start + observed
+            self._last_decode = (step_start, sched.num_decodes, passes, drafted_any)
         return outputs
 
     def stats(self) -> EngineStats:

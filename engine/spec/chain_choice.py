@@ -33,13 +33,17 @@ class ChainChoice:
         (prefill tokens and every request's last token, each of the latter a query over its
         context: decode_pairs) plus the drafts, each of which is one more query over its
         request's context; the draft also feeds `fed` catch-up tokens (`fed_pairs` query x key
-        pairs); and the step's cost outside the passes, the same for every K."""
+        pairs); and the step's cost outside the passes, measured apart for steps with drafts."""
         return (
             self.cost.target_time(
                 base_tokens + drafts, decode_pairs, decode_pairs + draft_pairs, branches
             )
             + self.cost.draft_time(passes, drafts + fed, draft_pairs + fed_pairs, branches)
-            + self.cost.step_overhead(rows)
+            + np.where(
+                np.asarray(drafts) > 0,
+                self.cost.step_overhead(rows, drafting=True),
+                self.cost.step_overhead(rows, drafting=False),
+            )
         )
 
     def _best_uniform(
@@ -98,6 +102,6 @@ class ChainChoice:
         seconds = (
             self.cost.target_time(1 + drafts, ctx, (1 + drafts) * ctx)
             + self.cost.draft_time(drafts, fed, fed * ctx)
-            + self.cost.step_overhead(1)
+            + np.where(drafts > 0, self.cost.step_overhead(1, True), self.cost.step_overhead(1))
         )
         return np.argmax(tokens / seconds, axis=1)

@@ -25,7 +25,10 @@ A step also costs time outside both models' passes: scheduling, sampling, bookke
 whatever its caller does before the next step (a server streams the step's outputs to its
 clients). That part is paid once a step, however many tokens the step makes, so it is part
 of what speculation amortizes: measured per decoding batch size from the interval between the
-starts of consecutive decode steps, less their passes (`observe_step`, `step_overhead`).
+starts of consecutive decode steps, less their passes (`observe_step`, `step_overhead`), and
+apart for steps that drafted and steps that did not (a drafting step also verifies its drafts
+and rolls back what was rejected: on the default pair at concurrency 1 in-process, the
+engine's own estimates were 0.27 and 0.16 ms on a 2-core AMD EPYC, 2026-11-26).
 
 The verifier capacity P is the number of tokens a target pass takes for about the cost of a
 single-token pass (within `CAPACITY_SLACK`).
@@ -132,8 +135,9 @@ class CostModel:
         self.draft_scale = _Scale()
         self.tree_scales: dict[int, tuple[_Scale, _Scale]] = {}
         """Per tree width N > 1: (target, draft) cost beyond the two scales above."""
-        self.overheads: dict[int, _Seconds] = {}
-        """Per decoding batch size: what a step costs outside both models' passes."""
+        self.overheads: dict[tuple[int, bool], _Seconds] = {}
+        """Per decoding batch size and whether the step drafted: what a step costs outside both
+        models' passes."""
 
     def target_time(
         self,
@@ -172,11 +176,15 @@ class CostModel:
         scale = self.draft_scale.value * self._tree_scale(branches, 1)
         return scale * self._draft_calibrated(num_passes, num_drafts, qk_pairs)
 
-    def step_overhead(self, batch: int) -> float:
+    def step_overhead(self, batch: int, drafting: bool = False) -> float:
         """Seconds a decode step of `batch` requests costs outside both models' passes, as
-        measured (`observe_step`); 0 until `_OVERHEAD_MIN_OBSERVED` such steps were."""
-        seen = self.overheads.get(batch)
-        return seen.value if seen is not None and seen.count >= _OVERHEAD_MIN_OBSERVED else 0.0
+        measured (`observe_step`) for steps that drafted (`drafting`) or did not; until
+        `_OVERHEAD_MIN_OBSERVED` such steps were, the other kind's, else 0."""
+        for kind in (drafting, not drafting):
+            seen = self.overheads.get((batch, kind))
+            if seen is not None and seen.count >= _OVERHEAD_MIN_OBSERVED:
+                return seen.value
+        return 0.0
 
     def _tree_scale(self, branches: int, which: int) -> float:
         scales = self.tree_scales.get(branches)
@@ -230,15 +238,16 @@ class CostModel:
         base_tokens: int,
         max_drafts: int,
         catch_up: float = 0.0,
-        overhead: float = 0.0,
+        overhead: tuple[float, float] = (0.0, 0.0),
     ) -> int:
         """For one request drafting a chain (`gains[d - 1]`: the chance that its d-th draft
         is kept, `context` tokens cached) in a pass that holds `base_tokens` other tokens (its
         own last one included): the K in 0..max_drafts with the most expected tokens per
         second, the first if several tie; drafting also feeds the draft `catch_up` tokens
         (its lag, engine/spec/draft_length.py); every K pays the step's `overhead` seconds
-        outside the passes. What the draft-length policy's vectorised search gives for a batch
-        of one, in plain Python (at c=1 the policy decides every few steps)."""
+        outside the passes (those of plain steps for K = 0, of drafting steps for K > 0).
+        What the draft-length policy's vectorised search gives for a batch of one, in plain
+        Python (at c=1 the policy decides every few steps)."""
         tokens, rates = 1.0, []
         for k in range(max_drafts + 1):
             tokens += gains[k - 1] if k else 0.0
@@ -246,7 +255,7 @@ class CostModel:
             fed = k + catch_up if k else 0.0
             draft = self._draft_at(k, fed, fed * context)
             target_scale = self.target_scale_at(base_tokens + k)
-            seconds = target_scale * target + self.draft_scale.value * draft + overhead
+            seconds = target_scale * target + self.draft_scale.value * draft + overhead[k > 0]
             rates.append(tokens / seconds)
         return rates.index(max(rates))
 
@@ -272,10 +281,14 @@ class CostModel:
         if shape.num_tokens <= SMALL_PASS:
             self.small_scales[shape.num_tokens].observe(seconds, calibrated)
 
-    def observe_step(self, batch: int, interval: float, passes: float) -> None:
-        """A decode step of `batch` requests: `interval` seconds from its start to the next
-        step's start, `passes` of them in the target's and the draft's passes."""
-        self.overheads.setdefault(batch, _Seconds()).observe(max(interval - passes, 0.0))
+    def observe_step(
+        self, batch: int, interval: float, passes: float, drafting: bool = False
+    ) -> None:
+        """A decode step of `batch` requests (that drafted, or not): `interval` seconds from its
+        start to the next step's start, `passes` of them in the target's and the draft's
+        passes."""
+        seen = self.overheads.setdefault((batch, drafting), _Seconds())
+        seen.observe(max(interval - passes, 0.0))
 
     def observe_draft(
         self, num_passes: int, num_drafts: int, qk_pairs: int, seconds: float, branches: int = 1
