@@ -17,9 +17,9 @@ from engine.spec.calibration import (
     calibrate_runners,
     table_chunks,
 )
+from engine.spec.catch_up import CATCH_UP_STEPS
 from engine.spec.cost_model import CostModel, PassShape
 from engine.spec.draft_length import (
-    CATCH_UP_STEPS,
     PROBE_STEPS,
     REASON_ACCEPTANCE,
     REASON_BATCH,
@@ -616,20 +616,20 @@ def test_a_lagging_draft_is_charged_over_the_drafting_runs_the_policy_measures()
     behind = _requests(1, accepted=80, trials=100, context=40)[0]
     behind.request_id = "behind"
     behind.num_draft_computed_tokens = behind.num_tokens - 13  # 12 tokens to catch up
-    assert policy.streak_steps == CATCH_UP_STEPS
+    assert policy.catch_up.run_steps == CATCH_UP_STEPS
     assert policy.choose([behind]).ks == [1]  # 12 / 32 of a lag a step: cheap enough
-    policy._streaks.clear()
+    policy.catch_up._open.clear()
     req.num_draft_computed_tokens = req.num_tokens  # caught up
     for _ in range(100):  # runs of two drafting steps, each ended by a plain one
         req.spec.accepted = 80
         assert [policy.choose([req]).ks for _ in range(2)] == [[1], [1]]
         req.spec.accepted = 0
         assert policy.choose([req]).ks == [0]
-    assert policy.streak_steps == pytest.approx(2.0, abs=0.05)
+    assert policy.catch_up.run_steps == pytest.approx(2.0, abs=0.05)
     req.spec.accepted = 80
     assert policy.choose([req]).ks == [1]
     assert policy.choose([behind]).ks == [0]
     probing = AdaptiveDraftLength(1, cost, probe_interval=1)  # a probe's forced steps: no run
     req.spec.accepted = 0
     assert sum(probing.choose([req]).ks[0] for _ in range(20)) > 0
-    assert probing.streak_steps == CATCH_UP_STEPS
+    assert probing.catch_up.run_steps == CATCH_UP_STEPS

@@ -15,6 +15,7 @@ import numpy as np
 
 from engine.config import SpecConfig
 from engine.core.request import Request
+from engine.spec.catch_up import CatchUp
 from engine.spec.chain_choice import ChainChoice
 from engine.spec.cost_model import CostModel
 from engine.spec.tree_choice import TreeChoice
@@ -29,12 +30,6 @@ REASON_MEMORY = "kv_memory"
 PROBE_STEPS = 8
 """Consecutive steps a probe drafts (K = 1) for its request: its first step pays the draft's
 catch-up, so one step alone does not measure what drafting costs in steady state."""
-
-CATCH_UP_STEPS = 32
-"""A request whose draft lags (plain decodes skip it) pays the draft's catch-up when it next
-drafts: the policy spreads it over the drafting steps that are expected to follow (or the
-steps left, if fewer). This is the prior of that expectation, which is then measured: the
-mean length of the runs of consecutive drafting steps the policy chose (`streak_steps`)."""
 
 
 @dataclass
@@ -109,13 +104,10 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
     predicted, and steps of K = 2 made fewer tokens per second than plain decodes.
 
     Drafting again after plain decodes first feeds the draft every token it skipped: that
-    catch-up is charged as draft tokens, spread over the drafting steps expected to follow
-    (one speculative step alone rarely repays it; at concurrency 16 the draft's catch-ups when
-    the batch thinned out were most of its time). How many follow is measured: the mean
-    length of the runs of drafting steps the policy chose for a request, `CATCH_UP_STEPS` as
-    the prior. A fixed 32 undercharged it: on the default pair at concurrency 1 the runs were
-    a few steps long, each drafting step fed the draft about 4 tokens, not the 1 + 1/32 the
-    policy counted, and adaptive K made 12-16% fewer tokens/s than speculation off.
+    catch-up is charged as draft tokens, spread over the drafting steps expected to follow,
+    as measured (engine/spec/catch_up.py; at concurrency 16 the draft's catch-ups when the
+    batch thinned out were most of its time, and at concurrency 1 a fixed spread of 32 steps
+    made the policy switch K every few steps at a loss).
 
     When speculation has been off for `probe_interval` steps, one request drafts K = 1 for
     `PROBE_STEPS` steps: otherwise a pessimistic cost estimate or acceptance prior could never be
@@ -157,12 +149,7 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
         # Per depth d: drafts kept, and kept as the a^d model predicted (decayed).
         self._depth_kept = np.zeros(max_draft_tokens)
         self._depth_predicted = np.zeros(max_draft_tokens)
-        self.streak_steps = float(CATCH_UP_STEPS)
-        """Mean length of a run of consecutive drafting steps (a running mean over the runs
-        seen, CATCH_UP_STEPS counting as the first; an EMA after 20)."""
-        self._streak_runs = 1
-        self._streaks: dict[str, int] = {}
-        """Per request in a run of drafting steps the policy chose: its steps so far."""
+        self.catch_up = CatchUp()
         self._decided: dict[tuple, tuple[list[int], list[str | None], int]] = {}
         """Decisions by their rounded inputs (`_inputs_key`)."""
         self._depth_cache: tuple[list[float], tuple] | None = None
@@ -238,7 +225,7 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
         # Plain Python until a decision is missing (arrays for every key: 85 us a step, this 30)
         a = [self.acceptance(r) for r in requests]
         context = [r.num_tokens for r in requests]
-        catch_up = [_catch_up(r, self.streak_steps) for r in requests]
+        catch_up = [self.catch_up.tokens(r) for r in requests]
         key = self._inputs_key(a, context, num_other_tokens, catch_up)
         decided = self._decided.get(key)
         if decided is None:
@@ -258,27 +245,8 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
             self._probing = ("", 0)
         else:
             ks = self._probe(requests, ks)
-        self._count_streaks(requests, ks, probe=not any(decided[0]) and any(ks))
+        self.catch_up.count(requests, ks, probe=not any(decided[0]) and any(ks))
         return DraftLengths(list(ks), list(reasons), branches)
-
-    def _count_streaks(self, requests: list[Request], ks: list[int], probe: bool) -> None:
-        """Extend the runs of drafting steps of the requests that draft this step; a run that
-        stops (K = 0) is counted into `streak_steps`. Probes' forced steps are no run of the
-        policy's choosing: they start none, and a run a request is in when a probe begins is
-        dropped (as is one whose request finished mid-run: its length was cut short)."""
-        if probe:
-            self._streaks.clear()
-            return
-        streaks: dict[str, int] = {}
-        for req, k in zip(requests, ks, strict=True):
-            run = self._streaks.get(req.request_id, 0)
-            if k:
-                streaks[req.request_id] = run + 1
-            elif run:
-                self._streak_runs += 1
-                rate = max(1.0 / self._streak_runs, 0.05)
-                self.streak_steps += rate * (run - self.streak_steps)
-        self._streaks = streaks
 
     def _probe(self, requests: list[Request], ks: list[int]) -> list[int]:
         """`ks` (all 0), or K = 1 for the request a probe drafts for this step."""
@@ -330,7 +298,7 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
         self, a: np.ndarray, context: np.ndarray, num_other_tokens: int, catch_up: np.ndarray
     ) -> tuple[list[int], list[str | None], int]:
         """(K per request, why each is below K_max, tree branches): the batch's best rate.
-        `catch_up`: per request, the draft tokens a step pays for its lag (`_catch_up`)."""
+        `catch_up`: per request, the draft tokens a step pays for its lag (`CatchUp.tokens`)."""
         batch, k_max = len(a), self.max_draft_tokens
         if batch == 1 and self.max_branches == 1:  # one request: plain numbers, no arrays
             g1 = self._gains_one(float(a[0]))
@@ -358,16 +326,6 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
                 ks, branches = np.full(batch, k_tree, dtype=np.int64), n
                 reasons = [None] * batch
         return [int(k) for k in ks], reasons, branches
-
-
-def _catch_up(req: Request, streak_steps: float = CATCH_UP_STEPS) -> float:
-    """Draft tokens a step of `req` is charged for the draft's lag: the lag spread over the
-    `streak_steps` drafting steps expected to follow (or the steps left, if fewer)."""
-    behind = req.num_tokens - req.num_draft_computed_tokens - 1  # its last token is fed anyway
-    if behind <= 0:
-        return 0.0
-    steps = min(max(req.params.max_tokens - req.num_output_tokens, 1), max(streak_steps, 1.0))
-    return behind / steps
 
 
 class NoSpeculation(FixedDraftLength):
