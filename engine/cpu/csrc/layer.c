@@ -5,14 +5,29 @@
  * operators (most of a small model's pass on the CPU is that chain's per-call cost).
  */
 
-/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, per row of dim values (out may be x). */
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, per row of dim values (out may be x).
+ * The sum of squares runs in 32 lanes (one dependent add per 32 values, not per value). It
+ * runs on the calling thread while the other kernel threads wait: in `perf record` of a loop
+ * of the default model's one-token passes (2-core AMD EPYC, 2026-11-26) the scalar loop took
+ * 1.6% of the samples, this 0.4%. A row's result depends only on that row. */
 void tandem_rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t dim,
                      float eps) {
   for (int64_t r = 0; r < rows; r++) {
     const float *xr = x + r * dim;
     float *o = out + r * dim;
-    float ss = 0.0f;
-    for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
+    v8 acc[4] = {splat(0.0f), splat(0.0f), splat(0.0f), splat(0.0f)};
+    int64_t i = 0;
+    for (; i + 32 <= dim; i += 32)
+      for (int u = 0; u < 4; u++) {
+        const v8 v = load(xr + i + 8 * u);
+        acc[u] += v * v;
+      }
+    for (; i + 8 <= dim; i += 8) {
+      const v8 v = load(xr + i);
+      acc[0] += v * v;
+    }
+    float ss = hsum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+    for (; i < dim; i++) ss += xr[i] * xr[i];
     const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
     for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv * weight[i];
   }
