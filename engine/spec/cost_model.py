@@ -244,7 +244,7 @@ class CostModel:
         is kept, `context` tokens cached) in a pass that holds `base_tokens` other tokens (its
         own last one included): the K in 0..max_drafts with the most expected tokens per
         second, the first if several tie; drafting also feeds the draft `catch_up` tokens
-        (its lag, engine/spec/draft_length.py); every K pays the step's `overhead` seconds
+        (its lag, engine/spec/catch_up.py); every K pays the step's `overhead` seconds
         outside the passes (those of plain steps for K = 0, of drafting steps for K > 0).
         What the draft-length policy's vectorised search gives for a batch of one, in plain
         Python (at c=1 the policy decides every few steps)."""
