@@ -126,8 +126,7 @@ class LLMEngine:
         """Structured output's compiled grammars (engine/sample/grammar.py)."""
         self.totals = EngineStats()
         self._last_decode: tuple[float, int, float, bool] | None = None
-        """The last step, if it decoded only and left work: (start, requests, passes' seconds,
-        whether it drafted)."""
+        """The last step, if it decoded only and left work: (start, requests, passes, drafted)."""
         self._seeds = itertools.count(config.model.seed)
         logger.info(
             "engine ready: %s on %s/%s (%s forward, %s attention, decode graphs %s), %d KV "
