@@ -39,11 +39,15 @@ class ChainChoice:
                 base_tokens + drafts, decode_pairs, decode_pairs + draft_pairs, branches
             )
             + self.cost.draft_time(passes, drafts + fed, draft_pairs + fed_pairs, branches)
-            + np.where(
-                np.asarray(drafts) > 0,
-                self.cost.step_overhead(rows, drafting=True),
-                self.cost.step_overhead(rows, drafting=False),
-            )
+            + self._overhead(rows, drafts)
+        )
+
+    def _overhead(self, rows: int, drafts: np.ndarray | float) -> np.ndarray:
+        """The step's measured cost outside the passes: a drafting step's where `drafts` > 0."""
+        return np.where(
+            np.asarray(drafts) > 0,
+            self.cost.step_overhead(rows, drafting=True),
+            self.cost.step_overhead(rows, drafting=False),
         )
 
     def _best_uniform(
@@ -102,6 +106,6 @@ class ChainChoice:
         seconds = (
             self.cost.target_time(1 + drafts, ctx, (1 + drafts) * ctx)
             + self.cost.draft_time(drafts, fed, fed * ctx)
-            + np.where(drafts > 0, self.cost.step_overhead(1, True), self.cost.step_overhead(1))
+            + self._overhead(1, drafts)
         )
         return np.argmax(tokens / seconds, axis=1)
