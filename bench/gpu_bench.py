@@ -13,7 +13,9 @@ TTFT from the batch's start) and HF assisted generation (assistant_model=draft, 
 defaults and the heuristic K schedule; batch 1 only, so above concurrency 1 a row says it
 was not run). Every run is greedy with exactly --max-tokens output tokens per request
 (EOS ignored by Tandem, masked by `min_new_tokens` in HF), the same prompts for every
-system, after a short warm-up at the same concurrency, with the device synchronised
+system, after a warm-up at the same concurrency (whole requests for Tandem, so
+the CUDA graphs its steps need are captured before the clock starts; captures that still
+fall in the timed run are counted in the row), with the device synchronised
 around it. Tandem's prefix cache is off: HF has none, and the levels reuse prompts.
 
 The JSON is rewritten after every row, so a run stopped by a time limit keeps what it
@@ -156,14 +158,19 @@ class GpuBench:
 
     def tandem_row(self, name: str, level: int) -> dict:
         engine, args = self.engine(name), self.args
+        # Whole requests: the CUDA graphs a setting needs depend on the mix of draft lengths
+        # in a batch, which a few tokens do not reach; a capture in the timed run costs tens
+        # of milliseconds. Those that still happen are counted in the row.
         warm = self.prompts[-level:]
-        run_closed_loop(engine, f"warm-{name}@{level}", warm, level, args.warmup_tokens, level)
+        run_closed_loop(engine, f"warm-{name}@{level}", warm, level, args.max_tokens, level)
         sync(self.device)
+        captured = _captures(engine)
         result = run_closed_loop(
             engine, f"{name}@{level}", self.prompts, level, args.max_tokens, args.requests(level)
         )
         sync(self.device)
         row = result.as_dict()
+        row["graph_captures"] = _captures(engine) - captured
         row["greedy_match"] = self.data["greedy"].get(name, {}).get("greedy_match")
         return row
 
@@ -198,6 +205,11 @@ class GpuBench:
                 continue
             self.record(HF_ASSISTED, "library defaults", 1, lambda: self.hf_row(1, False))
             self.record(HF_ASSISTED, "heuristic K", 1, lambda: self.hf_row(1, True))
+
+
+def _captures(engine) -> int:
+    """CUDA graphs captured so far by the engine's runners (target and draft)."""
+    return sum(r.decode_graphs.captures for r in engine.runners if r.decode_graphs is not None)
 
 
 def _key(row: dict) -> tuple[str, str, int]:
@@ -245,7 +257,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prompt", type=int, default=192)
     p.add_argument("--requests-per-slot", type=int, default=2)
     p.add_argument("--min-requests", type=int, default=4)
-    p.add_argument("--warmup-tokens", type=int, default=4)
+    p.add_argument(
+        "--warmup-tokens",
+        type=int,
+        default=4,
+        help="HF's warm-up (Tandem warms up on whole requests)",
+    )
     p.add_argument("--check-prompts", type=int, default=4, help="greedy check (0 = skip)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--floor-context", type=int, default=128)

@@ -70,14 +70,39 @@ def decode_pass_seconds(runner: ModelRunner, context: int, iters: int) -> list[f
     return times
 
 
+@torch.inference_mode()
+def graph_replay_seconds(runner: ModelRunner, iters: int) -> float | None:
+    """GPU seconds of one replay of the batch-1, one-token decode graph (the model body
+    without the LM head), timed with CUDA events over `iters` back-to-back replays: the
+    pass without its host side. None where no such graph was captured (CPU, graphs off).
+
+    Call right after decode_pass_seconds: the graph replays that pass's last inputs."""
+    graphs = runner.decode_graphs
+    static = graphs.batches.get((1, 1, False)) if graphs is not None else None
+    if static is None or static.graph is None:
+        return None
+    for _ in range(5):
+        static.graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    sync(runner.device)
+    start.record()
+    for _ in range(iters):
+        static.graph.replay()
+    end.record()
+    sync(runner.device)
+    return start.elapsed_time(end) / 1e3 / iters
+
+
 def measure_floor(runner: ModelRunner, context: int, iters: int, copy_bytes: int) -> dict:
     device = runner.device
     nbytes = weight_bytes(runner.model)
     bandwidth = copy_bandwidth(device, copy_bytes)
     passes = decode_pass_seconds(runner, context, iters)
+    replay = graph_replay_seconds(runner, iters)
     floor_s = nbytes / bandwidth
     median = statistics.median(passes)
     return {
+        "graph_replay_us": None if replay is None else 1e6 * replay,
         "target_weight_bytes": nbytes,
         "copy_bytes": copy_bytes,
         "copy_bandwidth_gb_s": bandwidth / 1e9,

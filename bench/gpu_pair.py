@@ -42,6 +42,10 @@ ROOT = Path(__file__).resolve().parent.parent
 T = training_module()  # scripts/train_toy_pair.py
 TARGET = T.ModelShape(hidden=1024, layers=12, heads=16, kv_heads=8, intermediate=2816)
 DRAFT = T.ModelShape(hidden=576, layers=2, heads=9, kv_heads=3, intermediate=1536)
+# Llama-3.2-1B's body (hidden 2048, 16 layers, 32 / 8 heads, MLP 8192) with the toy vocabulary:
+# ~1B parameters, 2 GB in bf16, so that a batch-1 pass on a datacentre GPU is bound by
+# reading the weights rather than by launching kernels. --random only: it is for step times.
+TARGET_1B = T.ModelShape(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192)
 TINY_TARGET = T.ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
 TINY_DRAFT = T.ModelShape(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
 
@@ -234,10 +238,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, help="sequences of 256 tokens (default 64)")
     p.add_argument("--max-chars", type=int, help="corpus cap in characters")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--target-shape",
+        choices=["bench", "1b"],
+        default="bench",
+        help="bench = the 146M target; 1b = Llama-3.2-1B's body (with --random only)",
+    )
     args = p.parse_args(argv)
+    if args.target_shape == "1b" and not args.random:
+        p.error("--target-shape 1b is for step times: use it with --random")
     args.device = resolve_device(args.device)
     tiny = args.tiny
-    args.target_shape, args.draft_shape = (TINY_TARGET, TINY_DRAFT) if tiny else (TARGET, DRAFT)
+    big = TARGET_1B if args.target_shape == "1b" else TARGET
+    args.target_shape, args.draft_shape = (TINY_TARGET, TINY_DRAFT) if tiny else (big, DRAFT)
     defaults = {
         "target_s": 10.0 if tiny else 150.0,
         "draft_s": 5.0 if tiny else 60.0,

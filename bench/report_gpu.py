@@ -63,8 +63,30 @@ def gpu_section(data: dict, png: Path) -> list[str]:
     ]:
         shown = [n for n in names if any(key in r for r in rows if _name(r) == n)]
         lines += ["", f"{title}:", "", *_table(rows, shown, levels, key, digits)]
+    lines += _captures(rows)
     lines += _gaps(data)
     return lines
+
+
+def _captures(rows: list[dict]) -> list[str]:
+    """CUDA graphs captured inside Tandem's timed runs (each costs tens of milliseconds)."""
+    tandem = [r for r in rows if r["system"] == TANDEM]
+    if tandem and all("graph_captures" not in r for r in tandem):
+        return [
+            "",
+            "This run warmed Tandem up on a few tokens a request and did not count the CUDA "
+            "graphs captured inside its timed runs (bench.gpu_bench now warms up on whole "
+            "requests and counts them): rows whose batches needed new draft-length mixes may "
+            "include captures.",
+        ]
+    hit = [
+        f"{_name(r)} at {r['concurrency']}: {r['graph_captures']}"
+        for r in tandem
+        if r.get("graph_captures")
+    ]
+    if not hit:
+        return ["", "No CUDA graph was captured inside a timed Tandem run."]
+    return ["", "CUDA graphs captured inside timed Tandem runs: " + "; ".join(hit) + "."]
 
 
 def _pair(pair: dict) -> list[str]:
@@ -108,6 +130,14 @@ def _floor(f: dict, rows: list[dict]) -> list[str]:
         f"{f['floor_us']:.1f} us | {f['pass_median_us']:.1f} us | {f['pass_over_floor']:.2f}x | "
         f"{_verdict(f['pass_over_floor'] <= FLOOR_GOAL)} |",
     ]
+    if f.get("graph_replay_us"):
+        replay = f["graph_replay_us"]
+        lines += [
+            "",
+            f"The pass's GPU time alone, a replay of its CUDA graph timed with CUDA events "
+            f"(the model body, no LM head, no host work): {replay:.1f} us, "
+            f"{replay / f['floor_us']:.2f}x the floor.",
+        ]
     if off and off.get("verify_steps"):
         per_step = 1e6 * off["target_seconds"] / off["verify_steps"]
         lines += [
