@@ -361,6 +361,9 @@ def main() -> None:
             ),
         ]
     sections += gpu_sections(RESULTS, DOCS)  # only results measured on a CUDA device
+    step = RESULTS / "gpu_step_h100.md"  # written by hand from bench.gpu_step_profile's output
+    if step.exists():
+        sections += ["", step.read_text().rstrip()]
     (DOCS / "BENCHMARKS.md").write_text("\n".join(sections) + "\n")
     print(f"wrote {DOCS / 'BENCHMARKS.md'}")
 
