@@ -20,6 +20,7 @@ import torch
 from engine.model.inputs import SeqInput
 from engine.model.runner import ModelRunner
 from engine.spec.cost_model import CostModel, PassShape
+from engine.spec.cost_trace import traced_if_asked
 
 logger = logging.getLogger(__name__)
 
@@ -102,13 +103,15 @@ def cached_calibration(
 
 def calibrate(runners: list[ModelRunner], fresh: bool, **shape: int) -> CostModel:
     """The cost model of `runners` (the target, then the draft model if any) for passes of
-    `shape` (see `calibrate_runners`): from this machine's cache unless `fresh`, else timed."""
+    `shape` (see `calibrate_runners`): from this machine's cache unless `fresh`, else timed;
+    traced when $TANDEM_COST_TRACE names a file (engine/spec/cost_trace.py)."""
     target, draft = runners[0], (runners[1] if len(runners) > 1 else None)
-    return cached_calibration(
+    cost = cached_calibration(
         calibration_key(runners, shape),
         lambda: calibrate_runners(target, draft, **shape),
         fresh=fresh,
     )
+    return traced_if_asked(cost)
 
 
 def calibrate_runners(

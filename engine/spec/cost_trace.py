@@ -1,0 +1,91 @@
+"""The cost model's predictions beside what was measured, step by step, for diagnosis.
+
+With `TANDEM_COST_TRACE=FILE` in its environment an engine that runs adaptive K appends one
+JSON line to FILE per observation its cost model learns from, with the model's prediction
+for the same thing made just before it learns (so the first observations show the start-up
+fit alone, the later ones the fit with its online scales):
+
+- `{"kind": "target", "tokens", "kv", "qk", "branches", "measured", "predicted"}`: a target
+  pass (the verifier's whole run: the pass, sampling and verification);
+- `{"kind": "draft", "passes", "drafts", "qk", "branches", "measured", "predicted"}`: the
+  draft's part of a step (its passes and the proposer's host work);
+- `{"kind": "step", "batch", "drafting", "measured", "predicted"}`: what a decode step cost
+  outside both models' passes (scheduling, bookkeeping, the caller's work until the next step).
+
+Seconds throughout; `t` is `time.perf_counter()` at the observation. `python -m
+bench.cost_trace FILE` summarises a trace: where the predictions the draft-length policy
+decides on are off, and by how much. Off by default: tracing costs a few microseconds a step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import TextIO
+
+from engine.spec.cost_model import CostModel, PassShape
+
+logger = logging.getLogger(__name__)
+ENV = "TANDEM_COST_TRACE"
+
+
+class TracedCostModel(CostModel):
+    """A CostModel that writes each observation and its prediction to `trace`."""
+
+    trace: TextIO
+
+    @classmethod
+    def wrapping(cls, cost: CostModel, trace: TextIO) -> TracedCostModel:
+        traced = cls.__new__(cls)
+        traced.__dict__.update(cost.__dict__)
+        traced.trace = trace
+        return traced
+
+    def _write(self, record: dict) -> None:
+        record["t"] = time.perf_counter()
+        self.trace.write(json.dumps(record) + "\n")
+
+    def observe_target(self, shape: PassShape, seconds: float, branches: int = 1) -> None:
+        n, kv, qk = shape.num_tokens, shape.kv_tokens, shape.qk_pairs
+        predicted = float(self.target_time(n, kv, qk, branches))
+        self._write(
+            {"kind": "target", "tokens": n, "kv": kv, "qk": qk, "branches": branches,
+             "measured": seconds, "predicted": predicted}
+        )  # fmt: skip
+        super().observe_target(shape, seconds, branches)
+
+    def observe_draft(
+        self, num_passes: int, num_drafts: int, qk_pairs: int, seconds: float, branches: int = 1
+    ) -> None:
+        predicted = float(self.draft_time(num_passes, num_drafts, qk_pairs, branches))
+        self._write(
+            {"kind": "draft", "passes": num_passes, "drafts": num_drafts, "qk": qk_pairs,
+             "branches": branches, "measured": seconds, "predicted": predicted}
+        )  # fmt: skip
+        super().observe_draft(num_passes, num_drafts, qk_pairs, seconds, branches)
+
+    def observe_step(
+        self, batch: int, interval: float, passes: float, drafting: bool = False
+    ) -> None:
+        self._write(
+            {"kind": "step", "batch": batch, "drafting": drafting,
+             "measured": max(interval - passes, 0.0),
+             "predicted": self.step_overhead(batch, drafting)}
+        )  # fmt: skip
+        super().observe_step(batch, interval, passes, drafting)
+
+
+def traced_if_asked(cost: CostModel) -> CostModel:
+    """`cost`, traced to the file named by $TANDEM_COST_TRACE when it is set."""
+    path = os.environ.get(ENV)
+    if not path:
+        return cost
+    try:
+        trace = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the engine
+    except OSError as exc:
+        logger.warning("%s=%s cannot be opened (%s): not tracing the cost model", ENV, path, exc)
+        return cost
+    logger.info("tracing the cost model's predictions and measurements to %s", path)
+    return TracedCostModel.wrapping(cost, trace)
