@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Everything a GPU session checks, in one command of about 8 minutes on an H100 (sized for a
+# Everything a GPU session checks, in one command: about 7 minutes on an H100 by its stages'
+# times measured separately on 2026-11-27 (not yet run as one; sized for a
 # 10-minute limit per command): the GPU-marked tests, the benchmark on the trained pair
 # (bench/gpu_run.sh all) with the adaptive policy's cost model traced, and where a step's
 # time goes at concurrency 1 on that pair. Results land in $OUT when it is set, else in
