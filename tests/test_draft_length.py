@@ -52,7 +52,7 @@ def test_high_acceptance_alone_drafts_k_max():
 
 
 def test_a_decision_is_reused_only_while_its_inputs_round_alike(monkeypatch):
-    policy = AdaptiveDraftLength(4, memory_then_compute_bound(), max_branches=3)
+    policy = AdaptiveDraftLength(4, memory_then_compute_bound(), max_branches=3, reuse_steps=1)
     decisions = []
     decide = policy._decide
     monkeypatch.setattr(policy, "_decide", lambda *a: decisions.append(1) or decide(*a))
@@ -73,6 +73,25 @@ def test_a_decision_is_reused_only_while_its_inputs_round_alike(monkeypatch):
         assert again == AdaptiveDraftLength(4, policy.cost, max_branches=3).choose(reqs)
     assert len(decisions) == 4
     assert policy.choose(reqs, num_other_tokens=64) is not None and len(decisions) == 5
+
+
+def test_a_decision_holds_for_reuse_steps_of_the_same_requests(monkeypatch):
+    """Within `reuse_steps` steps of the same requests and no prefill, the last decision
+    stands even where its inputs moved; another batch or prefill tokens decide afresh."""
+    policy = AdaptiveDraftLength(4, memory_then_compute_bound(), reuse_steps=3)
+    calls = []
+    decision = policy._decision
+    monkeypatch.setattr(policy, "_decision", lambda *a: calls.append(1) or decision(*a))
+    reqs = _requests(2, accepted=900, trials=1000, temperature=0)
+    first = policy.choose(reqs)
+    for req in reqs:  # a change the next two steps do not see
+        req.spec.accepted = 0
+    assert policy.choose(reqs) == first and policy.choose(reqs) == first and len(calls) == 1
+    third = policy.choose(reqs)  # the decision is reuse_steps old: decided again
+    assert len(calls) == 2 and third.ks == [0, 0] != first.ks
+    policy.choose(reqs[:1])  # another batch
+    policy.choose(reqs[:1], num_other_tokens=16)  # prefill in the step
+    assert len(calls) == 4
 
 
 def test_large_batch_on_compute_bound_target_drafts_less():
@@ -398,7 +417,7 @@ def test_trees_measured_slower_than_predicted_are_dropped():
     passes' prediction says (the host's work per node, one draft pass of N rows per level),
     auto goes back to chains, and the chains' prediction is left alone."""
     cost = memory_then_compute_bound()
-    policy = AdaptiveDraftLength(4, cost, max_branches=4)
+    policy = AdaptiveDraftLength(4, cost, max_branches=4, reuse_steps=1)
     requests = _requests(1, accepted=500, trials=1000, temperature=0)
     choice = policy.choose(requests)
     assert choice.branches > 1
@@ -488,7 +507,7 @@ def test_depths_kept_less_often_than_predicted_are_drafted_less():
     """The d-th draft's gain is a^d times what verification measured against a^d: a draft
     whose first token is always kept and whose second never is, stops at K = 1, while the
     engine-wide acceptance stays high."""
-    policy = AdaptiveDraftLength(8, memory_then_compute_bound())
+    policy = AdaptiveDraftLength(8, memory_then_compute_bound(), reuse_steps=1)
     req = _requests(1, accepted=900, trials=1000, temperature=0)[0]
     assert policy.choose([req]).ks == [8]
     for _ in range(300):
@@ -611,7 +630,7 @@ def test_a_lagging_draft_is_charged_over_the_drafting_runs_the_policy_measures()
     when it is caught up no longer starts 12 tokens behind."""
     cost = CostModel(SIZES, [0.0040, 0.0042] + [0.0042 + 0.001 * n for n in SIZES[2:]],
                      draft_fixed=0.0005, draft_per_token=0.0004)  # fmt: skip
-    policy = AdaptiveDraftLength(1, cost, probe_interval=10**6)
+    policy = AdaptiveDraftLength(1, cost, probe_interval=10**6, reuse_steps=1)
     req = _requests(1, accepted=80, trials=100, context=40)[0]
     behind = _requests(1, accepted=80, trials=100, context=40)[0]
     behind.request_id = "behind"

@@ -18,6 +18,7 @@ from engine.core.request import Request
 from engine.spec.catch_up import CatchUp
 from engine.spec.chain_choice import ChainChoice
 from engine.spec.cost_model import CostModel
+from engine.spec.decision_reuse import DecisionReuse
 from engine.spec.tree_choice import TreeChoice
 
 # Reasons a request got fewer than K_max drafts (exported as a metric label).
@@ -76,7 +77,7 @@ class FixedDraftLength:
         pass
 
 
-class AdaptiveDraftLength(ChainChoice, TreeChoice):
+class AdaptiveDraftLength(ChainChoice, TreeChoice, DecisionReuse):
     """Maximise expected accepted tokens per second for the whole batch.
 
     With per-token acceptance a_i, the d-th draft of request i adds a_i^d expected tokens
@@ -131,8 +132,10 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
         uniform_margin: float = 0.03,
         max_probe_interval: int = 1024,
         max_branches: int = 1,
+        reuse_steps: int = 4,
     ) -> None:
         self.max_draft_tokens = max_draft_tokens
+        DecisionReuse.__init__(self, reuse_steps)
         self.max_branches = max_branches
         self.uniform_margin = uniform_margin
         self.cost = cost
@@ -150,8 +153,6 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
         self._depth_kept = np.zeros(max_draft_tokens)
         self._depth_predicted = np.zeros(max_draft_tokens)
         self.catch_up = CatchUp()
-        self._decided: dict[tuple, tuple[list[int], list[str | None], int]] = {}
-        """Decisions by their rounded inputs (`_inputs_key`)."""
         self._depth_cache: tuple[list[float], tuple] | None = None
         """`depth_factors()` as floats and rounded for `_inputs_key`, until the next observe()."""
 
@@ -222,22 +223,7 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
         batch, k_max = len(requests), self.max_draft_tokens
         if batch == 0 or k_max == 0:
             return DraftLengths([0] * batch, [None] * batch)
-        # Plain Python until a decision is missing (arrays for every key: 85 us a step, this 30)
-        a = [self.acceptance(r) for r in requests]
-        context = [r.num_tokens for r in requests]
-        catch_up = [self.catch_up.tokens(r) for r in requests]
-        key = self._inputs_key(a, context, num_other_tokens, catch_up)
-        decided = self._decided.get(key)
-        if decided is None:
-            decided = self._decide(
-                np.array(a),
-                np.array(context, dtype=np.float64),
-                num_other_tokens,
-                np.array(catch_up),
-            )
-            if len(self._decided) >= 4096:
-                self._decided.clear()
-            self._decided[key] = decided
+        decided = self._decided_for(requests, num_other_tokens)
         ks, reasons, branches = decided
         if any(ks):
             self._steps_without_drafts = 0
@@ -264,35 +250,6 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice):
         probed = ids[behind.index(min(behind))]
         self._probing = (probed, PROBE_STEPS - 1)
         return [int(i == probed) for i in ids]
-
-    def _inputs_key(
-        self, a: list[float], context: list[int], num_other: int, catch_up: list[float]
-    ) -> tuple:
-        """What a decision depends on, rounded (acceptance, depth and tree roots' factors to 1/32,
-        online cost factors to 4%, the step's overhead to 5% of a one-token pass, contexts and
-        other tokens to 32, catch-ups to a token): a step whose inputs round alike reuses the
-        decision; inputs that close predict rates within a few percent."""
-        cost = self.cost
-        widths = sorted(cost.tree_scales)
-        scales = [cost.target_scale, *cost.small_scales, cost.draft_scale]
-        scales += [s for n in widths for s in cost.tree_scales[n]]
-        trees: tuple = ()
-        if self.max_branches > 1:
-            trees = tuple(round(32 * self._root_factor(n)) for n in range(2, self.max_branches + 1))
-        return (
-            num_other // 32,
-            tuple(int(x * 32) for x in a),
-            self._depth_factors()[1],
-            tuple(n // 32 for n in context),
-            tuple(widths),
-            tuple(round(25 * s.value) for s in scales),
-            tuple(
-                round(20 * cost.step_overhead(len(a), kind) / max(cost.target_seconds[0], 1e-9))
-                for kind in (False, True)
-            ),
-            trees,
-            tuple(round(c) for c in catch_up),
-        )
 
     def _decide(
         self, a: np.ndarray, context: np.ndarray, num_other_tokens: int, catch_up: np.ndarray
