@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks, in one command: about 7 minutes on an H100 by its stages'
 # times measured separately on 2026-11-27 (not yet run as one; sized for a
-# 10-minute limit per command): the GPU-marked tests, the benchmark on the trained pair
+# 10-minute limit per command: at most 120 + 360 + 90 s for its three stages): the GPU-marked tests, the benchmark on the trained pair
 # (bench/gpu_run.sh all) with the adaptive policy's cost model traced, and where a step's
 # time goes at concurrency 1 on that pair. Results land in $OUT when it is set, else in
 # bench/results/gpu_session/; see bench/GPU.md for what to do with them.
@@ -22,7 +22,7 @@ tail -3 "$RES/pytest_gpu.log"
 
 say "bench/gpu_run.sh all, the cost model traced"
 rm -f "$RES/cost_trace.jsonl"
-TANDEM_COST_TRACE=$RES/cost_trace.jsonl LIMIT_S=330 OUT=$RES bench/gpu_run.sh all |
+TANDEM_COST_TRACE=$RES/cost_trace.jsonl LIMIT_S=360 OUT=$RES bench/gpu_run.sh all |
   grep -v '^\[transformers\]' | tail -45
 
 say "the adaptive policy's predictions against what was measured"
