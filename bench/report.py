@@ -314,7 +314,8 @@ def main() -> None:
         "model is SmolLM2-135M-Instruct with the draft in `models/draft`, beside it the",
         "feature draft in `models/eagle` (see `models/README.md`); the sections whose titles begin with",
         "`Toy pair` measure the toy pair in `bench/toy_pair/` (see its README), Tandem's",
-        "default before it shipped a real model.",
+        "default before it shipped a real model. The sections with `GPU` in their titles ran on",
+        "an NVIDIA H100 ([bench/GPU.md](../bench/GPU.md) says how); all the others on CPUs.",
     ]
     DOCS.mkdir(exist_ok=True)
     chat = RESULTS / "chat.json"
