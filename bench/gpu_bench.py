@@ -164,13 +164,13 @@ class GpuBench:
         warm = self.prompts[-level:]
         run_closed_loop(engine, f"warm-{name}@{level}", warm, level, args.max_tokens, level)
         sync(self.device)
-        captured = _captures(engine)
+        captured = engine.graph_captures()
         result = run_closed_loop(
             engine, f"{name}@{level}", self.prompts, level, args.max_tokens, args.requests(level)
         )
         sync(self.device)
         row = result.as_dict()
-        row["graph_captures"] = _captures(engine) - captured
+        row["graph_captures"] = engine.graph_captures() - captured
         row["greedy_match"] = self.data["greedy"].get(name, {}).get("greedy_match")
         return row
 
@@ -205,11 +205,6 @@ class GpuBench:
                 continue
             self.record(HF_ASSISTED, "library defaults", 1, lambda: self.hf_row(1, False))
             self.record(HF_ASSISTED, "heuristic K", 1, lambda: self.hf_row(1, True))
-
-
-def _captures(engine) -> int:
-    """CUDA graphs captured so far by the engine's runners (target and draft)."""
-    return sum(r.decode_graphs.captures for r in engine.runners if r.decode_graphs is not None)
 
 
 def _key(row: dict) -> tuple[str, str, int]:

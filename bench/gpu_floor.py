@@ -81,15 +81,21 @@ def graph_replay_seconds(runner: ModelRunner, iters: int) -> float | None:
     static = graphs.batches.get((1, 1, False)) if graphs is not None else None
     if static is None or static.graph is None:
         return None
+    return replay_seconds(static.graph, runner.device, iters)
+
+
+def replay_seconds(graph: torch.cuda.CUDAGraph, device: torch.device, iters: int) -> float:
+    """GPU seconds of one replay of a captured `graph`: CUDA events around `iters`
+    back-to-back replays, after 5 to warm up."""
     for _ in range(5):
-        static.graph.replay()
+        graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    sync(runner.device)
+    sync(device)
     start.record()
     for _ in range(iters):
-        static.graph.replay()
+        graph.replay()
     end.record()
-    sync(runner.device)
+    sync(device)
     return start.elapsed_time(end) / 1e3 / iters
 
 

@@ -26,7 +26,9 @@ from transformers import AutoTokenizer
 
 from bench.driver import run_closed_loop
 from bench.engine_bench import build_engine, settings
+from bench.gpu_floor import replay_seconds, sync
 from bench.prompts import make_prompts
+from engine.model.runner import resolve_device
 
 
 def _replays(engine, report: io.StringIO) -> None:
@@ -36,16 +38,8 @@ def _replays(engine, report: io.StringIO) -> None:
     for key, static in sorted(graphs.batches.items()):
         if static.graph is None or key[0] > 2 or key[2]:
             continue
-        for _ in range(5):
-            static.graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(50):
-            static.graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        line = f"   graph {key}: {start.elapsed_time(end) / 50 * 1000:.1f} us per replay (GPU)"
+        seconds = replay_seconds(static.graph, engine.runner.device, 50)
+        line = f"   graph {key}: {seconds * 1e6:.1f} us per replay (GPU)"
         print(line, flush=True)
         report.write(line + "\n")
 
@@ -62,21 +56,21 @@ def _kernels(engine, prompts: list[list[int]], name: str, report: io.StringIO) -
 
 
 def profile_setting(args: argparse.Namespace, name: str, prompts, report: io.StringIO) -> None:
-    cuda = torch.cuda.is_available()
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    device = resolve_device("auto")
+    cuda = device.type == "cuda"
     specs = settings(str(args.pair / "draft"), [2, 4], ["draft"])
     began = time.perf_counter()
     engine = build_engine(args, specs[name], 4, prefix_caching=False)
     print(f"{name}: built in {time.perf_counter() - began:.1f} s", flush=True)
     run_closed_loop(engine, f"w-{name}", prompts[-4:], 1, 128, 4)
-    sync()
+    sync(device)
     plain = run_closed_loop(engine, f"p-{name}", prompts, 1, 128, 4).as_dict()
-    sync()
+    sync(device)
     profiler = cProfile.Profile()
     profiler.enable()
     began = time.perf_counter()
     profiled = run_closed_loop(engine, f"c-{name}", prompts, 1, 128, 4).as_dict()
-    sync()
+    sync(device)
     wall = time.perf_counter() - began
     profiler.disable()
     head = (

@@ -194,7 +194,7 @@ class LLMEngine:
             return []
         try:
             tables = [self.kv.block_table(s.request.request_id) for s in sched.scheduled]
-            captures = self._graph_captures()
+            captures = self.graph_captures()
             start = time.perf_counter()
             drafts = self.proposer.propose(sched, tables) if self.proposer else None
             drafts = with_forced_drafts(sched, drafts)
@@ -208,7 +208,7 @@ class LLMEngine:
             logger.exception("engine step failed")
             return self._fail(sched, f"internal error in the engine step: {exc}")
         # A step that captured a CUDA graph says nothing about what steps cost.
-        timed = self._graph_captures() == captures
+        timed = self.graph_captures() == captures
         self._observe_timing(sched, drafts, drafted - start + observed, verified - drafted, timed)
         self.totals.forward_seconds += results.forward_seconds
         self._count(sched)
@@ -254,7 +254,7 @@ class LLMEngine:
         if not self.scheduler.has_work():
             assert self.kv.num_free_blocks == self.kv.num_blocks, "idle engine holds KV blocks"
 
-    def _graph_captures(self) -> int:
+    def graph_captures(self) -> int:
         return sum(r.decode_graphs.captures for r in self.runners if r.decode_graphs is not None)
 
     def _observe_timing(
