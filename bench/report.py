@@ -365,6 +365,9 @@ def main() -> None:
     step = RESULTS / "gpu_step_h100.md"  # written by hand from bench.gpu_step_profile's output
     if step.exists():
         sections += ["", step.read_text().rstrip()]
+    greedy = RESULTS / "gpu_greedy_h100.md"  # by hand, from bench.gpu_bench's greedy check
+    if greedy.exists():
+        sections += ["", greedy.read_text().rstrip()]
     (DOCS / "BENCHMARKS.md").write_text("\n".join(sections) + "\n")
     print(f"wrote {DOCS / 'BENCHMARKS.md'}")
 

@@ -156,13 +156,34 @@ def _greedy(greedy: dict) -> list[str]:
         "Tandem setting against HF plain generate() one prompt at a time, same weights and "
         "dtype. On a GPU, different kernels may round differently and flip a near-tied "
         "argmax, so the length of the agreeing prefix is shown beside the verdict.",
+    ]
+    if not any("differences" in g for g in greedy.values()):  # results from before the gaps
+        lines += ["", "| Tandem setting | token-identical | mean agreeing prefix (tokens) |"]
+        lines.append("|---|---|---:|")
+        for name, g in greedy.items():
+            same = "yes" if g["greedy_match"] else "**no**"
+            lines.append(f"| {name} | {same} | {g['agreeing_prefix_mean']:.1f} |")
+        return lines
+    lines += [
+        "Where they differ, the gap is HF's logit of its own token minus its logit of "
+        "Tandem's token at the first difference (a near-tie when small beside the logits' "
+        "spread); the last column says whether a speculative setting gave exactly the tokens "
+        "of Tandem with speculation off, which speculation must never change.",
         "",
-        "| Tandem setting | token-identical | mean agreeing prefix (tokens) |",
-        "|---|---|---:|",
+        "| Tandem setting | token-identical to HF | mean agreeing prefix (tokens) "
+        "| first differences: position (logit gap) | identical to Tandem off |",
+        "|---|---|---:|---|---|",
     ]
     for name, g in greedy.items():
         same = "yes" if g["greedy_match"] else "**no**"
-        lines.append(f"| {name} | {same} | {g['agreeing_prefix_mean']:.1f} |")
+        diffs = ", ".join(
+            f"prompt {d['prompt']} at {d['position']} ({d['logit_gap']:.3f})"
+            for d in g.get("differences", [])
+        )
+        own = {True: "yes", False: "**no**", None: "-"}[g.get("same_as_off")]
+        lines.append(
+            f"| {name} | {same} | {g['agreeing_prefix_mean']:.1f} | {diffs or '-'} | {own} |"
+        )
     return lines
 
 

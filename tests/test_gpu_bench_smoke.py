@@ -85,6 +85,9 @@ def test_tandem_greedy_output_equals_hf_generate(smoke):
     for setting, check in data["greedy"].items():
         assert check["prompts"] == 3 and check["tokens_each"] == 6
         assert check["greedy_match"] is True, setting
+        assert check["differences"] == [], setting
+        assert check.get("same_as_off", True) is True, setting
+    assert all("same_as_off" in data["greedy"][s] for s in TANDEM_SETTINGS[1:])
     for row in data["results"]:
         if row["system"] == "Tandem":
             assert row["greedy_match"] is True
@@ -97,7 +100,7 @@ def test_report_renders_gpu_results_only(smoke, tmp_path):
     text = "\n".join(report_gpu.gpu_section(data, tmp_path / "gpu_tiny.png"))
     assert (tmp_path / "gpu_tiny.png").stat().st_size > 0
     assert "## On a GPU: the tiny pair" in text and "| pass / floor |" in text
-    assert "| draft K=4 | yes |" in text  # the greedy check
+    assert "| draft K=4 | yes | 6.0 | - | yes |" in text  # the greedy check
     columns = ["Tandem off", "Tandem draft K=2", "Tandem draft K=4", "Tandem adaptive", "HF plain"]
     assert "| concurrency | " + " | ".join(columns) + " |" in text
     assert "HF assisted generation takes batch size 1 only" in text
