@@ -8,6 +8,7 @@ starts the engine's step loop inside the running event loop and stops it on shut
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -72,6 +73,7 @@ async def _load(
         # GGUF files -> (cached) Hugging Face directories; directories stay as they are.
         config = await asyncio.to_thread(prepare_config, settings.engine)
         tokenizer, stop_ids = await asyncio.to_thread(_load_tokenizer, config.model.model)
+        loaded_here = engine is None
         if engine is None:
             from engine import AsyncEngine  # imports torch; keep `--help` fast
 
@@ -96,9 +98,23 @@ async def _load(
         os.sched_setaffinity(0, rest)
         log.info("event loop bound to cores %s", sorted(rest))
     state.engine = engine
+    if loaded_here:
+        _freeze_heap()
     if state.status is Status.LOADING:
         state.status = Status.READY
         log.info("serving %s as %r", settings.model_path, settings.served_model_name)
+
+
+def _freeze_heap() -> None:
+    """Move every object alive now (the models, tokenizer and libraries: about 420,000 for
+    the default pair) out of the garbage collector's sight. They live as long as the server,
+    yet each full collection would walk them all: 226-230 ms with the default pair loaded,
+    against under 0.01 ms once frozen (2-core AMD EPYC, 2026-11-27), and a collection stops
+    every thread, the engine's step and the event loop's streams alike. Done once, when the
+    server has loaded its own engine (an injected one belongs to its caller)."""
+    gc.collect()
+    gc.freeze()
+    log.info("garbage collector: %d start-up objects frozen", gc.get_freeze_count())
 
 
 def _load_tokenizer(model_path: str) -> tuple[Any, tuple[int, ...]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -230,3 +231,33 @@ def test_health_is_503_while_loading_and_after_a_failed_load(settings, tmp_path,
 def _with_model(settings, path):
     model = replace(settings.engine.model, model=str(path))
     return replace(settings, engine=replace(settings.engine, model=model))
+
+
+def test_a_server_that_loads_its_own_engine_freezes_the_start_up_heap(settings, monkeypatch):
+    """The collector stops walking what start-up loaded (server/app.py `_freeze_heap`), once
+    the app has built its own engine; an injected engine's heap is its caller's."""
+    import engine as engine_package
+
+    frozen: list[int] = []
+    monkeypatch.setattr(app_module, "_freeze_heap", lambda: frozen.append(1))
+
+    class Built:
+        @staticmethod
+        def from_config(config):
+            return ScriptedEngine()
+
+    monkeypatch.setattr(engine_package, "AsyncEngine", Built)
+    client = _client(settings, None)  # loads "its own" engine: the stand-in above
+    client.__exit__(None, None, None)
+    assert frozen == [1]
+    client = _client(settings, ScriptedEngine())
+    client.__exit__(None, None, None)
+    assert frozen == [1]
+
+
+def test_freeze_heap_moves_live_objects_out_of_the_collector():
+    try:
+        app_module._freeze_heap()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
