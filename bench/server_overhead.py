@@ -16,12 +16,19 @@ loop around the stand-in: inbox, stats snapshot, handing outputs over) are print
 
 Each --step-ms starts its own child; --model takes another Hugging Face directory or GGUF
 file (its tokenizer and chat template are all that is used).
+
+`--app raw` serves the same load from the floor under the app: the same uvicorn, engine
+thread and hand-over to the event loop, but a bare ASGI handler that streams one SSE frame
+per output (a small chat chunk from `json.dumps`), with no FastAPI routing or middleware, no
+validation, chat template, detokenizer or sse-starlette. What Tandem's app costs above that
+floor is what its own code could still save.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import subprocess
@@ -144,6 +151,57 @@ def serve(port: int, step_ms: float, model: str | None) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
+def serve_raw(port: int, step_ms: float) -> None:
+    """The child of `--app raw`: a bare ASGI handler on the paced engine (see the docstring)."""
+
+    import uvicorn
+
+    from engine.core.async_engine import AsyncEngine
+    from engine.core.request import SamplingParams
+
+    paced = PacedEngine(list(range(100, 164)), step_ms / 1000, 8192)
+    engine, ids = AsyncEngine(paced), itertools.count()
+    words = [f" w{i}" for i in range(64)]
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    engine.start()
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    engine.shutdown()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body, more = body + message.get("body", b""), message.get("more_body", False)
+        if scope["path"] != "/v1/chat/completions":
+            answer = {"id": paced.thread_id} if scope["path"] == "/bench/engine-thread" else {}
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+            await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
+            return
+        rid = f"raw-{next(ids)}"
+        params = SamplingParams(max_tokens=json.loads(body)["max_tokens"], ignore_eos=True)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+        async for out in engine.generate(rid, paced.tokens[:32], params):
+            for token in out.new_token_ids:
+                chunk = {
+                    "id": rid, "object": "chat.completion.chunk", "created": 0,
+                    "model": "default", "choices": [{"index": 0, "delta":
+                    {"content": words[token % 64]}, "finish_reason": None}],
+                }  # fmt: skip
+                frame = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
 def _cpu_seconds(pid: int, engine_tid: int) -> dict[str, float]:
     """CPU seconds (user + system) of the process's threads: the event loop (the main
     thread), the engine thread, and the others summed."""
@@ -190,11 +248,11 @@ async def _load(url: str, level: int, requests: int, max_tokens: int) -> int:
         return sum(await asyncio.gather(*(one(m) for m in messages)))
 
 
-def measure(args: argparse.Namespace, step_ms: float) -> list[dict]:
-    """One child at `step_ms`; a row per level."""
+def measure(args: argparse.Namespace, step_ms: float, app: str = "tandem") -> list[dict]:
+    """One child serving `app` at `step_ms`; a row per level."""
     url = f"http://127.0.0.1:{args.port}"
     command = [sys.executable, "-m", "bench.server_overhead", "--serve", "--port",
-               str(args.port), "--step-ms", str(step_ms)]  # fmt: skip
+               str(args.port), "--step-ms", str(step_ms), "--app", app]  # fmt: skip
     if args.model:
         command += ["--model", args.model]
     child = subprocess.Popen(command, cwd=ROOT)
@@ -218,7 +276,7 @@ def measure(args: argparse.Namespace, step_ms: float) -> list[dict]:
             wall = time.perf_counter() - start
             cpu = _delta(_cpu_seconds(child.pid, tid), before)
             rows.append({
-                "step_ms": step_ms, "level": level, "requests": count, "chunks": chunks,
+                "app": app, "step_ms": step_ms, "level": level, "requests": count, "chunks": chunks,
                 "wall_s": wall, **{f"{k}_ms": v / chunks * 1e3 for k, v in cpu.items()},
             })  # fmt: skip
     finally:
@@ -236,21 +294,27 @@ def main() -> None:
                    help="the stand-in engine's step (one child each)")  # fmt: skip
     p.add_argument("--model", default=None, help="tokenizer source (default: the served model)")
     p.add_argument("--port", type=int, default=8311)
+    p.add_argument("--app", nargs="+", choices=["tandem", "raw"], default=["tandem"],
+                   help="Tandem's app, and/or the bare ASGI floor (one child each)")  # fmt: skip
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        serve(args.port, args.step_ms[0], args.model)
+        if args.app[0] == "raw":
+            serve_raw(args.port, args.step_ms[0])
+        else:
+            serve(args.port, args.step_ms[0], args.model)
         return
     check_loopback(f"http://127.0.0.1:{args.port}")
     print(
-        "| engine step | c | requests | chunks | wall | CPU per chunk: event loop | "
+        "| app | engine step | c | requests | chunks | wall | CPU per chunk: event loop | "
         "engine thread | other threads |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for step_ms in args.step_ms:
-        for r in measure(args, step_ms):
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for step_ms, app in itertools.product(args.step_ms, args.app):
+        for r in measure(args, step_ms, app):
             print(
-                f"| {r['step_ms']:g} ms | {r['level']} | {r['requests']} | {r['chunks']} | "
+                f"| {r['app']} | {r['step_ms']:g} ms | {r['level']} | {r['requests']} | "
+                f"{r['chunks']} | "
                 f"{r['wall_s']:.2f} s | {r['loop_ms']:.3f} ms | {r['engine_ms']:.3f} ms | "
                 f"{r['other_ms']:.3f} ms |",
                 flush=True,

@@ -159,6 +159,20 @@ class _ChatView:
             entry["delta"] = {k: v for k, v in entry["delta"].items() if v is not None}
         return body
 
+    def _content_chunk(self, index: int, text: str) -> dict[str, Any]:
+        """`_chunk` of a content delta with no logprobs, built directly: one per streamed token,
+        so pydantic's construction and dump of the same fields were a share of the event loop's
+        time per token (tests/test_server_text.py checks it against `_chunk`)."""
+        choice = {"index": index, "delta": {"content": text}, "logprobs": None}
+        body = {
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.model, "system_fingerprint": None,
+            "choices": [choice | {"finish_reason": None}],
+        }  # fmt: skip
+        if self.req.include_usage:
+            body["usage"] = None
+        return body
+
     async def chunks(self, deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[dict[str, Any]]:
         usages: dict[int, ChoiceUsage] = {}
         parsers: dict[int, ToolCallParser] = {}
@@ -173,7 +187,9 @@ class _ChatView:
             if self.tools is not None:  # content is released once it cannot open a call
                 parser = parsers.setdefault(delta.index, ToolCallParser(self.tools))
                 text, calls = parser.feed(delta.text, final=delta.finish_reason is not None)
-            if text or (logprobs and logprobs.content):
+            if text and logprobs is None:
+                yield self._content_chunk(delta.index, text)
+            elif text or (logprobs and logprobs.content):
                 content = Delta(content=text)
                 yield self._chunk(
                     ChatChunkChoice(index=delta.index, delta=content, logprobs=logprobs)

@@ -5,6 +5,12 @@ window of recent tokens and diffing against the window without the new token kee
 tokenizer-specific spacing right, and text ending in U+FFFD (an incomplete UTF-8 sequence
 of a byte-level vocabulary) is held until a later token completes the character.
 
+Where the tokenizer is a fast (Rust) one whose `tokenizers` package has `DecodeStream` with a
+starting context (0.22 on), each step runs there: the same window and diff in Rust, one
+call instead of two Python decodes. The streamed server spends much of its per-token time
+on the event loop (bench/server_overhead.py), and the two decodes were about a quarter of
+that. The windowed decode stays as the fallback and computes the final flush.
+
 `StopStringFilter` releases text only once no stop string can still begin inside it, so a
 stop string split across tokens (or across one multi-token speculative step) never reaches
 a client.
@@ -42,27 +48,43 @@ class Piece:
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Decoder, prompt_ids: Sequence[int], skip_special_tokens: bool = True
+        self,
+        tokenizer: Decoder,
+        prompt_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        native: bool = True,
     ) -> None:
+        """native=False keeps every step on the windowed Python decode (tests compare)."""
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         # Text of _ids[_prefix:_read] was already emitted; _ids[_read:] is still pending.
         self._prefix = 0
         self._read = len(self._ids)
+        self._backend, self._stream = _decode_stream(tokenizer, self._ids, skip_special_tokens)
+        # A context that ends inside a character (a prompt cut mid-character) is left to the
+        # windowed decode, whose text for it the stream's would not match.
+        if not native or (self._ids and self._decode(0).endswith(REPLACEMENT_CHAR)):
+            self._stream = None
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
 
     def step(self, token_id: int) -> str:
         self._ids.append(token_id)
-        done = self._decode(self._prefix, self._read)
-        text = self._decode(self._prefix)
-        if len(text) <= len(done) or text.endswith(REPLACEMENT_CHAR):
-            return ""
+        if self._stream is not None:
+            text = self._stream.step(self._backend, token_id)
+            if not text:  # None: a character is still incomplete
+                return ""
+        else:
+            done = self._decode(self._prefix, self._read)
+            text = self._decode(self._prefix)
+            if len(text) <= len(done) or text.endswith(REPLACEMENT_CHAR):
+                return ""
+            text = text[len(done) :]
         self._prefix, self._read = self._read, len(self._ids)
         self._trim()
-        return text[len(done) :]
+        return text
 
     def flush(self) -> str:
         """Whatever is still pending at the end of the output (may contain U+FFFD)."""
@@ -78,6 +100,20 @@ class IncrementalDetokenizer:
             del self._ids[:drop]
             self._prefix -= drop
             self._read -= drop
+
+
+def _decode_stream(tokenizer: Decoder, context: list[int], skip: bool) -> tuple[object, object]:
+    """(the Rust tokenizer, a `DecodeStream` primed with `context`), or (None, None) where the
+    tokenizer is not a fast one or `tokenizers` is too old to prime a stream."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None, None
+    try:
+        from tokenizers.decoders import DecodeStream
+
+        return backend, DecodeStream(ids=list(context), skip_special_tokens=skip)
+    except (ImportError, TypeError):  # no DecodeStream, or one without `ids`
+        return None, None
 
 
 class StopStringFilter:

@@ -50,6 +50,48 @@ def test_random_token_streams_round_trip(tokenizer):
         assert "".join(pieces) + tail == tokenizer.decode(ids)
 
 
+def _pieces(tokenizer, prompt_ids, ids, native):
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, native=native)
+    # a context cut mid-character stays on the windowed decode
+    cut = tokenizer.decode(prompt_ids[-5:], skip_special_tokens=True).endswith("\ufffd")
+    assert (detok._stream is not None) == (native and not cut)  # the path meant runs
+    return [detok.step(t) for t in ids], detok.flush()
+
+
+def test_native_stream_equals_the_windowed_decode(tokenizer):
+    """The Rust DecodeStream path gives every step exactly the windowed Python decode's text,
+    prompt context, special tokens and split characters included."""
+    rng = random.Random(1)
+    specials = tokenizer.all_special_ids
+    cases = [(tokenizer.encode("x = 1\n"), tokenizer.encode(TEXT + " ✓日本語😀"))]
+    for _ in range(60):
+        prompt = [rng.randrange(0, len(tokenizer)) for _ in range(rng.randrange(0, 9))]
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(0, len(tokenizer))
+               for _ in range(40)]  # fmt: skip
+        cases.append((prompt, ids))
+    for prompt, ids in cases:
+        assert _pieces(tokenizer, prompt, ids, True) == _pieces(tokenizer, prompt, ids, False)
+    streamed = sum(IncrementalDetokenizer(tokenizer, p)._stream is not None for p, _ in cases)
+    assert streamed > len(cases) // 2  # random prompts often end mid-character
+
+
+def test_native_stream_keeps_sentencepiece_spacing():
+    """A Metaspace ("▁" for a space) tokenizer: the prompt's last tokens are the context that
+    keeps a word's leading space in the first generated piece."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "▁Hello", "▁world", "!", "▁how", "▁are", "▁you", "?"]
+    model = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    model.decoder = decoders.Metaspace(prepend_scheme="first")
+    tok = PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>")
+    prompt, ids = [1, 3, 4, 5], [6, 7, 8, 9, 2]
+    native = _pieces(tok, prompt, ids, True)
+    assert native == _pieces(tok, prompt, ids, False)
+    assert "".join(native[0]) + native[1] == " how are you?"
+
+
 def _run_filter(stops, chunks):
     """Feed text chunks (one piece each) through a filter; return released text and stopped."""
     filt = StopStringFilter(stops)
@@ -138,3 +180,25 @@ def test_chat_logprobs_format(tokenizer):
     (entry,) = chat_logprobs(texts, pieces, top_n=1)
     assert (entry.token, entry.logprob, entry.bytes) == ("a", -0.1, [ord("a")])
     assert [(t.token, t.logprob) for t in entry.top_logprobs] == [("a", -0.1)]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_direct_content_chunk_equals_the_pydantic_one(include_usage):
+    """server/chat.py builds the per-token content chunk without pydantic: the same JSON."""
+    import json
+
+    from server.chat import _ChatView
+    from server.protocol import ChatCompletionRequest
+    from server.responses import ChatChunkChoice, Delta
+
+    options = {"include_usage": True} if include_usage else None
+    req = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
+        stream_options=options,
+    )  # fmt: skip
+    view = _ChatView(None, req, 3, "chatcmpl-1", "m")
+    for index, text in [(0, "Hello"), (2, " wörld ✓"), (1, '"quoted"\n')]:
+        direct = view._content_chunk(index, text)
+        model = view._chunk(ChatChunkChoice(index=index, delta=Delta(content=text)))
+        assert json.dumps(direct, ensure_ascii=False) == json.dumps(model, ensure_ascii=False)
+    assert ("usage" in direct) == include_usage
