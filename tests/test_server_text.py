@@ -202,3 +202,42 @@ def test_direct_content_chunk_equals_the_pydantic_one(include_usage):
         model = view._chunk(ChatChunkChoice(index=index, delta=Delta(content=text)))
         assert json.dumps(direct, ensure_ascii=False) == json.dumps(model, ensure_ascii=False)
     assert ("usage" in direct) == include_usage
+
+
+def test_sse_frame_is_sse_starlettes_encoding():
+    import json
+
+    from sse_starlette.event import ServerSentEvent
+
+    from server.streaming import sse_frame
+
+    for data in ["[DONE]", json.dumps({"a": "line\nbreak ✓", "b": None}, ensure_ascii=False)]:
+        assert sse_frame(data) == ServerSentEvent(data=data).encode()
+
+
+def test_event_stream_sends_directly_and_in_order():
+    """server/streaming.py's response without sse-starlette's per-send cancel scope: every
+    frame still goes out, in order, then the end of the body."""
+    import asyncio
+
+    from server.streaming import _EventStream, sse_frame
+
+    async def frames():
+        for data in ("a", "b", "[DONE]"):
+            yield sse_frame(data)
+
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def main():
+        response = _EventStream(frames())
+        assert response.send_timeout is None
+        await response._stream_response(send)
+
+    asyncio.run(main())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    bodies = [m["body"] for m in sent[1:]]
+    assert bodies == [b"data: a\r\n\r\n", b"data: b\r\n\r\n", b"data: [DONE]\r\n\r\n", b""]
+    assert sent[-1]["more_body"] is False
