@@ -165,3 +165,16 @@ def test_draws_and_samples_stay_on_the_engines_device():
     probs = torch.softmax(torch.randn(4, 50, device=device), dim=-1)
     tokens = sample_from(probs, uniform)
     assert tokens.device.type == "cuda" and bool(((tokens >= 0) & (tokens < 50)).all())
+
+
+def test_argmax_is_the_first_largest_index_as_torch_gives_it():
+    from engine.sample.sampler import argmax
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (64, 300), generator=gen).float()  # many ties in each row
+    logits[5, 7] = float("nan")  # a NaN counts as the largest
+    logits[9, :] = float("-inf")
+    for rows in (logits, logits[::2], logits.double()):
+        got = argmax(rows)
+        assert got.dtype == torch.int64 and torch.equal(got, rows.argmax(dim=-1))
+    assert argmax(logits)[5] == 7
