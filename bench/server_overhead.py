@@ -153,7 +153,6 @@ def serve(port: int, step_ms: float, model: str | None) -> None:
 
 def serve_raw(port: int, step_ms: float) -> None:
     """The child of `--app raw`: a bare ASGI handler on the paced engine (see the docstring)."""
-
     import uvicorn
 
     from engine.core.async_engine import AsyncEngine

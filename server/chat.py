@@ -163,11 +163,12 @@ class _ChatView:
         """`_chunk` of a content delta with no logprobs, built directly: one per streamed token,
         so pydantic's construction and dump of the same fields were a share of the event loop's
         time per token (tests/test_server_text.py checks it against `_chunk`)."""
-        choice = {"index": index, "delta": {"content": text}, "logprobs": None}
+        choice = {
+            "index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None,
+        }  # fmt: skip
         body = {
             "id": self.id, "object": "chat.completion.chunk", "created": self.created,
-            "model": self.model, "system_fingerprint": None,
-            "choices": [choice | {"finish_reason": None}],
+            "model": self.model, "system_fingerprint": None, "choices": [choice],
         }  # fmt: skip
         if self.req.include_usage:
             body["usage"] = None

@@ -61,11 +61,14 @@ class IncrementalDetokenizer:
         # Text of _ids[_prefix:_read] was already emitted; _ids[_read:] is still pending.
         self._prefix = 0
         self._read = len(self._ids)
-        self._backend, self._stream = _decode_stream(tokenizer, self._ids, skip_special_tokens)
         # A context that ends inside a character (a prompt cut mid-character) is left to the
         # windowed decode, whose text for it the stream's would not match.
-        if not native or (self._ids and self._decode(0).endswith(REPLACEMENT_CHAR)):
-            self._stream = None
+        cut = bool(self._ids) and self._decode(0).endswith(REPLACEMENT_CHAR)
+        self._backend, self._stream = (
+            _decode_stream(tokenizer, self._ids, skip_special_tokens)
+            if native and not cut
+            else (None, None)
+        )
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
