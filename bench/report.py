@@ -292,8 +292,9 @@ def _split_table(rows: dict, configs: list[str], levels: list[int], temps: list[
         "`tandem_step_seconds_total` counters read before and after it: the target's forward "
         "(logits out), the draft (the proposer's passes), sampling and verification, the rest "
         "of an engine step (scheduling, bookkeeping) and time outside engine steps (the "
-        "engine waiting on the HTTP side: at c=1 mostly the gap between one request and the "
-        "next).",
+        "engine waiting on the HTTP side: at c=1 mostly the event loop and the client "
+        "sharing the second core with the OpenMP worker that spins there between passes; "
+        'see "What the time outside engine steps is at c=1").',
         "",
         "| configuration | c | T | " + " | ".join(SPLIT_PARTS.values()) + " |",
         "|---|---:|---:" + "|---:" * len(SPLIT_PARTS) + "|",
