@@ -324,7 +324,7 @@ def hf_level(
 ) -> dict:
     """`count` chat requests through generate() in this process, after a short warm-up: one
     at a time at concurrency 1, else static left-padded batches of `concurrency`."""
-    from bench.peers.hf_generate import run_batch1, run_padded
+    from bench.peers.hf_generate import run_level as hf_run_level
 
     model, tokenizer = hf
 
@@ -337,12 +337,7 @@ def hf_level(
     requests = [ids(prompts[i % len(prompts)]) for i in range(count)]
     warm = [ids([{"role": "user", "content": "Say hi."}])] * concurrency
     settings = hf_settings(tokenizer, args.max_tokens, temperature)
-    if concurrency == 1:
-        run_batch1(model, tokenizer, warm, 8, hf_settings(tokenizer, 8, 0.0))
-        row = run_batch1(model, tokenizer, requests, args.max_tokens, settings)
-    else:
-        run_padded(model, tokenizer, warm, 8, concurrency, hf_settings(tokenizer, 8, 0.0))
-        row = run_padded(model, tokenizer, requests, args.max_tokens, concurrency, settings)
+    row = hf_run_level(model, tokenizer, requests, warm, concurrency, args.max_tokens, 8, settings)
     row.update(concurrency=concurrency, temperature=temperature, drafted_tokens=0,
                accepted_tokens=0, acceptance=None, time_split={}, errors=[])  # fmt: skip
     return row

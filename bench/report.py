@@ -193,46 +193,7 @@ def chat_section(
     ]
     peers = [c for c in configs if c.startswith("llama") or c in ("vllm-cpu", "hf-generate")]
     if peers:
-        lines += [
-            "The peer rows are llama.cpp's own `llama-server` serving the same GGUF file (its "
-            "Q4_1 and Q8_0 blocks, with llama.cpp's quantized-activation dot products) under "
-            "the same load, as many threads as Tandem, built by "
-            "`bench/peers/build_llama_server.sh` (AVX-512 flags, AMX off), with 1 slot or 16 "
-            "slots and continuous batching"
-            + (
-                ", plain or with llama.cpp's own draft-model speculation (`models/draft` "
-                "exported to a Q8_0 GGUF by llama.cpp's converter, drafting up to 3 tokens while "
-                "the draft's probability is at least 0.75; llama.cpp computes that draft's head "
-                "over the whole vocabulary, where Tandem computes the rows of "
-                "`head_tokens.json`)"
-                if any(p.startswith("llama-server-draft") for p in peers)
-                else ""
-            )
-            + (
-                "; llama-cpp-python's OpenAI server on the same GGUF "
-                "(`bench/peers/install_llama_cpp_python.sh`, the same flags; one request at a "
-                "time; its streams carry no usage, so its tokens are its streamed text's under "
-                "the model's tokenizer)"
-                if "llama-cpp-python" in peers
-                else ""
-            )
-            + (
-                "; and vLLM-CPU (`bench/peers/install_peers.sh`) serving the float32 Hugging "
-                "Face directory Tandem converts the GGUF into, speculation off, its OpenMP "
-                "threads bound to the cores"
-                if "vllm-cpu" in peers
-                else ""
-            )
-            + (
-                "; and Hugging Face transformers' `generate()` on that float32 directory in "
-                "the benchmark's own process (no HTTP), the requests one at a time at c=1 and "
-                "in static left-padded batches of 16 at c=16"
-                if "hf-generate" in peers
-                else ""
-            )
-            + ". Tandem's default (draft, adaptive K) against the fastest peer at each level:",
-            "",
-        ]
+        lines += [_peers_paragraph(peers), ""]
         for t in temps:
             for c in levels:
                 ours = rows.get(("draft-adaptive", c, t))
@@ -274,6 +235,53 @@ def chat_section(
     if any("time_split" in r for r in rows.values()):
         lines += ["", *_split_table(rows, configs, levels, temps)]
     return lines
+
+
+PEER_TEXTS = [
+    (
+        lambda p: p.startswith("llama-server"),
+        "llama.cpp's own `llama-server` serving the same GGUF file (its Q4_1 and Q8_0 blocks, "
+        "with llama.cpp's quantized-activation dot products) under the same load, as many "
+        "threads as Tandem, built by `bench/peers/build_llama_server.sh` (AVX-512 flags, AMX "
+        "off), with 1 slot or 16 slots and continuous batching",
+    ),
+    (
+        lambda p: p.startswith("llama-server-draft"),
+        "the same, with llama.cpp's own draft-model speculation (`models/draft` exported to a "
+        "Q8_0 GGUF by llama.cpp's converter, drafting up to 3 tokens while the draft's "
+        "probability is at least 0.75; llama.cpp computes that draft's head over the whole "
+        "vocabulary, where Tandem computes the rows of `head_tokens.json`)",
+    ),
+    (
+        lambda p: p == "llama-cpp-python",
+        "llama-cpp-python's OpenAI server on the same GGUF "
+        "(`bench/peers/install_llama_cpp_python.sh`, the same flags; one request at a time; "
+        "its streams carry no usage, so its tokens are its streamed text's under the model's "
+        "tokenizer)",
+    ),
+    (
+        lambda p: p == "vllm-cpu",
+        "vLLM-CPU (`bench/peers/install_peers.sh`) serving the float32 Hugging Face directory "
+        "Tandem converts the GGUF into, speculation off, its OpenMP threads bound to the cores",
+    ),
+    (
+        lambda p: p == "hf-generate",
+        "Hugging Face transformers' `generate()` on that float32 directory in the benchmark's "
+        "own process (no HTTP), the requests one at a time at c=1 and in static left-padded "
+        "batches of 16 at c=16",
+    ),
+]
+"""Per kind of peer row (a test on its config name): what the report says of it."""
+
+
+def _peers_paragraph(peers: list[str]) -> str:
+    """What the peer rows ran, one clause per kind present, then the lead-in to the ratios."""
+    clauses = [text for present, text in PEER_TEXTS if any(present(p) for p in peers)]
+    listed = "; ".join(clauses[:-1]) + ("; and " if len(clauses) > 1 else "") + clauses[-1]
+    return (
+        f"The peer rows are {listed}. Tandem's default (draft, adaptive K) against the fastest "
+        "peer at each level:"
+    )
 
 
 SPLIT_PARTS = {

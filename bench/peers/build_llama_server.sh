@@ -23,11 +23,10 @@ if [ ! -d "$WORK/src/vendor/llama.cpp" ]; then
   mkdir -p "$WORK/src"
   tar xzf "$WORK/llama_cpp_python-$VERSION.tar.gz" -C "$WORK/src" --strip-components=1
 fi
+source bench/peers/llama_cpp_flags.sh
+# shellcheck disable=SC2086  # the flags are words
 cmake -S "$WORK/src/vendor/llama.cpp" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release \
-  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-  -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
-  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
-  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+  $LLAMA_CPP_CPU_FLAGS -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
 cmake --build "$WORK/build" --target llama-server -j "$(nproc)"
 mkdir -p "$WORK/bin"
 ln -sf "$(pwd)/$WORK/build/bin/llama-server" "$WORK/bin/llama-server"

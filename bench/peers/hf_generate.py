@@ -154,15 +154,23 @@ def assistant_settings(draft) -> str:
 
 
 def run_level(
-    model, tokenizer, prompts: list, warm: list, level: int, max_tokens: int, warmup_tokens: int
+    model,
+    tokenizer,
+    prompts: list,
+    warm: list,
+    level: int,
+    max_tokens: int,
+    warmup_tokens: int,
+    settings: dict | None = None,
 ) -> dict:
-    """Plain generate() at one concurrency level, after a warm-up on `warm`: batch 1 at
-    level 1, else static left-padded batches of `level` prompts."""
+    """Plain generate() at one concurrency level, after a (greedy) warm-up on `warm`: batch 1
+    at level 1, else static left-padded batches of `level` prompts. `settings`: the measured
+    run's decoding arguments, greedy_kwargs' when None."""
     if level == 1:
         run_batch1(model, tokenizer, warm[:1], warmup_tokens)
-        return run_batch1(model, tokenizer, prompts, max_tokens)
+        return run_batch1(model, tokenizer, prompts, max_tokens, settings)
     run_padded(model, tokenizer, warm[:level], warmup_tokens, level)
-    row = run_padded(model, tokenizer, prompts, max_tokens, level)
+    row = run_padded(model, tokenizer, prompts, max_tokens, level, settings)
     return row | {"notes": f"static batches of {level}, left padding; TTFT from each batch's start"}
 
 

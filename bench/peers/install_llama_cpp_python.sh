@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Installs llama-cpp-python's OpenAI server into .venv-peers/llama-cpp-python (ignored), for
 # `python -m bench.chat_bench --llama-cpp-python`. It is built from source (PyPI has no binary
-# wheel of it) with the flags build_llama_server.sh gives llama.cpp's own server: AVX2 + FMA +
-# AVX-512 (F, VBMI, VNNI, BF16), AMX off, not -march=native (on some virtual machines a native
-# build crashes in the AMX path). About 10 minutes on 2 cores.
+# wheel of it) with the flags build_llama_server.sh gives llama.cpp's own server
+# (llama_cpp_flags.sh: AVX-512, AMX off). About 10 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
@@ -12,9 +11,9 @@ VENV=.venv-peers/llama-cpp-python
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
-export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-  -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
-  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF"
+source bench/peers/llama_cpp_flags.sh
+CMAKE_ARGS=$(echo $LLAMA_CPP_CPU_FLAGS)  # one line: pip hands it on as one string
+export CMAKE_ARGS
 export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
 "$VENV/bin/pip" install "llama-cpp-python[server]==$VERSION"
 "$VENV/bin/python" -c "import llama_cpp.server.app; import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'ready in $VENV')"
