@@ -2,6 +2,7 @@
 
   python -m bench.cpu_kernels linear      # all the target's linears, per row count
   python -m bench.cpu_kernels attention   # one layer's attention, per batch shape
+  python -m bench.cpu_kernels attention-pass  # the default model's 30 layers, caches in memory
   python -m bench.cpu_kernels gguf        # SmolLM2's linears on GGUF blocks: float32, VNNI, AMX
 
 `linear`: the 8 layers' q/k/v, o, gate/up and down projections plus the LM head, each with
@@ -10,6 +11,10 @@ from cache), holding bfloat16 values as the default pair's checkpoint does: torc
 `F.linear` (MKL), oneDNN on prepacked weights (what vLLM's CPU backend uses), and Tandem's
 packed C GEMM on float32 panels and on (exact) bfloat16 panels. `attention`: the reference backend (gather the blocks,
 then SDPA) against the C kernel on the same paged cache with scattered block tables.
+`attention-pass`: the C kernel's attention over a whole pass of the default model (SmolLM2-135M:
+30 layers, 9 query heads over 3 kv heads of 64, blocks of 16 tokens), each layer with its own
+cache scattered over its pool, so that keys and values come from memory as in a real pass (one
+layer's cache fits in the outer caches), and the rate it reads them at.
 `gguf`: the default model's (SmolLM2-135M's) 30 layers' linears on Q4_1 blocks and its LM
 head on Q8_0, as its GGUF file has them (random weights, quantized by the `gguf` package):
 the float32 vector kernel (engine/cpu/csrc/gemm_quant.c), its calls on VNNI dot products
@@ -150,9 +155,36 @@ def bench_attention(args: argparse.Namespace) -> None:
         print(f"| {seqs} | {q_len} | {ctx} | {times[0]:.3f} ms | {times[1]:.3f} ms |")
 
 
+def bench_attention_pass(args: argparse.Namespace) -> None:
+    heads, kv_heads, head_dim, block, layers = 9, 3, 64, 16, 30
+    gen = torch.Generator().manual_seed(0)
+    print("| requests | queries each | keys each | K/V read a pass | C kernel, a pass | rate |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for seqs, q_len, ctx in [(1, 1, 150), (1, 1, 400), (1, 5, 150), (16, 1, 150), (16, 1, 400),
+                             (16, 5, 150)]:  # fmt: skip
+        per_seq = -(-ctx // block)
+        caches = [
+            (torch.randn(seqs * per_seq, block, kv_heads, head_dim, generator=gen),
+             torch.randn(seqs * per_seq, block, kv_heads, head_dim, generator=gen))
+            for _ in range(layers)
+        ]  # fmt: skip
+        tables = torch.randperm(seqs * per_seq, generator=gen).view(seqs, per_seq)
+        shape = ([q_len] * seqs, [ctx] * seqs, tables.tolist())
+        query = torch.randn(seqs * q_len, heads, head_dim, generator=gen)
+        md = build_metadata(caches[:1], block, *shape, torch.device("cpu"), CPU)
+
+        def one_pass(caches=caches, query=query, md=md) -> None:
+            for k, v in caches:
+                CPU.attend(query, k, v, md, 0.125)
+
+        ms = best_ms(one_pass, args.iters, args.repeats)
+        mb = layers * seqs * ctx * kv_heads * head_dim * 2 * 4 / 1e6
+        print(f"| {seqs} | {q_len} | {ctx} | {mb:.1f} MB | {ms:.2f} ms | {mb / ms:.1f} GB/s |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("what", choices=["linear", "attention", "gguf"])
+    p.add_argument("what", choices=["linear", "attention", "attention-pass", "gguf"])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 5, 9, 16, 33, 64, 512])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--iters", type=int, default=10)
@@ -163,7 +195,13 @@ def main() -> None:
     if not cpu_kernels.available():
         raise SystemExit(f"the kernels are unavailable: {cpu_kernels.unavailable_reason()}")
     print(f"{args.what}, {args.threads} thread(s), torch {torch.__version__}")
-    {"linear": bench_linear, "attention": bench_attention, "gguf": bench_gguf}[args.what](args)
+    run = {
+        "linear": bench_linear,
+        "attention": bench_attention,
+        "attention-pass": bench_attention_pass,
+        "gguf": bench_gguf,
+    }
+    run[args.what](args)
 
 
 if __name__ == "__main__":
