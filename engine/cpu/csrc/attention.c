@@ -21,15 +21,6 @@
 #define QTILE 16
 #define MAX_BLOCK 256
 
-/* Scores of one query row against 8 consecutive keys (stride between keys: ks floats). */
-INLINE v8 score8(const int NV, const v8 *q, const float *k, int64_t ks) {
-  v8 part[8];
-  for (int u = 0; u < 8; u++) part[u] = (v8){0};
-  for (int c = 0; c < NV; c++)
-    for (int u = 0; u < 8; u++) part[u] += q[c] * load(k + u * ks + 8 * c);
-  return reduce8(part);
-}
-
 /* Ask the outer caches (prefetcht2) for one kv head's keys and values of `tokens` cached
  * tokens of a block (rows of D floats, `ks` floats apart). A task's blocks are scattered over
  * the pool by its block table, so the hardware prefetcher does not run ahead of the next one;
@@ -50,6 +41,53 @@ INLINE void prefetch_kv(const float *k, const float *v, int64_t tokens, int64_t 
     __builtin_prefetch(k + t * ks + D - 1, 0, 1); /* a row that starts within a line */
     __builtin_prefetch(v + t * ks + D - 1, 0, 1);
   }
+}
+
+/* Rows that share each key or value load: two where there are 32 vector registers (their 16
+ * accumulators and the loads fit), else one. A row's arithmetic is the same either way (the
+ * outputs are the same bits). One layer of the default model's shapes with its cache in L2, 2
+ * threads, a 2-core AMD EPYC (Zen 4), 2026-11-27, three runs alternated with one row at a
+ * time: 16 decodes over 400 keys 186-212 us against 207-222, 16 verifications of 5 queries
+ * over 150 keys 309-329 against 348-379. With the cache in memory (`python -m
+ * bench.cpu_kernels attention-pass`) the memory's speed hid the difference. */
+#ifdef __AVX512F__
+#define PAIR 2
+#else
+#define PAIR 1
+#endif
+
+/* sc[r][g] = the scores of rows q[0..R) against the 8 keys at k (score8's sums, in its order),
+ * each key's load shared by the R rows. */
+INLINE void score8_rows(const int NV, const int R, v8 (*q)[NV], const float *k, int64_t ks,
+                        v8 (*sc)[MAX_BLOCK / 8], int64_t g) {
+  v8 part[2][8];
+  for (int r = 0; r < R; r++)
+    for (int u = 0; u < 8; u++) part[r][u] = (v8){0};
+  for (int c = 0; c < NV; c++)
+    for (int u = 0; u < 8; u++) {
+      const v8 key = load(k + u * ks + 8 * c);
+      for (int r = 0; r < R; r++) part[r][u] += q[r][c] * key;
+    }
+  for (int r = 0; r < R; r++) sc[r][g] = reduce8(part[r]);
+}
+
+/* acc[r] = acc[r] * rescale[r] + sum_t p[r][t] v_t over the block's n values at v (p: the
+ * rows' softmax numerators in sc), each value's load shared by the R rows. */
+INLINE void value_rows(const int NV, const int R, v8 (*acc)[NV], v8 (*sc)[MAX_BLOCK / 8],
+                       const float *rescale, const float *v, int64_t ks, int64_t n) {
+  v8 a[2][NV];
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < NV; c++) a[r][c] = acc[r][c] * rescale[r];
+  for (int64_t t = 0; t < n; t++) {
+    v8 pt[2];
+    for (int r = 0; r < R; r++) pt[r] = splat(((const float *)sc[r])[t]);
+    for (int c = 0; c < NV; c++) {
+      const v8 value = load(v + t * ks + 8 * c);
+      for (int r = 0; r < R; r++) a[r][c] += pt[r] * value;
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < NV; c++) acc[r][c] = a[r][c];
 }
 
 INLINE void attend_tile(const int NV, const float *q, const float *k_cache, const float *v_cache,
@@ -91,12 +129,21 @@ INLINE void attend_tile(const int NV, const float *q, const float *k_cache, cons
       const int64_t rest = last - first - block_size + 1;
       prefetch_kv(k_cache + next, v_cache + next, rest < block_size ? rest : block_size, ks, D);
     }
+    /* Scores, masks and the softmax update, row by row (pairs of rows share each key load);
+     * then p * v, pairs of live rows sharing each value load. */
+    float rescale[QTILE];
+    int live[QTILE];
+    for (int i = 0; i < rows; i += PAIR) {
+      const int r = rows - i < PAIR ? rows - i : PAIR;
+      if (r == 2)
+        for (int64_t g = 0; g < full; g++) score8_rows(NV, 2, qv + i, kb + g * 8 * ks, ks, sc + i, g);
+      else
+        for (int64_t g = 0; g < full; g++) score8_rows(NV, 1, qv + i, kb + g * 8 * ks, ks, sc + i, g);
+    }
     for (int i = 0; i < rows; i++) {
       const v8i visible = (v8i){0} + (int32_t)(pos[i] - first); /* key t visible: t <= this */
-      for (int64_t g = 0; g < full; g++) {
-        const v8 s = score8(NV, qv[i], kb + g * 8 * ks, ks);
-        sc[i][g] = select_v(lane + (int32_t)(g * 8) <= visible, s, splat(-INFINITY));
-      }
+      for (int64_t g = 0; g < full; g++)
+        sc[i][g] = select_v(lane + (int32_t)(g * 8) <= visible, sc[i][g], splat(-INFINITY));
       if (full < groups) { /* the last few keys of a partly used block */
         v8 s = splat(-INFINITY);
         for (int64_t t = full * 8; t < n && t <= pos[i] - first; t++) {
@@ -115,8 +162,9 @@ INLINE void attend_tile(const int NV, const float *q, const float *k_cache, cons
       v8 mx8 = sc[i][0];
       for (int64_t g = 1; g < groups; g++) mx8 = select_v(mx8 > sc[i][g], mx8, sc[i][g]);
       const float mx = fmaxf(hmax(mx8), m[i]);
-      if (mx == -INFINITY) continue; /* nothing visible to this row in this block */
-      const float rescale = expf(m[i] - mx); /* 0 while nothing was seen */
+      live[i] = mx != -INFINITY; /* else nothing is visible to this row in this block */
+      if (!live[i]) continue;
+      rescale[i] = expf(m[i] - mx); /* 0 while nothing was seen */
       m[i] = mx;
       v8 sum = (v8){0};
       for (int64_t g = 0; g < groups; g++) {
@@ -124,15 +172,16 @@ INLINE void attend_tile(const int NV, const float *q, const float *k_cache, cons
         sc[i][g] = p;
         sum += p;
       }
-      l[i] = l[i] * rescale + hsum(sum);
-      v8 a[NV];
-      for (int c = 0; c < NV; c++) a[c] = acc[i][c] * rescale;
-      const float *p = (const float *)sc[i];
-      for (int64_t t = 0; t < n; t++) {
-        const v8 pt = splat(p[t]);
-        for (int c = 0; c < NV; c++) a[c] += pt * load(vb + t * ks + 8 * c);
+      l[i] = l[i] * rescale[i] + hsum(sum);
+    }
+    for (int i = 0; i < rows;) {
+      if (PAIR == 2 && i + 1 < rows && live[i] && live[i + 1]) {
+        value_rows(NV, 2, acc + i, sc + i, rescale + i, vb, ks, n);
+        i += 2;
+      } else {
+        if (live[i]) value_rows(NV, 1, acc + i, sc + i, rescale + i, vb, ks, n);
+        i += 1;
       }
-      for (int c = 0; c < NV; c++) acc[i][c] = a[c];
     }
   }
   for (int i = 0; i < rows; i++) {
