@@ -276,16 +276,21 @@ def test_cpu_backend_matches_the_reference(heads, kv_heads, d, block):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_attention_rows_do_not_depend_on_the_batch():
-    """A query's output is bit-identical attended alone (a decode) or as the last query of a
-    verification beside other requests."""
-    heads, kv_heads, d, block = 8, 4, 64, 16
-    query, k_cache, v_cache, tables = _paged_case([5, 1], [40, 90], heads, kv_heads, d, block, 3)
-    both = build_metadata([(k_cache, v_cache)], block, [5, 1], [40, 90], tables, "cpu", CPU)
-    alone = build_metadata([(k_cache, v_cache)], block, [1], [40], tables[:1], "cpu", CPU)
+@pytest.mark.parametrize("heads,kv_heads", [(8, 4), (9, 3), (4, 1)])
+def test_attention_rows_do_not_depend_on_the_batch(heads, kv_heads):
+    """Each query's output is bit-identical attended alone (a decode at its position) or as
+    one query of a verification beside other requests: a tile's rows, and the pairs of rows
+    that share loads, differ between the two (9 heads over 3: odd groups of rows)."""
+    d, block = 64, 16
+    q_lens, ctx_lens = [5, 1], [40, 90]  # the verification's queries sit at 35..39
+    query, k_cache, v_cache, tables = _paged_case(q_lens, ctx_lens, heads, kv_heads, d, block, 3)
+    caches = [(k_cache, v_cache)]
+    both = build_metadata(caches, block, q_lens, ctx_lens, tables, "cpu", CPU)
     together = CPU.attend(query, k_cache, v_cache, both, 0.125)
-    single = CPU.attend(query[4:5], k_cache, v_cache, alone, 0.125)
-    assert torch.equal(together[4], single[0])
+    for j in range(5):
+        alone = build_metadata(caches, block, [1], [36 + j], tables[:1], "cpu", CPU)
+        single = CPU.attend(query[j : j + 1], k_cache, v_cache, alone, 0.125)
+        assert torch.equal(together[j], single[0]), j
 
 
 def test_unsupported_shapes_are_refused():

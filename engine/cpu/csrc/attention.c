@@ -122,7 +122,13 @@ INLINE void attend_tile(const int NV, const float *q, const float *k_cache, cons
     const float *kb = k_cache + (table[b] * block_size * kv_heads + kv_head) * D;
     const float *vb = v_cache + (table[b] * block_size * kv_heads + kv_head) * D;
     const int64_t n = last - first + 1 < block_size ? last - first + 1 : block_size;
-    const int64_t full = n / 8, groups = (n + 7) / 8;
+    /* Groups of 8 keys scored by score8_rows: every one within the block's capacity, even
+     * past the last key any row sees (those lanes read stale slots of the block and are
+     * masked), so that a key's score is the same bits whichever rows share the tile: a
+     * verification's earlier query and a decode at its position. Only the tail of a block
+     * whose size is not a multiple of 8 is scored key by key. */
+    const int64_t groups = (n + 7) / 8;
+    const int64_t full = groups < block_size / 8 ? groups : block_size / 8;
     if (b == 0) prefetch_kv(kb, vb, n, ks, D);
     if (first + block_size <= last) { /* the next block */
       const int64_t next = (table[b + 1] * block_size * kv_heads + kv_head) * D;
@@ -144,7 +150,7 @@ INLINE void attend_tile(const int NV, const float *q, const float *k_cache, cons
       const v8i visible = (v8i){0} + (int32_t)(pos[i] - first); /* key t visible: t <= this */
       for (int64_t g = 0; g < full; g++)
         sc[i][g] = select_v(lane + (int32_t)(g * 8) <= visible, sc[i][g], splat(-INFINITY));
-      if (full < groups) { /* the last few keys of a partly used block */
+      if (full < groups) { /* the keys past a block's last multiple of 8 */
         v8 s = splat(-INFINITY);
         for (int64_t t = full * 8; t < n && t <= pos[i] - first; t++) {
           v8 d = (v8){0};
