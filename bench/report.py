@@ -362,6 +362,7 @@ def main() -> None:
     for fragment in (
         "chat_runs_cpu.md",
         "server_overhead_cpu.md",
+        "attention_cpu.md",
         "chat-eagle.json",
         "quantization_cpu.md",
         "verification_cpu.md",
