@@ -291,6 +291,18 @@ def test_attention_rows_do_not_depend_on_the_batch(heads, kv_heads):
         alone = build_metadata(caches, block, [1], [36 + j], tables[:1], "cpu", CPU)
         single = CPU.attend(query[j : j + 1], k_cache, v_cache, alone, 0.125)
         assert torch.equal(together[j], single[0]), j
+    # The kernel scores 8 keys at a time past a request's last key (then masks them): NaN in
+    # every slot that holds no key changes nothing.
+    keep = torch.zeros(k_cache.shape[0] * block, dtype=torch.bool)
+    for ctx, table in zip(ctx_lens, tables, strict=True):
+        for p in range(ctx):
+            keep[table[p // block] * block + p % block] = True
+    poisoned = []
+    for cache in (k_cache, v_cache):
+        cache = cache.clone()
+        cache.view(-1, kv_heads, d)[~keep] = float("nan")
+        poisoned.append(cache)
+    assert torch.equal(CPU.attend(query, *poisoned, both, 0.125), together)
 
 
 def test_unsupported_shapes_are_refused():
