@@ -16,7 +16,9 @@
  * one of the kv head's query heads. Per cache block the task scores 8 keys at a time against
  * every row (8 independent FMA chains, summed across lanes by reduce8), then runs an online
  * softmax (running max m, running sum l) and accumulates p * v. Keys are read once per task,
- * where they are.
+ * where they are, with the next block prefetched. A row's arithmetic does not depend on the
+ * other rows of its tile or batch, so a query gets the same bits in a verification and in a
+ * decode at its position (tests/test_cpu_kernels.py).
  */
 #define QTILE 16
 #define MAX_BLOCK 256
@@ -56,8 +58,9 @@ INLINE void prefetch_kv(const float *k, const float *v, int64_t tokens, int64_t 
 #define PAIR 1
 #endif
 
-/* sc[r][g] = the scores of rows q[0..R) against the 8 keys at k (score8's sums, in its order),
- * each key's load shared by the R rows. */
+/* sc[r][g] = the scores of rows q[0..R) against the 8 keys at k (stride between keys: ks
+ * floats): per key 8 lanes summed over the head in order, then reduce8; each key's load
+ * shared by the R rows. */
 INLINE void score8_rows(const int NV, const int R, v8 (*q)[NV], const float *k, int64_t ks,
                         v8 (*sc)[MAX_BLOCK / 8], int64_t g) {
   v8 part[2][8];
@@ -141,10 +144,10 @@ INLINE void attend_tile(const int NV, const float *q, const float *k_cache, cons
     int live[QTILE];
     for (int i = 0; i < rows; i += PAIR) {
       const int r = rows - i < PAIR ? rows - i : PAIR;
-      if (r == 2)
-        for (int64_t g = 0; g < full; g++) score8_rows(NV, 2, qv + i, kb + g * 8 * ks, ks, sc + i, g);
-      else
-        for (int64_t g = 0; g < full; g++) score8_rows(NV, 1, qv + i, kb + g * 8 * ks, ks, sc + i, g);
+      for (int64_t g = 0; g < full; g++) {
+        if (r == 2) score8_rows(NV, 2, qv + i, kb + g * 8 * ks, ks, sc + i, g);
+        else score8_rows(NV, 1, qv + i, kb + g * 8 * ks, ks, sc + i, g);
+      }
     }
     for (int i = 0; i < rows; i++) {
       const v8i visible = (v8i){0} + (int32_t)(pos[i] - first); /* key t visible: t <= this */
