@@ -23,6 +23,7 @@ from engine.cpu.gguf_blocks import q4_0_as_q4_1
 from engine.model.inputs import SeqInput
 from engine.model.on_cpu import use_cpu_kernels
 from engine.model.runner import ModelRunner
+from tests.attention_helpers import poison_unread_slots
 from tests.engine_utils import drain, greedy, make_engine, random_prompts
 
 pytestmark = pytest.mark.skipif(
@@ -293,15 +294,7 @@ def test_attention_rows_do_not_depend_on_the_batch(heads, kv_heads):
         assert torch.equal(together[j], single[0]), j
     # The kernel scores 8 keys at a time past a request's last key (then masks them): NaN in
     # every slot that holds no key changes nothing.
-    keep = torch.zeros(k_cache.shape[0] * block, dtype=torch.bool)
-    for ctx, table in zip(ctx_lens, tables, strict=True):
-        for p in range(ctx):
-            keep[table[p // block] * block + p % block] = True
-    poisoned = []
-    for cache in (k_cache, v_cache):
-        cache = cache.clone()
-        cache.view(-1, kv_heads, d)[~keep] = float("nan")
-        poisoned.append(cache)
+    poisoned = poison_unread_slots(k_cache, v_cache, ctx_lens, tables)
     assert torch.equal(CPU.attend(query, *poisoned, both, 0.125), together)
 
 

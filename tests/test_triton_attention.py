@@ -14,6 +14,7 @@ from engine.attention.backends import BACKENDS, select_backend, triton_available
 from engine.attention.paged import build_metadata
 from engine.config import ATTENTION_BACKENDS, SpecConfig
 from server.settings import load_settings
+from tests.attention_helpers import poison_unread_slots
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 
 needs_triton = pytest.mark.skipif(
@@ -96,16 +97,9 @@ def _attend(case: dict, backend: str, key_cache=None, value_cache=None) -> torch
 
 
 def _poison_unread_slots(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of the caches with NaN in every slot that holds no request's key."""
-    key_cache, value_cache = case["key_cache"].clone(), case["value_cache"].clone()
-    block_size = key_cache.shape[1]
-    keep = torch.zeros(key_cache.shape[0] * block_size, dtype=torch.bool)
-    for ctx, table in zip(case["context_lens"], case["tables"], strict=True):
-        for pos in range(ctx):
-            keep[table[pos // block_size] * block_size + pos % block_size] = True
-    for cache in (key_cache, value_cache):
-        cache.view(-1, *cache.shape[2:])[~keep.to(cache.device)] = float("nan")
-    return key_cache, value_cache
+    return poison_unread_slots(
+        case["key_cache"], case["value_cache"], case["context_lens"], case["tables"]
+    )
 
 
 @needs_triton
