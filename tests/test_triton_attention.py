@@ -115,6 +115,31 @@ def test_kernel_matches_reference_on_cpu(interpreted, block_size, group):
     torch.testing.assert_close(poisoned, expected, rtol=1e-5, atol=1e-5)
 
 
+def _rows_match_decodes(block_size: int, group: int, dtype: torch.dtype, device: str) -> None:
+    """Each query of a verification (5 queries at positions 35..39) beside a decode of another
+    request gets the bits it gets attended alone, as a decode at its position: the program's
+    rows and key tiles differ between the two."""
+    case = _random_case(
+        block_size, group, dtype, device, batch=[(5, 40), (1, 90)], head_dim=64, seed=group
+    )
+    together = _attend(case, "triton")
+    for j in range(5):
+        alone = {
+            **case,
+            "query": case["query"][j : j + 1],
+            "query_lens": [1],
+            "context_lens": [36 + j],
+            "tables": case["tables"][:1],
+        }
+        assert torch.equal(together[j], _attend(alone, "triton")[0]), j
+
+
+@needs_triton
+@pytest.mark.parametrize("block_size,group", [(4, 1), (16, 3)])
+def test_verification_rows_equal_decodes_on_cpu(interpreted, block_size, group):
+    _rows_match_decodes(block_size, group, torch.float32, "cpu")
+
+
 @needs_triton
 def test_padded_grid_and_empty_requests_change_nothing(interpreted):
     """A fixed-shape batch (CUDA graphs) pads max_query_len and adds requests with no query
@@ -234,3 +259,11 @@ def test_triton_is_the_cuda_default_and_matches_transformers_in_float32(tiny_dir
         engine.add_request(f"g{i}", prompt, greedy(12))
     outputs = drain(engine)
     assert [outputs[f"g{i}"] for i in range(len(prompts))] == hf_greedy(model, prompts, 12)
+
+
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size,group", [(4, 1), (16, 3)])
+def test_verification_rows_equal_decodes_on_cuda(kernel, dtype, block_size, group):
+    _rows_match_decodes(block_size, group, dtype, "cuda")
