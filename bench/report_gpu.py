@@ -64,6 +64,7 @@ def gpu_section(data: dict, png: Path) -> list[str]:
         shown = [n for n in names if any(key in r for r in rows if _name(r) == n)]
         lines += ["", f"{title}:", "", *_table(rows, shown, levels, key, digits)]
     lines += _captures(rows)
+    lines += _gc_pauses(rows)
     lines += _gaps(data)
     return lines
 
@@ -87,6 +88,23 @@ def _captures(rows: list[dict]) -> list[str]:
     if not hit:
         return ["", "No CUDA graph was captured inside a timed Tandem run."]
     return ["", "CUDA graphs captured inside timed Tandem runs: " + "; ".join(hit) + "."]
+
+
+def _gc_pauses(rows: list[dict]) -> list[str]:
+    """The garbage collector's time inside Tandem's timed runs (bench/driver.py freezes the
+    heap before each one; results from before that carry no such field)."""
+    tandem = [r for r in rows if r["system"] == TANDEM and "gc_seconds" in r]
+    if not tandem:
+        return []
+    hit = [
+        f"{_name(r)} at {r['concurrency']}: {1e3 * r['gc_seconds']:.0f} ms "
+        f"({r['gc_full_collections']} full)"
+        for r in tandem
+        if r["gc_seconds"] >= 0.005
+    ]
+    if not hit:
+        return ["", "The garbage collector ran under 5 ms in every timed Tandem run."]
+    return ["", "Garbage collection inside timed Tandem runs: " + "; ".join(hit) + "."]
 
 
 def _pair(pair: dict) -> list[str]:
