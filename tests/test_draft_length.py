@@ -652,3 +652,33 @@ def test_a_lagging_draft_is_charged_over_the_drafting_runs_the_policy_measures()
     req.spec.accepted = 0
     assert sum(probing.choose([req]).ks[0] for _ in range(20)) > 0
     assert probing.catch_up.run_steps == CATCH_UP_STEPS
+
+
+def test_depth_factors_follow_the_decayed_counts():
+    """observe() keeps per-depth counts in plain floats; they follow the array recurrence
+    kept = 0.995 kept + [d < accepted], predicted = 0.995 predicted + a^d for d <= drafted."""
+    policy = AdaptiveDraftLength(4, memory_then_compute_bound())
+    kept, predicted = np.zeros(4), np.zeros(4)
+    rng = np.random.default_rng(0)
+    (req,) = _requests(1, accepted=0, trials=0)
+    for _ in range(50):
+        drafted = int(rng.integers(1, 6))
+        accepted = int(rng.integers(0, drafted + 1))
+        n = min(drafted, 4)
+        a = policy.acceptance(req)
+        kept = 0.995 * kept
+        kept[: min(accepted, n)] += 1
+        predicted = 0.995 * predicted
+        predicted[:n] += a ** np.arange(1, n + 1)
+        req.spec.record(drafted, accepted)
+        policy.observe(req, drafted, accepted)
+    w = policy.prior_weight
+    # a^d may differ in its last bit: numpy's power can take a vectorised path, not libm's.
+    np.testing.assert_allclose(policy.depth_factors(), (kept + w) / (predicted + w), rtol=1e-13)
+
+
+def test_policy_cost_bench_runs():
+    from bench.policy_cost import per_step_us
+
+    us, mean_k = per_step_us(4, 4, steps=5, repeats=1)
+    assert us > 0 and 0 <= mean_k <= 4
