@@ -6,11 +6,12 @@ token; inter-token latency is (last token time - first token time) / (tokens - 1
 that arrive together in one speculative step share a timestamp, as a client sees them.
 
 Before the clock starts the driver collects and freezes the process's heap, as the server does
-once at start-up (server/app.py), and unfreezes it when the run ends: a benchmark process holding transformers, the models and
-the results so far has a few hundred thousand objects, and a full collection of them takes
-about 0.2 s (2-core AMD EPYC, 2026-11-27), enough to turn one short timed run into an
-outlier. The collector's pauses inside the timed run are reported beside its other numbers
-(on an H100 with the 146M pair they stayed under 1 ms a run, with the freeze or without).
+once at start-up (server/app.py), and unfreezes it when the run ends. A benchmark process
+holding transformers, the models and the results so far has a few hundred thousand objects,
+and a full collection of them takes about 0.2 s (2-core AMD EPYC, 2026-11-27), enough to turn
+one short timed run into an outlier. The collector's pauses inside the timed run are reported
+beside its other numbers (on an H100 with the 146M pair they stayed under 1 ms a run, with
+the freeze or without).
 """
 
 from __future__ import annotations
