@@ -277,11 +277,14 @@ def test_cpu_backend_matches_the_reference(heads, kv_heads, d, block):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 8])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 4), (9, 3), (4, 1)])
-def test_attention_rows_do_not_depend_on_the_batch(heads, kv_heads):
+def test_attention_rows_do_not_depend_on_the_batch(heads, kv_heads, threads, monkeypatch):
     """Each query's output is bit-identical attended alone (a decode at its position) or as
     one query of a verification beside other requests: a tile's rows, and the pairs of rows
-    that share loads, differ between the two (9 heads over 3: odd groups of rows)."""
+    that share loads, differ between the two (9 heads over 3: odd groups of rows), and with
+    the thread count (tiles are halved while there are fewer than 4 tasks a thread)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     d, block = 64, 16
     q_lens, ctx_lens = [5, 1], [40, 90]  # the verification's queries sit at 35..39
     query, k_cache, v_cache, tables = _paged_case(q_lens, ctx_lens, heads, kv_heads, d, block, 3)
