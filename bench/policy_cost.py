@@ -7,9 +7,10 @@ Per step the engine asks the policy for every decoding request's K (`choose`) an
 each drafting request's verified drafts back (`observe`). Both run in Python on the engine
 thread, between passes; on a GPU, where a step of 64 requests takes 1-2 ms, that time counts.
 The requests here hold 150 tokens of context and a record of 79% acceptance, and a synthetic
-cost model (1 ms passes flat up to 256 tokens, as on a GPU, then rising; 0.1 ms drafts) makes the policy draft.
-Each step observes what was chosen, with the drafts kept up to a random depth. Prints the
-mean microseconds per step (best of --repeats rounds of --steps steps).
+cost model (1 ms passes flat up to 256 tokens, as on a GPU, then rising; 0.1 ms drafts)
+makes the policy draft. Each step observes what was chosen, with the drafts kept up to a
+random depth. Prints the mean microseconds per step (best of --repeats rounds of --steps
+steps).
 """
 
 from __future__ import annotations

@@ -18,9 +18,11 @@
  * 3 kv heads was 3 tasks on 2 threads. Over a pass of the default model's 30 layers with each
  * layer's cache in memory (2 threads, 2-core AMD EPYC, 2026-11-27, four alternated runs), one
  * decode over 1,500 keys took 4.5-4.7 against 5.0-5.2 ms; over 150 and 400 keys it made no
- * difference beyond the noise (the halves read their keys twice). Per cache block the task scores 8 keys at a time against
- * every row (8 independent FMA chains, summed across lanes by reduce8), then runs an online
- * softmax (running max m, running sum l) and accumulates p * v. Keys are read once per task,
+ * difference beyond the noise (the halves read their keys twice).
+ *
+ * Per cache block the task scores 8 keys at a time against every row (8 independent FMA
+ * chains, summed across lanes by reduce8), then runs an online softmax (running max m,
+ * running sum l) and accumulates p * v. Keys are read once per task,
  * where they are, with the next block prefetched. A row's arithmetic does not depend on the
  * other rows of its tile or batch, so a query gets the same bits in a verification and in a
  * decode at its position (tests/test_cpu_kernels.py).
