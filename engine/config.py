@@ -23,6 +23,7 @@ ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 MODEL_IMPLS = ("auto", "native", "transformers")
 # engine/model/quantization.py METHODS.
 QUANTIZATIONS = ("none", "bf16", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -107,8 +108,14 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     """Fraction of GPU memory for weights + KV when num_blocks is None."""
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    """What the KV cache holds: auto = the model's dtype; float16 or bfloat16 store keys and
+    values rounded to 16 bits on the CPU (half the bytes attention reads, twice the tokens a
+    budget holds), a change to the served model's numerics, as llama.cpp's default float16
+    cache is; float32 = the model's dtype on the CPU in float32."""
 
     def __post_init__(self) -> None:
+        _check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check(
             1 <= self.block_size <= 256,
             f"--block-size must be between 1 and 256 (got {self.block_size})",

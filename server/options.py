@@ -16,6 +16,7 @@ from engine import (
     DEVICES,
     DRAFT_LENGTH_POLICIES,
     DTYPES,
+    KV_CACHE_DTYPES,
     MODEL_IMPLS,
     QUANTIZATIONS,
     SPEC_METHODS,
@@ -261,6 +262,15 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "cache.enable_prefix_caching", None, parse_bool, "reuse KV blocks of shared prompt prefixes"
+    ),
+    Option(
+        "cache.kv_cache_dtype",
+        "--kv-cache-dtype",
+        str,
+        "what the KV cache holds: auto = the model's dtype; float16 | bfloat16 = keys and values "
+        "rounded to 16 bits (CPU only; half the bytes attention reads, twice the tokens the "
+        "cache holds; a change to the served model's numerics); float32",
+        choices=KV_CACHE_DTYPES,
     ),
     Option(
         "scheduler.max_num_seqs",

@@ -31,6 +31,7 @@ def make_engine(
     model_impl: str = "auto",
     cpu_bind: bool = True,
     quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
@@ -46,7 +47,10 @@ def make_engine(
                 quantization=quantization,
             ),
             cache=CacheConfig(
-                block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching
+                block_size=block_size,
+                num_blocks=num_blocks,
+                enable_prefix_caching=prefix_caching,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -1,8 +1,8 @@
 """The C kernels built for other instruction sets than this machine's: the AVX2 path (what
 most x86 servers run) and the portable SSE2 one (x86-64 baseline) pass the same kernel tests
-(bit-equality of the GGUF block kernels, packed linears against torch, attention, the native
-forward on the kernels) as the native build. The compiler is wrapped so that `-march=native`
-becomes the target; the library goes to a cache of its own."""
+(bit-equality of the GGUF block kernels, packed linears against torch, attention over float32
+and 16-bit caches, the native forward on the kernels) as the native build. The compiler is
+wrapped so that `-march=native` becomes the target; the library goes to a cache of its own."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ KERNEL_TESTS = [
     "tests/test_cpu_kernels.py",
     "tests/test_cpu_linear.py",
     "tests/test_gguf_linear.py",
+    "tests/test_kv_cache_dtype.py",
 ]
 
 pytestmark = [

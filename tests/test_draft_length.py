@@ -375,18 +375,20 @@ def test_calibration_key_follows_what_the_cpu_kernels_run_on(monkeypatch, tmp_pa
     from engine.cpu import kernels as cpu_kernels
     from engine.spec.calibration import calibration_key
 
-    def runner(kernels: str) -> SimpleNamespace:
+    def runner(kernels: str, kv_dtype: str) -> SimpleNamespace:
         return SimpleNamespace(
             hf_config=SimpleNamespace(to_dict=lambda: {"hidden_size": 8}),
             device="cpu", dtype="float32", model_impl="native", attention_backend=None,
             decode_graphs=None, head_tokens=None, kernels=kernels, name=str(tmp_path),
+            kv_dtype=kv_dtype,
         )  # fmt: skip
 
-    def key(isa: str, kernels: str) -> str:
+    def key(isa: str, kernels: str, kv_dtype: str = "float32") -> str:
         monkeypatch.setattr(cpu_kernels, "isa", lambda: isa)
-        return calibration_key([runner(kernels)], {"block_size": 16})
+        return calibration_key([runner(kernels, kv_dtype)], {"block_size": 16})
 
     assert key("avx512f", "cpu") != key("avx512f+amx", "cpu")
+    assert key("avx512f", "cpu") != key("avx512f", "cpu", "float16")  # --kv-cache-dtype
     assert key("avx512f", "cpu") == key("avx512f", "cpu")
     assert key("avx512f", "torch") == key("avx512f+amx", "torch")  # not on the kernels
 

@@ -5,7 +5,8 @@ chunk) are attended by `tandem_paged_attention` (engine/cpu/csrc/attention.c), w
 request's keys and values where they sit in the paged cache: no gather into a padded batch,
 no mask tensor. Longer queries (prefill chunks) go to the reference path's
 `scaled_dot_product_attention`, which is faster there because it multiplies whole tiles of
-queries and keys at once. Float32 only; the default on the CPU when the kernels build.
+queries and keys at once. Float32 models only (the cache float32, or 16 bits with
+`--kv-cache-dtype`); the default on the CPU when the kernels build.
 
 Default pair, one AVX2 core, per layer (`python -m bench.cpu_kernels attention`):
 16 decodes over 250 keys 1.2 -> 0.4 ms; 16 verifications of 5 queries 2.3 -> 1.5 ms;

@@ -135,6 +135,8 @@ def reference_attention(
         rows = g.gather_blocks.view(-1)
         k = _rows(key_cache).index_select(0, rows).view(num_seqs, -1, kv_heads, head_dim)
         v = _rows(value_cache).index_select(0, rows).view(num_seqs, -1, kv_heads, head_dim)
+        if k.dtype != q.dtype:  # a 16-bit cache (--kv-cache-dtype): widened exactly
+            k, v = k.to(q.dtype), v.to(q.dtype)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),

@@ -16,7 +16,7 @@ import torch
 
 from engine.attention.backends import select_backend
 from engine.config import EngineConfig
-from engine.core.kv_budget import num_kv_blocks
+from engine.core.kv_budget import kv_cache_dtype, num_kv_blocks
 from engine.core.outputs import RequestOutput
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import FORCED_MAX, Scheduler, SchedulerOutput, make_output
@@ -74,6 +74,8 @@ class LLMEngine:
         block_size = config.cache.block_size
         draft = getattr(self.proposer, "runner", None)  # a proposer with a model of its own
         self.runners = [self.runner] + ([draft] if draft is not None else [])
+        for runner in self.runners:  # what the KV cache holds (--kv-cache-dtype)
+            runner.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.device, dtype)
         if config.model.cpu_packed_linear and self.device.type == "cpu" and dtype == torch.float32:
             self._pack_linears()
         self.cpu_isa = cpu_kernels.isa() if self.runner.kernels != "torch" else None
@@ -130,18 +132,11 @@ class LLMEngine:
         self._seeds = itertools.count(config.model.seed)
         logger.info(
             "engine ready: %s on %s/%s (%s forward, %s attention, decode graphs %s), %d KV "
-            "blocks of %d tokens, max_model_len %d, spec %s",
-            config.model.model,
-            self.device,
-            dtype,
-            self.runner.model_impl,
-            self.attention_backend,
-            "on" if self.decode_graphs else "off",
-            num_blocks,
-            block_size,
-            self.max_model_len,
-            config.spec.method if config.spec.enabled else "off",
-        )
+            "blocks of %d tokens (%s), max_model_len %d, spec %s",
+            config.model.model, self.device, dtype, self.runner.model_impl, self.attention_backend,
+            "on" if self.decode_graphs else "off", num_blocks, block_size, self.runner.kv_dtype,
+            self.max_model_len, config.spec.method if config.spec.enabled else "off",
+        )  # fmt: skip
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

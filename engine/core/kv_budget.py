@@ -1,4 +1,4 @@
-"""How many KV blocks the pool gets when --kv-cache-blocks is auto.
+"""How many KV blocks the pool gets when --kv-cache-blocks is auto, and what they hold.
 
 On CPU the budget is `cache.memory_gb`. On CUDA, Tandem may use `--gpu-memory-utilization` of
 the device in all; what is in use once both models' weights are loaded (weights, the CUDA
@@ -19,6 +19,19 @@ from engine.model.inputs import SeqInput
 from engine.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_cache_dtype(name: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the KV cache holds for --kv-cache-dtype `name` (auto = the model's). Another
+    dtype than the model's is for the CPU: CUDA's attention and graphs read the model's."""
+    dtype = model_dtype if name == "auto" else _KV_DTYPES[name]
+    if dtype != model_dtype and device.type != "cpu":
+        raise ValueError(
+            f"--kv-cache-dtype {name} runs on the CPU; on {device.type} the KV cache holds the "
+            f"model's dtype ({str(model_dtype).removeprefix('torch.')}): use auto"
+        )
+    return dtype
 
 
 def num_kv_blocks(

@@ -152,28 +152,30 @@ def rotary_cache(
     cos: torch.Tensor,  # [positions, head_dim] float32
     sin: torch.Tensor,
     heads: int,
-    key_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim] float32
+    key_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim], a KV_TYPES dtype
     value_cache: torch.Tensor,
 ) -> torch.Tensor:  # q [tokens, heads, head_dim], rotated
-    """Rotary embedding on q and k (rotate-half); k and v written to their cache slots."""
+    """Rotary embedding on q and k (rotate-half); k and v written to their cache slots
+    (rounded to nearest even into a 16-bit cache, as torch's `.to()` rounds)."""
     kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     tokens = qkv.shape[0]
     q = torch.empty(tokens, heads, head_dim)
     _require().tandem_rotary_cache(
-        qkv.data_ptr(),
-        positions.data_ptr(),
-        slots.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        tokens,
-        heads,
-        kv_heads,
-        head_dim,
-        q.data_ptr(),
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-    )
+        qkv.data_ptr(), positions.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        tokens, heads, kv_heads, head_dim, q.data_ptr(), key_cache.data_ptr(),
+        value_cache.data_ptr(), kv_type(key_cache.dtype),
+    )  # fmt: skip
     return q
+
+
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+"""The KV cache dtypes the attention kernel reads (KV_F32, KV_F16, KV_BF16 in vec.h)."""
+
+
+def kv_type(dtype: torch.dtype) -> int:
+    if dtype not in KV_TYPES:
+        raise ValueError(f"the CPU attention kernel does not read a {dtype} KV cache")
+    return KV_TYPES[dtype]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -187,7 +189,7 @@ def attention_supports(heads: int, kv_heads: int, head_dim: int, block_size: int
 
 def paged_attention(
     query: torch.Tensor,  # [tokens, heads, head_dim] float32, contiguous
-    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] float32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], a KV_TYPES dtype
     value_cache: torch.Tensor,
     tables: torch.Tensor,  # [num_seqs, width] int64 block ids
     q_starts: torch.Tensor,  # [num_seqs] int64: first row of each request in query
@@ -201,25 +203,11 @@ def paged_attention(
     lib = _require()
     _, block_size, kv_heads, head_dim = key_cache.shape
     status = lib.tandem_paged_attention(
-        query.data_ptr(),
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        tables.data_ptr(),
-        tables.shape[1],
-        q_starts.data_ptr(),
-        q_lens.data_ptr(),
-        ctx_lens.data_ptr(),
-        None if tree is None else tree.data_ptr(),
-        None if tree_base is None else tree_base.data_ptr(),
-        tables.shape[0],
-        out.data_ptr(),
-        query.shape[1],
-        kv_heads,
-        head_dim,
-        block_size,
-        scale,
-        torch.get_num_threads(),
-    )
+        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
+        tables.shape[1], q_starts.data_ptr(), q_lens.data_ptr(), ctx_lens.data_ptr(),
+        _ptr(tree), _ptr(tree_base), tables.shape[0], out.data_ptr(), query.shape[1], kv_heads,
+        head_dim, block_size, scale, kv_type(key_cache.dtype), torch.get_num_threads(),
+    )  # fmt: skip
     if status != 0:
         raise ValueError(
             f"the CPU attention kernel does not take heads={query.shape[1]}, "
@@ -244,14 +232,14 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tandem_rms_norm.restype = None
     lib.tandem_silu_mul.argtypes = [ptr, ptr, i64, i64]
     lib.tandem_silu_mul.restype = None
-    lib.tandem_rotary_cache.argtypes = [ptr] * 5 + [i64] * 4 + [ptr] * 3
+    lib.tandem_rotary_cache.argtypes = [ptr] * 5 + [i64] * 4 + [ptr] * 3 + [i32]
     lib.tandem_rotary_cache.restype = None
     lib.tandem_attention_supports.argtypes = [i64, i64, i64, i64]
     lib.tandem_attention_supports.restype = i32
     lib.tandem_paged_attention.argtypes = (
         [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr]
         + [i64] * 4
-        + [ctypes.c_float, i32]
+        + [ctypes.c_float, i32, i32]
     )
     lib.tandem_paged_attention.restype = i32
     lib.tandem_layers.argtypes = (
@@ -308,6 +296,7 @@ class Batch(ctypes.Structure):
         ("block_size", ctypes.c_int64),
         ("tree", ctypes.c_void_p),
         ("tree_base", ctypes.c_void_p),
+        ("kv_type", ctypes.c_int64),
     ]
 
 

@@ -67,6 +67,8 @@ class ModelRunner:
         attention.register()
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = dtype
+        """What the KV cache holds (--kv-cache-dtype): set before `allocate_kv`."""
         self.attention_backend = BACKENDS[attention_backend]
         self.name = model_path
         self.hf_config = AutoConfig.from_pretrained(model_path)
@@ -179,7 +181,7 @@ class ModelRunner:
         return out.logits[0]
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
@@ -190,8 +192,8 @@ class ModelRunner:
         self.scratch_block = num_blocks
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
             )
             for _ in range(self.num_layers)
         ]

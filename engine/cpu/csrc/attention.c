@@ -4,7 +4,9 @@
  * Paged attention for the short queries of decoding and verification.
  *
  * q, out: [tokens, heads, head_dim]; k_cache, v_cache: [blocks, block_size, kv_heads,
- * head_dim]; tables: [num_seqs, table_width] block ids. Request s has q_lens[s] queries at
+ * head_dim] of float32, or of float16 / bfloat16 (--kv-cache-dtype: widened exactly as they
+ * are loaded, so the arithmetic after the load is the float32 cache's, bit for bit);
+ * tables: [num_seqs, table_width] block ids. Request s has q_lens[s] queries at
  * rows q_starts[s].. of q and out; its query j sits at position ctx_lens[s] - q_lens[s] + j
  * and sees the request's keys at positions 0..that position (its new keys are in the cache).
  *
@@ -41,14 +43,17 @@
  * queries over 150 keys 14.6-15.6 against 17.8-18.1, one request over 400 keys 1.1-1.4
  * against 1.4-1.8. In trials, two or three blocks ahead did no better, and the L1 hint
  * (prefetcht0) gained 1-9% (likely: more lines than L1 keeps in flight). */
-INLINE void prefetch_kv(const float *k, const float *v, int64_t tokens, int64_t ks, int64_t D) {
+INLINE void prefetch_kv(const int kv, const void *k, const void *v, int64_t at, int64_t tokens,
+                        int64_t ks, int64_t D) {
+  const int64_t size = kv == KV_F32 ? 4 : 2; /* bytes an element */
+  const char *kp = (const char *)k + at * size, *vp = (const char *)v + at * size;
   for (int64_t t = 0; t < tokens; t++) {
-    for (int64_t c = 0; c < D; c += 16) {
-      __builtin_prefetch(k + t * ks + c, 0, 1);
-      __builtin_prefetch(v + t * ks + c, 0, 1);
+    for (int64_t c = 0; c < D * size; c += 64) {
+      __builtin_prefetch(kp + t * ks * size + c, 0, 1);
+      __builtin_prefetch(vp + t * ks * size + c, 0, 1);
     }
-    __builtin_prefetch(k + t * ks + D - 1, 0, 1); /* a row that starts within a line */
-    __builtin_prefetch(v + t * ks + D - 1, 0, 1);
+    __builtin_prefetch(kp + (t * ks + D) * size - 1, 0, 1); /* a row that starts within a line */
+    __builtin_prefetch(vp + (t * ks + D) * size - 1, 0, 1);
   }
 }
 
@@ -65,26 +70,27 @@ INLINE void prefetch_kv(const float *k, const float *v, int64_t tokens, int64_t 
 #define PAIR 1
 #endif
 
-/* sc[r][g] = the scores of rows q[0..R) against the 8 keys at k (stride between keys: ks
- * floats): per key 8 lanes summed over the head in order, then reduce8; each key's load
- * shared by the R rows. */
-INLINE void score8_rows(const int NV, const int R, v8 (*q)[NV], const float *k, int64_t ks,
-                        v8 (*sc)[MAX_BLOCK / 8], int64_t g) {
+/* sc[r][g] = the scores of rows q[0..R) against the 8 keys from element `at` of k (stride
+ * between keys: ks elements): per key 8 lanes summed over the head in order, then reduce8;
+ * each key's load shared by the R rows. */
+INLINE void score8_rows(const int KV, const int NV, const int R, v8 (*q)[NV], const void *k,
+                        int64_t at, int64_t ks, v8 (*sc)[MAX_BLOCK / 8], int64_t g) {
   v8 part[2][8];
   for (int r = 0; r < R; r++)
     for (int u = 0; u < 8; u++) part[r][u] = (v8){0};
   for (int c = 0; c < NV; c++)
     for (int u = 0; u < 8; u++) {
-      const v8 key = load(k + u * ks + 8 * c);
+      const v8 key = load_kv(KV, k, at + u * ks + 8 * c);
       for (int r = 0; r < R; r++) part[r][u] += q[r][c] * key;
     }
   for (int r = 0; r < R; r++) sc[r][g] = reduce8(part[r]);
 }
 
-/* acc[r] = acc[r] * rescale[r] + sum_t p[r][t] v_t over the block's n values at v (p: the
- * rows' softmax numerators in sc), each value's load shared by the R rows. */
-INLINE void value_rows(const int NV, const int R, v8 (*acc)[NV], v8 (*sc)[MAX_BLOCK / 8],
-                       const float *rescale, const float *v, int64_t ks, int64_t n) {
+/* acc[r] = acc[r] * rescale[r] + sum_t p[r][t] v_t over the block's n values from element
+ * `at` of v (p: the rows' softmax numerators in sc), each value's load shared by the R rows. */
+INLINE void value_rows(const int KV, const int NV, const int R, v8 (*acc)[NV],
+                       v8 (*sc)[MAX_BLOCK / 8], const float *rescale, const void *v, int64_t at,
+                       int64_t ks, int64_t n) {
   v8 a[2][NV];
   for (int r = 0; r < R; r++)
     for (int c = 0; c < NV; c++) a[r][c] = acc[r][c] * rescale[r];
@@ -92,7 +98,7 @@ INLINE void value_rows(const int NV, const int R, v8 (*acc)[NV], v8 (*sc)[MAX_BL
     v8 pt[2];
     for (int r = 0; r < R; r++) pt[r] = splat(((const float *)sc[r])[t]);
     for (int c = 0; c < NV; c++) {
-      const v8 value = load(v + t * ks + 8 * c);
+      const v8 value = load_kv(KV, v, at + t * ks + 8 * c);
       for (int r = 0; r < R; r++) a[r][c] += pt[r] * value;
     }
   }
@@ -100,7 +106,8 @@ INLINE void value_rows(const int NV, const int R, v8 (*acc)[NV], v8 (*sc)[MAX_BL
     for (int c = 0; c < NV; c++) acc[r][c] = a[r][c];
 }
 
-INLINE void attend_tile(const int NV, const float *q, const float *k_cache, const float *v_cache,
+INLINE void attend_tile(const int KV, const int NV, const float *q, const void *k_cache,
+                        const void *v_cache,
                         const int64_t *table, int64_t q_start, int64_t q_len, int64_t ctx,
                         const int64_t *tree, int64_t base, int64_t kv_head, int64_t row0,
                         int rows,
@@ -129,8 +136,7 @@ INLINE void attend_tile(const int NV, const float *q, const float *k_cache, cons
   const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
   for (int64_t b = 0; b * block_size <= last; b++) {
     const int64_t first = b * block_size;
-    const float *kb = k_cache + (table[b] * block_size * kv_heads + kv_head) * D;
-    const float *vb = v_cache + (table[b] * block_size * kv_heads + kv_head) * D;
+    const int64_t at = (table[b] * block_size * kv_heads + kv_head) * D; /* its first key */
     const int64_t n = last - first + 1 < block_size ? last - first + 1 : block_size;
     /* Groups of 8 keys scored by score8_rows: every one within the block's capacity, even
      * past the last key any row sees (those lanes read stale slots of the block and are
@@ -139,11 +145,11 @@ INLINE void attend_tile(const int NV, const float *q, const float *k_cache, cons
      * whose size is not a multiple of 8 is scored key by key. */
     const int64_t groups = (n + 7) / 8;
     const int64_t full = groups < block_size / 8 ? groups : block_size / 8;
-    if (b == 0) prefetch_kv(kb, vb, n, ks, D);
+    if (b == 0) prefetch_kv(KV, k_cache, v_cache, at, n, ks, D);
     if (first + block_size <= last) { /* the next block */
       const int64_t next = (table[b + 1] * block_size * kv_heads + kv_head) * D;
       const int64_t rest = last - first - block_size + 1;
-      prefetch_kv(k_cache + next, v_cache + next, rest < block_size ? rest : block_size, ks, D);
+      prefetch_kv(KV, k_cache, v_cache, next, rest < block_size ? rest : block_size, ks, D);
     }
     /* Scores, masks and the softmax update, row by row (pairs of rows share each key load);
      * then p * v, pairs of live rows sharing each value load. */
@@ -152,8 +158,8 @@ INLINE void attend_tile(const int NV, const float *q, const float *k_cache, cons
     for (int i = 0; i < rows; i += PAIR) {
       const int r = rows - i < PAIR ? rows - i : PAIR;
       for (int64_t g = 0; g < full; g++) {
-        if (r == 2) score8_rows(NV, 2, qv + i, kb + g * 8 * ks, ks, sc + i, g);
-        else score8_rows(NV, 1, qv + i, kb + g * 8 * ks, ks, sc + i, g);
+        if (r == 2) score8_rows(KV, NV, 2, qv + i, k_cache, at + g * 8 * ks, ks, sc + i, g);
+        else score8_rows(KV, NV, 1, qv + i, k_cache, at + g * 8 * ks, ks, sc + i, g);
       }
     }
     for (int i = 0; i < rows; i++) {
@@ -164,7 +170,7 @@ INLINE void attend_tile(const int NV, const float *q, const float *k_cache, cons
         v8 s = splat(-INFINITY);
         for (int64_t t = full * 8; t < n && t <= pos[i] - first; t++) {
           v8 d = (v8){0};
-          for (int c = 0; c < NV; c++) d += qv[i][c] * load(kb + t * ks + 8 * c);
+          for (int c = 0; c < NV; c++) d += qv[i][c] * load_kv(KV, k_cache, at + t * ks + 8 * c);
           s[t - full * 8] = hsum(d);
         }
         sc[i][full] = s;
@@ -192,10 +198,10 @@ INLINE void attend_tile(const int NV, const float *q, const float *k_cache, cons
     }
     for (int i = 0; i < rows;) {
       if (PAIR == 2 && i + 1 < rows && live[i] && live[i + 1]) {
-        value_rows(NV, 2, acc + i, sc + i, rescale + i, vb, ks, n);
+        value_rows(KV, NV, 2, acc + i, sc + i, rescale + i, v_cache, at, ks, n);
         i += 2;
       } else {
-        if (live[i]) value_rows(NV, 1, acc + i, sc + i, rescale + i, vb, ks, n);
+        if (live[i]) value_rows(KV, NV, 1, acc + i, sc + i, rescale + i, v_cache, at, ks, n);
         i += 1;
       }
     }
@@ -224,15 +230,17 @@ int tandem_attention_supports(int64_t heads, int64_t kv_heads, int64_t head_dim,
          heads % kv_heads == 0;
 }
 
-/* Returns 0, or -1 for a shape tandem_attention_supports refuses (nothing is written). */
-int tandem_paged_attention(const float *q, const float *k_cache, const float *v_cache,
+/* Returns 0, or -1 for a shape tandem_attention_supports refuses or an unknown kv_type
+ * (nothing is written). The caches hold kv_type elements (KV_F32, KV_F16, KV_BF16: vec.h). */
+int tandem_paged_attention(const float *q, const void *k_cache, const void *v_cache,
                            const int64_t *tables, int64_t table_width, const int64_t *q_starts,
                            const int64_t *q_lens, const int64_t *ctx_lens,
                            const int64_t *tree, const int64_t *tree_base, int64_t num_seqs,
                            float *out, int64_t heads,
                            int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                           int nthreads) {
+                           int kv_type, int nthreads) {
   if (!tandem_attention_supports(heads, kv_heads, head_dim, block_size)) return -1;
+  if (kv_type != KV_F32 && kv_type != KV_F16 && kv_type != KV_BF16) return -1;
   const int64_t group = heads / kv_heads;
   int64_t most = 1; /* query rows of the longest request */
   for (int64_t s = 0; s < num_seqs; s++)
@@ -248,13 +256,18 @@ int tandem_paged_attention(const float *q, const float *k_cache, const float *v_
     if (row0 >= rows) continue;
     const int n = rows - row0 < tile ? (int)(rows - row0) : (int)tile;
     const int64_t *table = tables + s * table_width;
-#define TILE(d)                                                                           \
-  case d:                                                                                 \
-    attend_tile(d / 8, q, k_cache, v_cache, table, q_starts[s], q_lens[s], ctx_lens[s],   \
-                tree, tree ? tree_base[s] : 0, kv_head, row0, n, heads, kv_heads,          \
-                block_size, scale, out);                                                  \
+#define TILE(kv, d)                                                                        \
+  attend_tile(kv, d / 8, q, k_cache, v_cache, table, q_starts[s], q_lens[s], ctx_lens[s],  \
+              tree, tree ? tree_base[s] : 0, kv_head, row0, n, heads, kv_heads, block_size, \
+              scale, out)
+#define CASE(d)                                                         \
+  case d:                                                               \
+    if (kv_type == KV_F16) TILE(KV_F16, d);                             \
+    else if (kv_type == KV_BF16) TILE(KV_BF16, d);                      \
+    else TILE(KV_F32, d);                                               \
     break;
-    switch (head_dim) { HEAD_DIMS(TILE) }
+    switch (head_dim) { HEAD_DIMS(CASE) }
+#undef CASE
 #undef TILE
   }
   return 0;

@@ -67,23 +67,7 @@ INLINE int64_t scale_bytes(const int type) { return (type == Q4_1 ? 2 : 1) * QPA
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
-#else
-/* A float16 as float32 (exact): normal, subnormal, zero, infinity or NaN. */
-INLINE float half_to_float(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
-  uint32_t bits = sign | (man << 13);
-  if (exp == 31) bits |= 0x7f800000u;
-  else if (exp != 0) bits |= (exp + 112) << 23;
-  else { /* zero or subnormal: man * 2^-24, exact in float32 */
-    const float f = (float)man * 5.9604644775390625e-8f;
-    memcpy(&bits, &f, 4);
-    bits |= sign;
-  }
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-#endif
+#endif /* else vec.h's half_to_float widens each scale */
 
 /* The 16 float16 scales at p (one per column) as float32. */
 INLINE v16 load_halves(const uint8_t *p) {

@@ -52,26 +52,30 @@ void tandem_silu_mul(const float *gu, float *out, int64_t rows, int64_t inter) {
  * 2 kv_heads) * head_dim]: q and k get the rotary embedding (rotate-half convention, cos/sin
  * tables [positions, head_dim] looked up at each token's position), q goes to q_out[tokens,
  * heads, head_dim], and k and v are written to their cache slots (caches viewed as [slots,
- * kv_heads, head_dim]). */
+ * kv_heads, head_dim] of kv_type elements: vec.h's KV_F32, KV_F16 or KV_BF16, rounded to
+ * nearest even as torch's .to() rounds). */
 void tandem_rotary_cache(const float *qkv, const int64_t *positions, const int64_t *slots,
                          const float *cos_t, const float *sin_t, int64_t tokens, int64_t heads,
-                         int64_t kv_heads, int64_t head_dim, float *q_out, float *k_cache,
-                         float *v_cache) {
+                         int64_t kv_heads, int64_t head_dim, float *q_out, void *k_cache,
+                         void *v_cache, int kv_type) {
   const int64_t half = head_dim / 2, width = (heads + 2 * kv_heads) * head_dim;
+  float k_row[head_dim];
   for (int64_t t = 0; t < tokens; t++) {
     const float *row = qkv + t * width;
     const float *c = cos_t + positions[t] * head_dim, *s = sin_t + positions[t] * head_dim;
     for (int64_t h = 0; h < heads + kv_heads; h++) {
       const float *x = row + h * head_dim;
-      float *o = h < heads ? q_out + (t * heads + h) * head_dim
-                           : k_cache + (slots[t] * kv_heads + h - heads) * head_dim;
+      const int to_cache = h >= heads;
+      float *o = to_cache ? k_row : q_out + (t * heads + h) * head_dim;
       for (int64_t i = 0; i < half; i++) {
         o[i] = x[i] * c[i] - x[i + half] * s[i];
         o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
       }
+      if (to_cache)
+        store_kv(kv_type, k_cache, (slots[t] * kv_heads + h - heads) * head_dim, k_row, head_dim);
     }
-    memcpy(v_cache + slots[t] * kv_heads * head_dim, row + (heads + kv_heads) * head_dim,
-           (size_t)(kv_heads * head_dim) * sizeof(float));
+    store_kv(kv_type, v_cache, slots[t] * kv_heads * head_dim, row + (heads + kv_heads) * head_dim,
+             kv_heads * head_dim);
   }
 }
 
@@ -94,13 +98,13 @@ void tandem_linear_q4_1(const float *x, const uint8_t *panels, const float *bias
                         int nthreads);
 int tandem_attention_supports(int64_t heads, int64_t kv_heads, int64_t head_dim,
                               int64_t block_size);
-int tandem_paged_attention(const float *q, const float *k_cache, const float *v_cache,
+int tandem_paged_attention(const float *q, const void *k_cache, const void *v_cache,
                            const int64_t *tables, int64_t table_width, const int64_t *q_starts,
                            const int64_t *q_lens, const int64_t *ctx_lens,
                            const int64_t *tree, const int64_t *tree_base, int64_t num_seqs,
                            float *out, int64_t heads,
                            int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                           int nthreads);
+                           int kv_type, int nthreads);
 
 /* A packed linear: its panels (engine/cpu/kernels.py) in one of these formats. */
 enum { W_FLOAT32 = 0, W_BFLOAT16 = 1, W_Q8_0 = 2, W_Q4_1 = 3 };
@@ -114,7 +118,7 @@ typedef struct {
 typedef struct {
   tandem_weight qkv, o, gate_up, down;
   const float *input_norm, *post_norm;
-  float *key_cache, *value_cache; /* [blocks, block_size, kv_heads, head_dim] */
+  void *key_cache, *value_cache; /* [blocks, block_size, kv_heads, head_dim] of kv_type */
 } tandem_layer;
 
 /* The request layout every layer attends with (as tandem_paged_attention takes it). */
@@ -127,6 +131,7 @@ typedef struct {
   int64_t num_seqs, block_size;
   const int64_t *tree;      /* [tokens] draft-tree visibility bits, or NULL (attention.c) */
   const int64_t *tree_base; /* [num_seqs] the slot of bit 0, with tree */
+  int64_t kv_type;          /* the caches' elements: KV_F32, KV_F16 or KV_BF16 (vec.h) */
 } tandem_batch;
 
 static void linear_any(const tandem_weight *w, const float *x, const float *residual, float *y,
@@ -143,12 +148,14 @@ static void linear_any(const tandem_weight *w, const float *x, const float *resi
 
 /* hidden[tokens, dim] through num_layers layers, in place. scratch holds tokens x (dim +
  * (heads + 2 kv_heads) head_dim + 2 heads head_dim + 3 inter) floats. Returns 0, or -1 when
- * the attention kernel refuses the shapes (checked before anything is written). */
+ * the attention kernel refuses the shapes or the caches' kv_type (checked before anything is
+ * written). */
 int tandem_layers(const tandem_layer *layers, int64_t num_layers, const tandem_batch *batch,
                   float *hidden, int64_t tokens, int64_t dim, int64_t heads, int64_t kv_heads,
                   int64_t head_dim, int64_t inter, float eps, float scale, float *scratch,
                   int nthreads) {
   if (!tandem_attention_supports(heads, kv_heads, head_dim, batch->block_size)) return -1;
+  if (batch->kv_type < KV_F32 || batch->kv_type > KV_BF16) return -1;
   const int64_t qkv_width = (heads + 2 * kv_heads) * head_dim, q_width = heads * head_dim;
   float *x = scratch, *qkv = x + tokens * dim, *q = qkv + tokens * qkv_width;
   float *attn = q + tokens * q_width, *gate_up = attn + tokens * q_width;
@@ -158,11 +165,12 @@ int tandem_layers(const tandem_layer *layers, int64_t num_layers, const tandem_b
     tandem_rms_norm(hidden, layer->input_norm, x, tokens, dim, eps);
     linear_any(&layer->qkv, x, 0, qkv, tokens, qkv_width, dim, nthreads);
     tandem_rotary_cache(qkv, batch->positions, batch->slots, batch->cos, batch->sin, tokens,
-                        heads, kv_heads, head_dim, q, layer->key_cache, layer->value_cache);
+                        heads, kv_heads, head_dim, q, layer->key_cache, layer->value_cache,
+                        (int)batch->kv_type);
     tandem_paged_attention(q, layer->key_cache, layer->value_cache, batch->tables, batch->width,
                            batch->q_starts, batch->q_lens, batch->ctx_lens, batch->tree,
                            batch->tree_base, batch->num_seqs, attn, heads, kv_heads, head_dim,
-                           batch->block_size, scale, nthreads);
+                           batch->block_size, scale, (int)batch->kv_type, nthreads);
     linear_any(&layer->o, attn, hidden, hidden, tokens, dim, q_width, nthreads);
     tandem_rms_norm(hidden, layer->post_norm, x, tokens, dim, eps);
     linear_any(&layer->gate_up, x, 0, gate_up, tokens, 2 * inter, dim, nthreads);

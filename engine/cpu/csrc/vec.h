@@ -89,4 +89,98 @@ INLINE v8 exp_v(v8 x) {
   return (v8)((v8i)(y * (v8)scale) & ~dead);
 }
 
+/* ---------------------------------------------------------------------------------------
+ * KV cache elements (engine/cpu/kernels.py KV_TYPES): float32, or 16 bits (float16 as llama.cpp
+ * keeps its cache by default, or bfloat16) widened exactly to float32 as they are loaded and
+ * rounded to nearest even as they are stored, as torch's .to() rounds. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+typedef uint16_t v8u16 __attribute__((vector_size(16), aligned(2)));
+
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+INLINE float half_to_float(uint16_t h) { /* IEEE binary16 -> binary32, exact */
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) bits = sign | 0x7f800000 | (man << 13); /* inf, NaN */
+  else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+  else if (!man) bits = sign; /* +-0 */
+  else { /* subnormal: man * 2^-24 is exact in float32 */
+    float f = (float)man * 5.9604644775390625e-8f;
+    memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+INLINE uint16_t float_to_half(float f) { /* round to nearest even; overflow -> inf */
+#ifdef __F16C__
+  return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+  const uint32_t ax = x & 0x7fffffff;
+  if (ax > 0x7f800000) return sign | 0x7e00 | (uint16_t)((ax >> 13) & 0x3ff); /* NaN */
+  if (ax >= 0x477ff000) return sign | 0x7c00; /* rounds past 65504: inf */
+  if (ax < 0x38800000) { /* a subnormal half (or 0): scale so the half's step is 1, round */
+    float a;
+    memcpy(&a, &ax, 4);
+    return sign | (uint16_t)__builtin_rintf(a * 16777216.0f); /* rint: nearest even */
+  }
+  const uint32_t rounded = ax + 0xfff + ((ax >> 13) & 1); /* nearest even on the cut bits */
+  return sign | (uint16_t)((rounded - 0x38000000) >> 13);
+#endif
+}
+
+INLINE uint16_t float_to_bf16(float f) { /* round to nearest even; NaN -> 0x7fc0, as torch */
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  if ((x & 0x7fffffff) > 0x7f800000) return 0x7fc0;
+  return (uint16_t)((x + 0x7fff + ((x >> 16) & 1)) >> 16);
+}
+
+/* 8 consecutive cache elements from element i of `base`, as float32. */
+INLINE v8 load_kv(const int kv, const void *base, int64_t i) {
+  if (kv == KV_F32) return load((const float *)base + i);
+  const v8u16 h = *(const v8u16 *)((const uint16_t *)base + i);
+#ifdef __AVX2__
+  if (kv == KV_BF16) return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32((__m128i)h), 16);
+#else
+  if (kv == KV_BF16) return (v8)(__builtin_convertvector(h, v8i) << 16);
+#endif
+#ifdef __F16C__
+  return (v8)_mm256_cvtph_ps((__m128i)h);
+#else
+  v8 out;
+  for (int j = 0; j < 8; j++) out[j] = half_to_float(h[j]);
+  return out;
+#endif
+}
+
+/* One cache element, as float32. */
+INLINE float kv_at(const int kv, const void *base, int64_t i) {
+  if (kv == KV_F32) return ((const float *)base)[i];
+  const uint16_t h = ((const uint16_t *)base)[i];
+  if (kv == KV_BF16) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+  }
+  return half_to_float(h);
+}
+
+/* n float32 values into the cache at element i of `base`. */
+INLINE void store_kv(const int kv, void *base, int64_t i, const float *x, int64_t n) {
+  if (kv == KV_F32) memcpy((float *)base + i, x, (size_t)n * sizeof(float));
+  else if (kv == KV_BF16)
+    for (int64_t j = 0; j < n; j++) ((uint16_t *)base)[i + j] = float_to_bf16(x[j]);
+  else
+    for (int64_t j = 0; j < n; j++) ((uint16_t *)base)[i + j] = float_to_half(x[j]);
+}
+
 #endif

@@ -284,6 +284,7 @@ class LlamaForward(nn.Module):
             seqs.tables.shape[0], key_cache.shape[1],
             None if seqs.tree is None else seqs.tree.data_ptr(),
             None if seqs.tree_base is None else seqs.tree_base.data_ptr(),
+            cpu_kernels.kv_type(key_cache.dtype),
         )  # fmt: skip
         hidden = hidden.contiguous()
         shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.intermediate)
