@@ -2,6 +2,8 @@
 verifies, and output tokens/s of speculation settings on held-out chat prompts.
 
   python -m bench.default_engine passes                  # target pass ms for 1..5 tokens
+  python -m bench.default_engine passes --concurrency 16 --kv-cache-dtypes auto float16
+  python -m bench.default_engine kv-agreement --kv-cache-dtypes float16 bfloat16 --requests 48
   python -m bench.default_engine speed                   # c=1: off, draft K=1..3, adaptive
   python -m bench.default_engine speed --concurrency 16 --requests 32 --configs off adaptive
   python -m bench.default_engine agreement --model DIR --quantization int8
@@ -9,6 +11,7 @@ verifies, and output tokens/s of speculation settings on held-out chat prompts.
   python -m bench.default_engine speed --configs K=2 K=3 --branches 1 2 3   # draft trees
   python -m bench.default_engine speed --configs off ngram --model FILE.gguf  # any GGUF, n-gram
   python -m bench.default_engine speed --draft models/eagle   # another draft (here the EAGLE one)
+  python -m bench.default_engine speed --concurrency 16 --configs off --kv-cache-dtypes auto float16
 
 `--verification` runs every config once per verifier: token or block (sampled drafts verified
 token by token or as a block), or seeded (each request brings a seed: the coupled sampler).
@@ -43,7 +46,14 @@ import torch
 from transformers import AutoTokenizer
 
 from bench.chat_prompts import bench_messages
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from engine.config import (
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 from engine.core.engine import LLMEngine
 from engine.core.request import SamplingParams
 from engine.core.stats import EngineStats
@@ -68,38 +78,63 @@ CONFIGS = {
 }
 
 
-def engine(spec: SpecConfig, model: str = TARGET, quantization: str = "none") -> LLMEngine:
+def engine(
+    spec: SpecConfig, model: str = TARGET, quantization: str = "none", kv_cache_dtype: str = "auto"
+) -> LLMEngine:
+    cache = CacheConfig(
+        block_size=16, memory_gb=1.0, gpu_memory_utilization=0.3, kv_cache_dtype=kv_cache_dtype
+    )
     return LLMEngine(
         EngineConfig(
             model=ModelConfig(model=prepare(model), quantization=quantization),
-            cache=CacheConfig(block_size=16, memory_gb=1.0, gpu_memory_utilization=0.3),
+            cache=cache,
             scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512),
             spec=spec,
         )
     )
 
 
-def passes(model: str, quantization: str, context: int = 150, repeats: int = 30) -> None:
-    """Best-of-`repeats` time of one target pass feeding 1..5 tokens after `context`."""
+def passes(
+    model: str, quantization: str, kv_cache_dtypes: list[str], requests: int = 1,
+    context: int = 150, repeats: int = 30,
+) -> None:  # fmt: skip
+    """Best-of-`repeats` time of one target pass in which each of `requests` requests feeds
+    1..5 tokens after `context` cached ones. With several KV cache dtypes, one runner holds a
+    pool in each and the timed passes alternate between them pass by pass (the machine's
+    speed drifts over seconds: one pass each, in turn, sees the same drift)."""
     runner = engine(CONFIGS["off"], model, quantization).runner
-    table = list(range(-(-context // 16) + 1))
+    per_request = -(-context // 16) + 1
+    tables = [list(range(i * per_request, (i + 1) * per_request)) for i in range(requests)]
+    named = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    pools = {}
+    for kv in kv_cache_dtypes:
+        runner.kv_dtype = named.get(kv, runner.dtype)
+        runner.allocate_kv(requests * per_request, 16)
+        pools[kv] = runner.kv_caches
 
     def sync() -> None:  # a GPU pass is done when the device says so, not when forward returns
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
 
+    best = {kv: [float("inf")] * 5 for kv in pools}
     for q in range(1, 6):
-        seqs = [SeqInput(list(range(100, 100 + q)), context - q, table, list(range(q)))]
-        for _ in range(5):
-            runner.forward(seqs)
-        best = float("inf")
-        for _ in range(repeats):
+        tokens = list(range(100, 100 + q))
+        seqs = [SeqInput(tokens, context - q, table, list(range(q))) for table in tables]
+        for pool in pools.values():
+            runner.kv_caches = pool
+            for _ in range(5):
+                runner.forward(seqs)
+        for _, (kv, pool) in itertools.product(range(repeats), pools.items()):
+            runner.kv_caches = pool
             sync()
             start = time.perf_counter()
             runner.forward(seqs)
             sync()
-            best = min(best, time.perf_counter() - start)
-        print(f"target pass, {q} token(s): {best * 1e3:.2f} ms")
+            best[kv][q - 1] = min(best[kv][q - 1], time.perf_counter() - start)
+    for kv, times in best.items():
+        label = f"{requests} request(s) x 1..5 tokens over {context}, KV cache {kv}"
+        cells = ", ".join(f"{q}: {t * 1e3:.2f}" for q, t in enumerate(times, start=1))
+        print(f"target pass ms, {label}: {cells}", flush=True)
 
 
 def _prompts(model_dir: str, requests: int) -> list[list[int]]:
@@ -125,6 +160,7 @@ def speed(
     branches: int | None = None,
     tree_drafts: str = "top",
     draft: str = DRAFT,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     seeded = verification == "seeded"
     spec = replace(CONFIGS[name], verification="block" if seeded else verification)
@@ -132,7 +168,7 @@ def speed(
         spec = replace(spec, draft_branches=branches, tree_drafts=tree_drafts)
     if spec.method == "draft":
         spec = replace(spec, draft_model=draft)
-    eng = engine(spec, model, quantization)
+    eng = engine(spec, model, quantization, kv_cache_dtype)
     # Warm-up requests (other prompts, same concurrency) first: they capture the CUDA graphs
     # of the shapes the run will use, which a long-running server has done long before.
     warm = max(concurrency, 4)
@@ -263,9 +299,44 @@ def agreement(model: str, quantization: str, requests: int, max_tokens: int) -> 
     )
 
 
+def kv_agreement(
+    model: str, quantization: str, kv_cache_dtypes: list[str], requests: int, max_tokens: int
+) -> None:
+    """Greedy answers to the held-out prompts (speculation off, all in one batch: the kernels'
+    rows do not depend on the batch) with a float32 KV cache and with each of
+    `kv_cache_dtypes`: how many answers are the same, and where those that differ part."""
+    answers: dict[str, dict[str, list[int]]] = {}
+    for kv in ["float32", *(k for k in kv_cache_dtypes if k not in ("auto", "float32"))]:
+        eng = engine(CONFIGS["off"], model, quantization, kv)
+        for i, prompt in enumerate(_prompts(eng.config.model.model, requests)):
+            eng.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+        out: dict[str, list[int]] = {}
+        while eng.has_work():
+            for step in eng.step():
+                out.setdefault(step.request_id, []).extend(step.new_token_ids)
+        answers[kv] = out
+        del eng
+        gc.collect()
+    base = answers.pop("float32")
+    for kv, out in answers.items():
+        parts = [_parting(base[r], out[r]) for r in base]
+        differ = sorted(p for p in parts if p is not None)
+        print(
+            f"KV cache {kv}: {len(parts) - len(differ)} of {len(parts)} greedy answers the same "
+            f"as with float32 (up to {max_tokens} tokens); the others part at token(s) "
+            f"{differ or '-'}",
+            flush=True,
+        )
+
+
+def _parting(a: list[int], b: list[int]) -> int | None:
+    """The first token at which two answers differ (one's end counts), or None."""
+    return next((j for j, (x, y) in enumerate(itertools.zip_longest(a, b)) if x != y), None)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("mode", choices=["passes", "speed", "agreement"])
+    p.add_argument("mode", choices=["passes", "speed", "agreement", "kv-agreement"])
     p.add_argument("--model", default=TARGET, help="a .gguf file or Hugging Face directory")
     p.add_argument("--quantization", default="none", choices=METHODS)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -285,29 +356,36 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--tree-drafts", default="top", choices=["top", "sampled"])
     p.add_argument("--draft", default=DRAFT, help="the draft directory of the draft configs")
+    p.add_argument("--context", type=int, default=150, help="passes: keys cached per request")
+    p.add_argument(
+        "--kv-cache-dtypes", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES),
+        help="run every config with each of these KV caches, one after the other",
+    )  # fmt: skip
     args = p.parse_args(argv)
     with torch.inference_mode():
         if args.mode == "passes":
-            passes(args.model, args.quantization)
+            passes(
+                args.model, args.quantization, args.kv_cache_dtypes, args.concurrency,
+                args.context,
+            )  # fmt: skip
         elif args.mode == "agreement":
             agreement(args.model, args.quantization, args.requests, args.max_tokens)
+        elif args.mode == "kv-agreement":
+            kv_agreement(
+                args.model, args.quantization, args.kv_cache_dtypes, args.requests,
+                args.max_tokens,
+            )  # fmt: skip
         else:
-            for name in args.configs:
+            for name, kv in itertools.product(args.configs, args.kv_cache_dtypes):
                 for verification in args.verification if name != "off" else ["block"]:
                     for branches in args.branches if name != "off" else [None]:
+                        if len(args.kv_cache_dtypes) > 1:
+                            print(f"KV cache {kv}:", flush=True)
                         speed(
-                            name,
-                            args.requests,
-                            args.concurrency,
-                            args.max_tokens,
-                            args.model,
-                            args.quantization,
-                            args.temperature,
-                            verification,
-                            branches,
-                            args.tree_drafts,
-                            args.draft,
-                        )
+                            name, args.requests, args.concurrency, args.max_tokens, args.model,
+                            args.quantization, args.temperature, verification, branches,
+                            args.tree_drafts, args.draft, kv,
+                        )  # fmt: skip
 
 
 if __name__ == "__main__":
