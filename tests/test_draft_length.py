@@ -656,6 +656,43 @@ def test_a_lagging_draft_is_charged_over_the_drafting_runs_the_policy_measures()
     assert probing.catch_up.run_steps == CATCH_UP_STEPS
 
 
+def test_bigger_passes_learn_a_scale_per_range_of_sizes():
+    """On a GPU a pass costs about the same up to a few hundred tokens, and the start-up table
+    says so. When real passes of 129-256 tokens take twice what it says and those of 65-128
+    what it says, one shared scale moves every size alike, and 48 requests keep drafting K = 4
+    (240 tokens a pass); a scale per range of sizes makes those passes dear, and the batch
+    stays within 128 tokens (K of 1 or 2). A range seen fewer than 8 times takes the shared
+    scale."""
+    seconds = [0.001] * 9 + [0.002]  # flat up to 256 tokens (SIZES), then rising
+    cost = CostModel(SIZES, seconds, draft_fixed=0.0001, draft_per_token=0.0)
+    fresh = CostModel(SIZES, seconds, draft_fixed=0.0001, draft_per_token=0.0)
+    requests = _requests(48, accepted=80, trials=100)
+
+    def ks() -> list[int]:
+        return AdaptiveDraftLength(4, cost, reuse_steps=1).choose(requests).ks
+
+    assert set(ks()) == {4}
+    for _ in range(20):
+        cost.observe_target(PassShape(96), float(fresh.target_time(96)))
+        cost.observe_target(PassShape(240), 2.0 * float(fresh.target_time(240)))
+    for _ in range(7):
+        cost.observe_target(PassShape(40), 3.0 * float(fresh.target_time(40)))
+    shared = cost.target_scale.value
+    assert 1.0 < shared < 3.0
+    assert cost.target_time(100) == pytest.approx(float(fresh.target_time(100)))
+    assert cost.target_time(200) == pytest.approx(2.0 * float(fresh.target_time(200)))
+    assert cost.target_time(40) == pytest.approx(shared * float(fresh.target_time(40)))
+    assert cost.target_time(300) == pytest.approx(shared * float(fresh.target_time(300)))
+    sizes = np.array([1, 8, 9, 40, 64, 65, 100, 128, 129, 200, 256, 257, 4000, 2**45])
+    each = [float(cost.target_time(int(n))) for n in sizes]
+    np.testing.assert_allclose(cost.target_time(sizes), each, rtol=1e-12)
+    chosen = ks()
+    assert set(chosen) <= {1, 2} and 48 + sum(chosen) <= 128
+    for scale in cost.size_scales:  # one shared scale only, as before
+        scale.count = 0
+    assert set(ks()) == {4}
+
+
 def test_depth_factors_follow_the_decayed_counts():
     """observe() keeps per-depth counts in plain floats; they follow the array recurrence
     kept = 0.995 kept + [d < accepted], predicted = 0.995 predicted + a^d for d <= drafted."""

@@ -15,7 +15,8 @@ The start-up fit (engine/spec/calibration.py) is cached per machine, models and 
 later starts skip it; `--recalibrate on` forces a fresh one. Every real step then rescales its
 prediction by the measured/predicted ratio (a running mean at first, an EMA after that,
 one step's ratio clipped to [0.5, 2] so a pause on a shared machine moves the model a little,
-not a lot); target passes of up to `SMALL_PASS` tokens also learn a factor per token count.
+not a lot); target passes of up to `SMALL_PASS` tokens also learn a factor per token count,
+and bigger ones a factor per power-of-two range of sizes (9-16, 17-32, ...).
 Steps with draft trees of N branches learn one more factor each for target and
 draft: what they cost beyond that prediction (walking a tree's nodes on the host, a draft
 pass of N rows per level), so `--draft-branches auto` stops choosing trees on a machine
@@ -48,9 +49,17 @@ SMALL_PASS = 8
 its drafts) learn an online scale per token count, not only the shared one. The start-up table
 times each count once, in a quiet moment; at these sizes the policy decides on what one more
 verified token adds (on the CPU a multiply-add per weight, plus its sampling), and one shared
-factor corrects the table's level, not that difference."""
+factor corrects the table's level, not that difference. Bigger passes learn one per range
+of sizes (`size_bucket`): a shared one averaged different misfits (bench/results/
+gpu_cost_trace_h100.txt: 9-64 tokens within 10%, 65-256 at 1.2-1.6x, 257-2048 at 0.5-0.7x)."""
 _SMALL_MIN_OBSERVED = 8
+_BUCKETS = 40
 _OVERHEAD_MIN_OBSERVED = 8
+
+
+def size_bucket(num_tokens: int) -> int:
+    """The size range of a pass of more than SMALL_PASS tokens: 2^(b-1) < num_tokens <= 2^b."""
+    return min((int(num_tokens) - 1).bit_length(), _BUCKETS - 1)
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,8 @@ class CostModel:
         self.small_scales = [_Scale() for _ in range(SMALL_PASS + 1)]
         """Index n: the scale of target passes of n tokens, used once observed
         `_SMALL_MIN_OBSERVED` times (before that, `target_scale`)."""
+        self.size_scales = [_Scale() for _ in range(_BUCKETS)]
+        """Index `size_bucket(n)`: as `small_scales`, for the bigger passes in that range."""
         self.draft_scale = _Scale()
         self.tree_scales: dict[int, tuple[_Scale, _Scale]] = {}
         """Per tree width N > 1: (target, draft) cost beyond the two scales above."""
@@ -154,14 +165,18 @@ class CostModel:
         n = np.asarray(num_tokens)
         by_count = np.array([self.target_scale_at(i) for i in range(SMALL_PASS + 1)])
         small = by_count[np.clip(n, 0, SMALL_PASS).astype(np.int64)]
-        return np.where(n <= SMALL_PASS, small, self.target_scale.value)
+        buckets = np.minimum(np.frexp(np.maximum(n, SMALL_PASS + 1) - 1)[1], _BUCKETS - 1)
+        by_size = np.array([self.target_scale_at(2**b) for b in range(int(buckets.max()) + 1)])
+        return np.where(n <= SMALL_PASS, small, by_size[buckets])  # frexp: size_bucket
 
     def target_scale_at(self, num_tokens: int) -> float:
         """The online scale of target passes of `num_tokens` tokens."""
         if num_tokens <= SMALL_PASS:
-            small = self.small_scales[max(int(num_tokens), 0)]
-            if small.count >= _SMALL_MIN_OBSERVED:
-                return small.value
+            scale = self.small_scales[max(int(num_tokens), 0)]
+        else:
+            scale = self.size_scales[size_bucket(num_tokens)]
+        if scale.count >= _SMALL_MIN_OBSERVED:
+            return scale.value
         return self.target_scale.value
 
     def draft_time(
@@ -280,6 +295,8 @@ class CostModel:
         self.target_scale.observe(seconds, calibrated)
         if shape.num_tokens <= SMALL_PASS:
             self.small_scales[shape.num_tokens].observe(seconds, calibrated)
+        else:
+            self.size_scales[size_bucket(shape.num_tokens)].observe(seconds, calibrated)
 
     def observe_step(
         self, batch: int, interval: float, passes: float, drafting: bool = False

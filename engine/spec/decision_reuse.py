@@ -74,7 +74,7 @@ class DecisionReuse:
         decision; inputs that close predict rates within a few percent."""
         cost = self.cost
         widths = sorted(cost.tree_scales)
-        scales = [cost.target_scale, *cost.small_scales, cost.draft_scale]
+        scales = [cost.target_scale, *cost.small_scales, *cost.size_scales, cost.draft_scale]
         scales += [s for n in widths for s in cost.tree_scales[n]]
         trees: tuple = ()
         if self.max_branches > 1:
