@@ -127,14 +127,16 @@ def test_attention_over_a_16_bit_cache_is_attention_over_its_values(dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("kv", ["float16", "bfloat16"])
-def test_speculative_greedy_equals_plain_greedy_over_a_16_bit_cache(kv, tiny_dirs):
+@pytest.mark.parametrize(("kv", "branches"), [("float16", 1), ("bfloat16", 1), ("float16", 2)])
+def test_speculative_greedy_equals_plain_greedy_over_a_16_bit_cache(kv, branches, tiny_dirs):
     """Over a 16-bit cache the pool holds twice the blocks of a float32 one for the same
-    bytes, and speculation stays lossless: draft and target both store and read 16 bits."""
+    bytes, and speculation stays lossless: draft and target both store and read 16 bits, chains
+    and draft trees (whose accepted path's keys and values are moved) alike."""
     prompts = random_prompts([5, 17, 40], vocab=300, seed=11)
     spec = SpecConfig(
-        method="draft", draft_model=str(tiny_dirs["llama_draft"]), draft_length="fixed"
-    )
+        method="draft", draft_model=str(tiny_dirs["llama_draft"]), draft_length="fixed",
+        draft_branches=branches,
+    )  # fmt: skip
     outputs = []
     for spec_config in (None, spec):
         engine = make_engine(
@@ -148,6 +150,8 @@ def test_speculative_greedy_equals_plain_greedy_over_a_16_bit_cache(kv, tiny_dir
             engine.add_request(f"r{i}", prompt, greedy(12))
         outputs.append(drain(engine))
         engine.check_invariants()
+        if spec_config is not None and branches > 1:
+            assert engine.stats().spec_tree_steps > 0
     assert outputs[0] == outputs[1]
 
 
