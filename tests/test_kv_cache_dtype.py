@@ -127,11 +127,16 @@ def test_attention_over_a_16_bit_cache_is_attention_over_its_values(dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize(("kv", "branches"), [("float16", 1), ("bfloat16", 1), ("float16", 2)])
-def test_speculative_greedy_equals_plain_greedy_over_a_16_bit_cache(kv, branches, tiny_dirs):
+@pytest.mark.parametrize(
+    ("kv", "branches", "impl"),
+    [("float16", 1, "auto"), ("bfloat16", 1, "auto"), ("float16", 2, "auto"),
+     ("float16", 1, "transformers")],
+)  # fmt: skip
+def test_speculative_greedy_equals_plain_greedy_over_a_16_bit_cache(kv, branches, impl, tiny_dirs):
     """Over a 16-bit cache the pool holds twice the blocks of a float32 one for the same
     bytes, and speculation stays lossless: draft and target both store and read 16 bits, chains
-    and draft trees (whose accepted path's keys and values are moved) alike."""
+    and draft trees (whose accepted path's keys and values are moved) alike, on the native
+    forward and on transformers' (which writes the cache through engine/attention/paged.py)."""
     prompts = random_prompts([5, 17, 40], vocab=300, seed=11)
     spec = SpecConfig(
         method="draft", draft_model=str(tiny_dirs["llama_draft"]), draft_length="fixed",
@@ -140,8 +145,10 @@ def test_speculative_greedy_equals_plain_greedy_over_a_16_bit_cache(kv, branches
     outputs = []
     for spec_config in (None, spec):
         engine = make_engine(
-            tiny_dirs["llama"], spec=spec_config, max_num_batched_tokens=32, kv_cache_dtype=kv
-        )
+            tiny_dirs["llama"], spec=spec_config, max_num_batched_tokens=32, kv_cache_dtype=kv,
+            model_impl=impl,
+        )  # fmt: skip
+        assert engine.runner.model_impl == ("transformers" if impl == "transformers" else "native")
         for runner in engine.runners:
             assert runner.kv_caches[0][0].dtype == getattr(torch, kv)
             wide = runner.kv_bytes_per_block(4) * (1 if runner.kv_dtype == torch.float32 else 2)
