@@ -55,6 +55,7 @@ from engine.config import (
     SpecConfig,
 )
 from engine.core.engine import LLMEngine
+from engine.core.kv_budget import kv_cache_dtype
 from engine.core.request import SamplingParams
 from engine.core.stats import EngineStats
 from engine.model.files import prepare
@@ -106,10 +107,9 @@ def passes(
     runner = engine(CONFIGS["off"], model, quantization).runner
     per_request = -(-context // 16) + 1
     tables = [list(range(i * per_request, (i + 1) * per_request)) for i in range(requests)]
-    named = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     pools = {}
     for kv in kv_cache_dtypes:
-        runner.kv_dtype = named.get(kv, runner.dtype)
+        runner.kv_dtype = kv_cache_dtype(kv, runner.device, runner.dtype)
         runner.allocate_kv(requests * per_request, 16)
         pools[kv] = runner.kv_caches
 

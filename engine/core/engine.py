@@ -74,8 +74,9 @@ class LLMEngine:
         block_size = config.cache.block_size
         draft = getattr(self.proposer, "runner", None)  # a proposer with a model of its own
         self.runners = [self.runner] + ([draft] if draft is not None else [])
+        kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.device, dtype)
         for runner in self.runners:  # what the KV cache holds (--kv-cache-dtype)
-            runner.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.device, dtype)
+            runner.kv_dtype = kv_dtype
         if config.model.cpu_packed_linear and self.device.type == "cpu" and dtype == torch.float32:
             self._pack_linears()
         self.cpu_isa = cpu_kernels.isa() if self.runner.kernels != "torch" else None

@@ -16,16 +16,15 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model.inputs import SeqInput
-from engine.model.runner import ModelRunner
+from engine.model.runner import ModelRunner, resolve_dtype
 
 logger = logging.getLogger(__name__)
-_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def kv_cache_dtype(name: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype the KV cache holds for --kv-cache-dtype `name` (auto = the model's). Another
     dtype than the model's is for the CPU: CUDA's attention and graphs read the model's."""
-    dtype = model_dtype if name == "auto" else _KV_DTYPES[name]
+    dtype = model_dtype if name == "auto" else resolve_dtype(name, device)
     if dtype != model_dtype and device.type != "cpu":
         raise ValueError(
             f"--kv-cache-dtype {name} runs on the CPU; on {device.type} the KV cache holds the "

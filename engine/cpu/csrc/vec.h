@@ -161,7 +161,7 @@ INLINE v8 load_kv(const int kv, const void *base, int64_t i) {
 #endif
 }
 
-/* One cache element, as float32. */
+/* One cache element, as float32 (the scalar widening; tests/test_kv_cache_dtype.py builds it). */
 INLINE float kv_at(const int kv, const void *base, int64_t i) {
   if (kv == KV_F32) return ((const float *)base)[i];
   const uint16_t h = ((const uint16_t *)base)[i];
