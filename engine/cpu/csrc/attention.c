@@ -32,28 +32,32 @@
 #define QTILE 16
 #define MAX_BLOCK 256
 
-/* Ask the outer caches (prefetcht2) for one kv head's keys and values of `tokens` cached
- * tokens of a block (rows of D floats, `ks` floats apart). A task's blocks are scattered over
- * the pool by its block table, so the hardware prefetcher does not run ahead of the next one;
- * asked one block ahead, the loads of a decode's attention meet a warm cache instead of
- * memory. `python -m bench.cpu_kernels attention-pass --threads 2` (the default model's 30
- * layers, every layer's cache in memory), three runs alternated with the kernel before this
- * prefetch, on a 2-core AMD EPYC (Zen 4), 2026-11-27: 16 requests over 150 keys 6.2-8.8 ms a
- * pass against 10.1-12.0, over 400 keys 16.7-19.4 against 24.8-25.2, 16 verifications of 5
- * queries over 150 keys 14.6-15.6 against 17.8-18.1, one request over 400 keys 1.1-1.4
- * against 1.4-1.8. In trials, two or three blocks ahead did no better, and the L1 hint
- * (prefetcht0) gained 1-9% (likely: more lines than L1 keeps in flight). */
-INLINE void prefetch_kv(const int kv, const void *k, const void *v, int64_t at, int64_t tokens,
-                        int64_t ks, int64_t D) {
+/* Ask the outer caches (prefetcht2) for one kv head's keys (or values) of `tokens` cached
+ * tokens of a block (rows of D elements, `ks` elements apart). A task's blocks are scattered
+ * over the pool by its block table, so the hardware prefetcher does not run ahead of the next
+ * one. attend_tile asks for the next block's keys when it starts a block, and for its values
+ * a token at a time in the block's p * v loop (value_rows). Asked for both at once, the
+ * misses filled the core's queue while its arithmetic waited behind them; spread out, they
+ * arrive while it works. A tile of one or two rows has too little arithmetic a block to hide
+ * them behind and asks for both at the block's start.
+ *
+ * The default model's shapes (`python -m bench.cpu_kernels attention-pass`: 30 layers, every
+ * layer's cache in memory) in a harness alternating this kernel and the one asking for both
+ * at once, call by call, best of 30, 2 threads, a 2-core AMD EPYC (Zen 4), 2026-11-27, bits
+ * unchanged: 16 decodes over 150 keys 5.7-5.8 against 6.5-6.6 ms a pass, over 400 keys
+ * 14.9-15.2 against 17.7-18.5; 16 verifications of 5 queries over 150 keys 13.5 against 14.3;
+ * 64 decodes over 150 keys 22.8 against 26.7; with a float16 cache, 16 decodes over 150 and
+ * 400 keys 4.2 and 10.5 against 4.3 and 11.6; one decode the same (0.30 ms over 150 keys).
+ * Before, asking one block ahead at all had taken 16 decodes over 150 keys from 10.1-12.0 to
+ * 6.2-8.8 ms. In trials, two blocks ahead did no better, and the L1 hint (prefetcht0) gained
+ * 1-9% (likely: more lines than L1 keeps in flight). */
+INLINE void prefetch_rows(const int kv, const void *base, int64_t at, int64_t tokens,
+                          int64_t ks, int64_t D) {
   const int64_t size = kv == KV_F32 ? 4 : 2; /* bytes an element */
-  const char *kp = (const char *)k + at * size, *vp = (const char *)v + at * size;
+  const char *p = (const char *)base + at * size;
   for (int64_t t = 0; t < tokens; t++) {
-    for (int64_t c = 0; c < D * size; c += 64) {
-      __builtin_prefetch(kp + t * ks * size + c, 0, 1);
-      __builtin_prefetch(vp + t * ks * size + c, 0, 1);
-    }
-    __builtin_prefetch(kp + (t * ks + D) * size - 1, 0, 1); /* a row that starts within a line */
-    __builtin_prefetch(vp + (t * ks + D) * size - 1, 0, 1);
+    for (int64_t c = 0; c < D * size; c += 64) __builtin_prefetch(p + t * ks * size + c, 0, 1);
+    __builtin_prefetch(p + (t * ks + D) * size - 1, 0, 1); /* a row that starts within a line */
   }
 }
 
@@ -87,14 +91,17 @@ INLINE void score8_rows(const int KV, const int NV, const int R, v8 (*q)[NV], co
 }
 
 /* acc[r] = acc[r] * rescale[r] + sum_t p[r][t] v_t over the block's n values from element
- * `at` of v (p: the rows' softmax numerators in sc), each value's load shared by the R rows. */
+ * `at` of v (p: the rows' softmax numerators in sc), each value's load shared by the R rows;
+ * with each of the first `ahead` values, the value of the next block's (from element `next`)
+ * at the same position is prefetched. */
 INLINE void value_rows(const int KV, const int NV, const int R, v8 (*acc)[NV],
                        v8 (*sc)[MAX_BLOCK / 8], const float *rescale, const void *v, int64_t at,
-                       int64_t ks, int64_t n) {
+                       int64_t ks, int64_t n, int64_t next, int64_t ahead) {
   v8 a[2][NV];
   for (int r = 0; r < R; r++)
     for (int c = 0; c < NV; c++) a[r][c] = acc[r][c] * rescale[r];
   for (int64_t t = 0; t < n; t++) {
+    if (t < ahead) prefetch_rows(KV, v, next + t * ks, 1, ks, 8 * NV);
     v8 pt[2];
     for (int r = 0; r < R; r++) pt[r] = splat(((const float *)sc[r])[t]);
     for (int c = 0; c < NV; c++) {
@@ -145,11 +152,20 @@ INLINE void attend_tile(const int KV, const int NV, const float *q, const void *
      * whose size is not a multiple of 8 is scored key by key. */
     const int64_t groups = (n + 7) / 8;
     const int64_t full = groups < block_size / 8 ? groups : block_size / 8;
-    if (b == 0) prefetch_kv(KV, k_cache, v_cache, at, n, ks, D);
-    if (first + block_size <= last) { /* the next block */
-      const int64_t next = (table[b + 1] * block_size * kv_heads + kv_head) * D;
-      const int64_t rest = last - first - block_size + 1;
-      prefetch_kv(KV, k_cache, v_cache, next, rest < block_size ? rest : block_size, ks, D);
+    if (b == 0) {
+      prefetch_rows(KV, k_cache, at, n, ks, D);
+      prefetch_rows(KV, v_cache, at, n, ks, D);
+    }
+    int64_t next = 0, ahead = 0; /* the next block: where, and its tokens any row sees */
+    if (first + block_size <= last) {
+      next = (table[b + 1] * block_size * kv_heads + kv_head) * D;
+      ahead = last - first - block_size + 1 < block_size ? last - first - block_size + 1
+                                                         : block_size;
+      prefetch_rows(KV, k_cache, next, ahead, ks, D); /* its keys now, its values in p * v */
+      if (rows <= PAIR) { /* too little arithmetic a block to hide them behind: now as well */
+        prefetch_rows(KV, v_cache, next, ahead, ks, D);
+        ahead = 0;
+      }
     }
     /* Scores, masks and the softmax update, row by row (pairs of rows share each key load);
      * then p * v, pairs of live rows sharing each value load. */
@@ -198,12 +214,17 @@ INLINE void attend_tile(const int KV, const int NV, const float *q, const void *
     }
     for (int i = 0; i < rows;) {
       if (PAIR == 2 && i + 1 < rows && live[i] && live[i + 1]) {
-        value_rows(KV, NV, 2, acc + i, sc + i, rescale + i, v_cache, at, ks, n);
+        value_rows(KV, NV, 2, acc + i, sc + i, rescale + i, v_cache, at, ks, n, next, ahead);
         i += 2;
       } else {
-        if (live[i]) value_rows(KV, NV, 1, acc + i, sc + i, rescale + i, v_cache, at, ks, n);
+        if (!live[i]) {
+          i += 1;
+          continue;
+        }
+        value_rows(KV, NV, 1, acc + i, sc + i, rescale + i, v_cache, at, ks, n, next, ahead);
         i += 1;
       }
+      ahead = 0; /* the first rows' loop asked for them */
     }
   }
   for (int i = 0; i < rows; i++) {
