@@ -91,9 +91,9 @@ INLINE void score8_rows(const int KV, const int NV, const int R, v8 (*q)[NV], co
 }
 
 /* acc[r] = acc[r] * rescale[r] + sum_t p[r][t] v_t over the block's n values from element
- * `at` of v (p: the rows' softmax numerators in sc), each value's load shared by the R rows;
- * with each of the first `ahead` values, the value of the next block's (from element `next`)
- * at the same position is prefetched. */
+ * `at` of v (p: the rows' softmax numerators in sc), each value's load shared by the R rows.
+ * With each of its first `ahead` values it asks for the next block's value at the same
+ * position (that block's values start at element `next`). */
 INLINE void value_rows(const int KV, const int NV, const int R, v8 (*acc)[NV],
                        v8 (*sc)[MAX_BLOCK / 8], const float *rescale, const void *v, int64_t at,
                        int64_t ks, int64_t n, int64_t next, int64_t ahead) {
