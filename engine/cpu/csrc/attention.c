@@ -41,13 +41,13 @@
  * arrive while it works. A tile of one or two rows has too little arithmetic a block to hide
  * them behind and asks for both at the block's start.
  *
- * The default model's shapes (`python -m bench.cpu_kernels attention-pass`: 30 layers, every
- * layer's cache in memory) in a harness alternating this kernel and the one asking for both
- * at once, call by call, best of 30, 2 threads, a 2-core AMD EPYC (Zen 4), 2026-11-27, bits
- * unchanged: 16 decodes over 150 keys 5.7-5.8 against 6.5-6.6 ms a pass, over 400 keys
- * 14.9-15.2 against 17.7-18.5; 16 verifications of 5 queries over 150 keys 13.5 against 14.3;
- * 64 decodes over 150 keys 22.8 against 26.7; with a float16 cache, 16 decodes over 150 and
- * 400 keys 4.2 and 10.5 against 4.3 and 11.6; one decode the same (0.30 ms over 150 keys).
+ * `python -m bench.cpu_kernels attention-pass --threads 2` (the default model's 30 layers, every
+ * layer's cache in memory), run at the commit before and after this in turn, three runs each,
+ * a 2-core AMD EPYC (Zen 4), 2026-11-27, bits unchanged: 16 decodes over 150 keys 5.3 against
+ * 6.1-6.2 ms a pass, over 400 keys 13.2-13.5 against 15.2; 16 verifications of 5 queries over
+ * 150 keys 11.2-11.3 against 12.1; one decode the same (0.36 ms over 150 keys); one request's
+ * 5 queries 0.89 against 0.84 (tiles of 4 rows spread their requests, with less to hide
+ * them behind). docs/BENCHMARKS.md, "The C attention over a pass", has the table.
  * Before, asking one block ahead at all had taken 16 decodes over 150 keys from 10.1-12.0 to
  * 6.2-8.8 ms. In trials, two blocks ahead did no better, and the L1 hint (prefetcht0) gained
  * 1-9% (likely: more lines than L1 keeps in flight). */
@@ -212,19 +212,15 @@ INLINE void attend_tile(const int KV, const int NV, const float *q, const void *
       }
       l[i] = l[i] * rescale[i] + hsum(sum);
     }
-    for (int i = 0; i < rows;) {
-      if (PAIR == 2 && i + 1 < rows && live[i] && live[i + 1]) {
+    for (int i = 0; i < rows; i++) {
+      if (!live[i]) continue;
+      if (PAIR == 2 && i + 1 < rows && live[i + 1]) {
         value_rows(KV, NV, 2, acc + i, sc + i, rescale + i, v_cache, at, ks, n, next, ahead);
-        i += 2;
+        i++;
       } else {
-        if (!live[i]) {
-          i += 1;
-          continue;
-        }
         value_rows(KV, NV, 1, acc + i, sc + i, rescale + i, v_cache, at, ks, n, next, ahead);
-        i += 1;
       }
-      ahead = 0; /* the first rows' loop asked for them */
+      ahead = 0; /* the first live rows' loop asked for them */
     }
   }
   for (int i = 0; i < rows; i++) {
