@@ -191,11 +191,9 @@ static void linear(const int bf16, const float *x, const void *panels, const flo
   const int group = PANELS_PER_TILE(M);
   const int64_t num_groups = (num_panels + group - 1) / group;
   void (*const run)(GROUP_ARGS) = bf16 ? group_bf16 : group_f32;
-  /* Panels handed out a few at a time (a group, or 4 single panels): a worker the OS
-   * preempts (the server's event loop shares these cores) holds the call up for one chunk,
-   * not for half the matrix. */
-  const int chunk = group == 1 ? 4 : 1;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, chunk) if (nthreads > 1)
+  /* Guided, as gemm_vnni.c says why: each worker reads one long run of panels, and one the
+   * OS preempts is made up for by the small work items at the end. */
+#pragma omp parallel for num_threads(nthreads) schedule(guided, 1) if (nthreads > 1)
   for (int64_t g = 0; g < num_groups; g++) {
     const int64_t p0 = g * group;
     const int np = span(num_panels, p0, group);

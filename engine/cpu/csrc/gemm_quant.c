@@ -156,10 +156,12 @@ INLINE v16 q4_quants(const uint8_t *quants, int k) {
 INLINE void prefetch_blocks(const int type, const int np, const uint8_t *panel,
                             int64_t pstride, int64_t b, int64_t nb) {
   const int64_t stride = block_bytes(type);
-  for (int64_t a = b == 0 ? 0 : b + QAHEAD; a <= b + QAHEAD && a < nb; a++)
-    for (int p = 0; p < np; p++)
-      for (int64_t line = 0; line < stride; line += 64)
-        __builtin_prefetch(panel + p * pstride + a * stride + line, 0, 1);
+  for (int64_t a = b == 0 ? 0 : b + QAHEAD; a <= b + QAHEAD; a++)
+    for (int p = 0; p < np; p++) { /* past the last block: the next tile's (np panels on) */
+      const uint8_t *at = a < nb ? panel + p * pstride + a * stride
+                                 : panel + (np + p) * pstride + (a - nb) * stride;
+      for (int64_t line = 0; line < stride; line += 64) __builtin_prefetch(at + line, 0, 1);
+    }
 }
 
 /* y[rows, the columns of np panels], the panels `pstride` bytes apart. Per block, each
@@ -365,11 +367,9 @@ static void quant_linear(const int type, const float *x, const uint8_t *panels,
   const int group = tile_panels(M < QROWS ? (int)M : QROWS); /* panels per work item */
   const int64_t num_groups = (num_panels + group - 1) / group;
   void (*const run)(GROUP_ARGS) = type == Q4_1 ? group_q4_1 : group_q8_0;
-  /* Panels handed out a few at a time (a group, or 4 single panels): a worker the OS
-   * preempts (the server's event loop shares these cores) holds the call up for one chunk,
-   * not for half the matrix. */
-  const int chunk = group == 1 ? 4 : 1;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, chunk) if (nthreads > 1)
+  /* Guided, as gemm_vnni.c says why: each worker reads one long run of panels, and one the
+   * OS preempts is made up for by the small work items at the end. */
+#pragma omp parallel for num_threads(nthreads) schedule(guided, 1) if (nthreads > 1)
   for (int64_t g = 0; g < num_groups; g++) {
     const int64_t p0 = g * group;
     const int np = span(num_panels, p0, group);
