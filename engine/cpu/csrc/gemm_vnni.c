@@ -275,9 +275,11 @@ void tandem_vnni_linear(const int q4, const float *x, const float *xsum, const u
    * (the prefetcher keeps up, and the tile prefetches into its successor), and a worker the
    * OS preempts (the server's event loop shares these cores) is made up for at the end.
    * Handed out one at a time instead (dynamic), the workers' reads interleave work item by
-   * work item. On a 2-core AMD EPYC (Zen 4), the default model's linears and head, both
-   * builds in one process, alternated, 2026-11-27: 1 row 3.45 -> 3.21 ms, 2 rows 5.25 ->
-   * 4.35, 3 rows 7.49 -> 5.57, 4 rows 8.02 -> 6.33 (best of 20; medians alike). */
+   * work item. On a 2-core AMD EPYC (Zen 4), 2026-11-27, `python -m bench.cpu_kernels gguf
+   * --rows 1 2 3 4 --threads 2` at 5227e0d and at this change in turn, three times: in two
+   * of the three pairs 1 row 5.1 -> 3.7-3.9 ms, 2 rows 5.7-7.6 -> 4.5-4.8, 3 rows 9.9-10.3
+   * -> 5.7-6.3, 4 rows 12.1-12.3 -> 6.6-6.8; the first pair caught the change in a slow
+   * spell of the machine (4.9, 7.0, 9.4, 9.1 against 4.1, 5.5, 7.3, 8.0). */
 #pragma omp parallel for num_threads(nthreads) schedule(guided, 1) if (nthreads > 1)
   for (int64_t g = 0; g < num_groups; g++) {
     const int64_t p0 = g * group;
