@@ -363,6 +363,7 @@ def main() -> None:
         "chat_runs_cpu.md",
         "server_overhead_cpu.md",
         "attention_cpu.md",
+        "gemm_schedule_cpu.md",
         "kv_cache_cpu.md",
         "chat-eagle.json",
         "quantization_cpu.md",
