@@ -155,13 +155,7 @@ INLINE v16 q4_quants(const uint8_t *quants, int k) {
  * ahead are more lines than L1 keeps in flight, and there they held up the tile's loads). */
 INLINE void prefetch_blocks(const int type, const int np, const uint8_t *panel,
                             int64_t pstride, int64_t b, int64_t nb) {
-  const int64_t stride = block_bytes(type);
-  for (int64_t a = b == 0 ? 0 : b + QAHEAD; a <= b + QAHEAD; a++)
-    for (int p = 0; p < np; p++) { /* past the last block: the next tile's (np panels on) */
-      const uint8_t *at = a < nb ? panel + p * pstride + a * stride
-                                 : panel + (np + p) * pstride + (a - nb) * stride;
-      for (int64_t line = 0; line < stride; line += 64) __builtin_prefetch(at + line, 0, 1);
-    }
+  prefetch_panels(panel, np, pstride, block_bytes(type), b, nb, QAHEAD);
 }
 
 /* y[rows, the columns of np panels], the panels `pstride` bytes apart. Per block, each

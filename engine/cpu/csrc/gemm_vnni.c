@@ -129,15 +129,7 @@ INLINE void vnni_tile(const int q8, const int np, const int rows, const int32_t 
   const __m512i low4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(-128);
   const int64_t bytes = q8 ? Q8_BYTES : Q4_BYTES, head = q8 ? 2 * VPANEL : 4 * VPANEL;
   for (int64_t b = 0; b < nb; b++) {
-    /* Blocks ahead; past the last block, the next tile's first ones: the np panels that
-     * follow these (a worker's share of the panels is contiguous, see below). A prefetch
-     * never faults, so the last tile's, past the end of the matrix, is harmless. */
-    for (int64_t a = b == 0 ? 0 : b + VAHEAD; a <= b + VAHEAD; a++)
-      for (int p = 0; p < np; p++) {
-        const uint8_t *at = a < nb ? panel + p * pstride + a * bytes
-                                   : panel + (np + p) * pstride + (a - nb) * bytes;
-        for (int line = 0; line < bytes; line += 64) __builtin_prefetch(at + line, 0, 1);
-      }
+    prefetch_panels(panel, np, pstride, bytes, b, nb, VAHEAD); /* vec.h says what */
     __m512i acc[4][4][3];
     for (int p = 0; p < np; p++)
       for (int r = 0; r < rows; r++)

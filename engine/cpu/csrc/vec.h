@@ -46,6 +46,21 @@ INLINE void put_row(float *row, int n, const float *bias, const float *res, floa
 INLINE int span(int64_t total, int64_t start, int64_t width) {
   return (int)(total - start < width ? total - start : width);
 }
+/* Before block b of np panels `pstride` bytes apart, blocks of `bytes`: ask the outer caches
+ * (prefetcht2) for block b + ahead of each, and on the first block for blocks 0..ahead as
+ * well. Past a panel's last block (nb), the next tile's: the np panels that follow these,
+ * where a worker's run of panels goes on (the GEMMs' guided schedule). A prefetch never
+ * faults, so the last tile's, past the end of the matrix, is harmless. */
+INLINE void prefetch_panels(const uint8_t *panel, int np, int64_t pstride, int64_t bytes,
+                            int64_t b, int64_t nb, int ahead) {
+  for (int64_t a = b == 0 ? 0 : b + ahead; a <= b + ahead; a++)
+    for (int p = 0; p < np; p++) {
+      const uint8_t *at = a < nb ? panel + p * pstride + a * bytes
+                                 : panel + (np + p) * pstride + (a - nb) * bytes;
+      for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(at + line, 0, 1);
+    }
+}
+
 INLINE float hmax(v8 v) {
   float m = v[0];
   for (int i = 1; i < 8; i++) m = v[i] > m ? v[i] : m;
