@@ -17,7 +17,7 @@ With `--llama-server PATH`, llama.cpp's own server (the binary at PATH) runs the
 two more configurations: the default model's GGUF file itself, as many threads as Tandem, the
 chat template from the file, and 1 slot ("llama-server-np1", its best at concurrency 1) or 16
 slots with continuous batching ("llama-server-np16"). `bench/peers/build_llama_server.sh`
-builds it (explicit AVX-512 flags, AMX off). With `--llama-draft GGUF` as well, two more run
+builds it (explicit flags: AVX2, plus AVX-512 where the CPU has it; AMX off). With `--llama-draft GGUF` as well, two more run
 llama.cpp's own draft-model speculation with that file as the draft ("llama-server-draft-np1"
 and "-np16"): the build script exports `models/draft` to `.venv-peers/llama.cpp/draft-q8_0.gguf`
 with llama.cpp's converter. Its drafted and accepted tokens come from llama-server's /metrics.
@@ -228,8 +228,12 @@ def machine() -> dict:
         if line.startswith("model name"):
             cpu = line.split(":", 1)[1].strip()
             break
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "date": date.today().isoformat()}  # fmt: skip
+    from engine.cpu import kernels as cpu_kernels
+
+    # isa: what Tandem's CPU kernels were built for here (avx2+fma, avx512f+vnni, ...): two
+    # machines of one model name may differ (an AMD EPYC may be Zen 3, AVX2, or Zen 4, AVX-512).
+    return {"cpu": cpu, "cores": os.cpu_count(), "isa": cpu_kernels.isa(),
+            "python": platform.python_version(), "date": date.today().isoformat()}  # fmt: skip
 
 
 LLAMA_SERVER_SLOTS = {"llama-server-np1": 1, "llama-server-np16": 16}

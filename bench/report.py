@@ -179,7 +179,8 @@ def chat_section(
     lines = [
         f"## {title}",
         "",
-        f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores) with "
+        f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores"
+        f"{', kernels ' + m['isa'] if m.get('isa') else ''}) with "
         f"`{data['command']}`: one `tandem serve` per row (the shipped config plus the row's "
         "flags), streaming `/v1/chat/completions`, held-out chat instructions "
         f"(`bench/chat_prompts.py`), natural stops up to {data['max_tokens']} tokens, output "
@@ -242,8 +243,8 @@ PEER_TEXTS = [
         lambda p: p.startswith("llama-server"),
         "llama.cpp's own `llama-server` serving the same GGUF file (its Q4_1 and Q8_0 blocks, "
         "with llama.cpp's quantized-activation dot products) under the same load, as many "
-        "threads as Tandem, built by `bench/peers/build_llama_server.sh` (AVX-512 flags, AMX "
-        "off), with 1 slot or 16 slots and continuous batching",
+        "threads as Tandem, built by `bench/peers/build_llama_server.sh` (AVX2, plus AVX-512 on "
+        "a CPU that has it, AMX off), with 1 slot or 16 slots and continuous batching",
     ),
     (
         lambda p: p.startswith("llama-server-draft"),

@@ -3,9 +3,10 @@
 # `python -m bench.chat_bench --llama-server .venv-peers/llama.cpp/bin/llama-server`.
 #
 # The source is the llama.cpp tree that llama-cpp-python's source distribution carries
-# (vendor/llama.cpp), fetched from PyPI like every other dependency. Built for AVX2 + FMA +
-# AVX-512 (F, VBMI, VNNI, BF16) with AMX off, not -march=native: on some virtual machines a
-# native build crashes in the AMX path. Say so beside any figure measured with it.
+# (vendor/llama.cpp), fetched from PyPI like every other dependency. Built for AVX2 + FMA, plus
+# AVX-512 (F, VBMI, VNNI, BF16) where this CPU has it, with AMX off, not -march=native: on
+# some virtual machines a native build crashes in the AMX path (llama_cpp_flags.sh). Build it
+# on the machine that runs the benchmark, and say which beside any figure measured with it.
 # About 5 minutes on 2 cores.
 #
 # It then exports Tandem's draft (models/draft) to .venv-peers/llama.cpp/draft-q8_0.gguf with the

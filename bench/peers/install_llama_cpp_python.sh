@@ -2,7 +2,7 @@
 # Installs llama-cpp-python's OpenAI server into .venv-peers/llama-cpp-python (ignored), for
 # `python -m bench.chat_bench --llama-cpp-python`. It is built from source (PyPI has no binary
 # wheel of it) with the flags build_llama_server.sh gives llama.cpp's own server
-# (llama_cpp_flags.sh: AVX-512, AMX off). About 10 minutes on 2 cores.
+# (llama_cpp_flags.sh: AVX2, plus AVX-512 where the CPU has it; AMX off). About 10 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}

@@ -105,7 +105,8 @@ INLINE v16u spread(v16u all, v16u idx) {
 /* Q8_0: the 16 quants of quant row j of a 64-byte load (rows j0..j0+3), one per output
  * column, as float32. Row j is words 4j..4j+3; column c's int8 is byte c % 4 of word
  * 4j + c / 4: one permute, then a shift to the top and back (arithmetic) sign-extends.
- * (GCC 12 turns a plain int8 -> int32 vector conversion into a chain of inserts.) */
+ * (GCC 12 turns a plain int8 -> int32 vector conversion into a chain of inserts.) Used where
+ * the CPU has neither AVX-512 nor AVX2 (AVX2: quants_avx2). */
 INLINE v16 q8_quants(v16u all, int j) {
   const uint32_t a = 4 * j, b = a + 1, c = a + 2, e = a + 3;
   const v16u word = spread(all, (v16u){a, a, a, a, b, b, b, b, c, c, c, c, e, e, e, e});
@@ -134,7 +135,8 @@ INLINE v16 q4_quants(const uint8_t *quants, int k) {
    * only the index's low 4 bits, so no mask and no int -> float conversion. */
   const v16 values = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   return (v16)spread((v16u)values, word >> shift);
-#else /* a 16-lane permute is two registers' worth on AVX2: mask and convert instead */
+#else /* without AVX-512 a 16-lane permute is two registers' worth: mask and convert instead
+       * (AVX2 has its own tile, quants_avx2) */
   const v16i q = (v16i)((word >> shift) & 15);
   return __builtin_convertvector(q, v16);
 #endif
@@ -158,7 +160,7 @@ INLINE void prefetch_blocks(const int type, const int np, const uint8_t *panel,
   prefetch_panels(panel, np, pstride, block_bytes(type), b, nb, QAHEAD);
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
 /* AVX2 (no AVX-512): a panel's 16 columns are two 8-lane vectors, h = 0 (columns 0-7) and
  * h = 1 (8-15), and the quants are widened with AVX2's own instructions. Written with the
  * 16-lane types, as below, GCC 12 split each vector through the stack: on a 2-core AMD EPYC
