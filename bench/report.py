@@ -365,6 +365,7 @@ def main() -> None:
         "server_overhead_cpu.md",
         "attention_cpu.md",
         "gemm_schedule_cpu.md",
+        "gguf_avx2_cpu.md",
         "kv_cache_cpu.md",
         "chat-eagle.json",
         "quantization_cpu.md",
