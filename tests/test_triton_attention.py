@@ -7,6 +7,8 @@ it in bf16/fp16; the CPU tests then skip unless TRITON_INTERPRET=1 was set by ha
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -142,6 +144,7 @@ def _rows_match_decodes(block_size: int, group: int, dtype: torch.dtype, device:
             assert torch.equal(together[j], got), j
 
 
+@functools.cache
 def _numpy_rows_are_position_free() -> bool:
     """Whether numpy's float32 matmul, what the interpreter runs for tl.dot, gives each row of
     the kernel's tiles (16 rows by a reduction of 64 or 32) the same bits wherever it sits in
