@@ -15,6 +15,11 @@ then SDPA) against the C kernel on the same paged cache with scattered block tab
 30 layers, 9 query heads over 3 kv heads of 64, blocks of 16 tokens), each layer with its own
 cache scattered over its pool, so that keys and values come from memory as in a real pass (one
 layer's cache fits in the outer caches), and the rate it reads them at.
+`gguf-vs BASE`: the same linears on this checkout's kernels and on commit BASE's (built from
+its engine/cpu/csrc), one model's linears on each in turn, --repeats times (default 3; use
+100 or so), the order alternating: on a shared machine whose speed drifts by 10-30% within
+minutes, the median of the rounds' ratios is steadier than two best-ofs taken apart. Each
+library runs what it would choose on this CPU (VNNI where present, AMX from 6 rows).
 `gguf`: the default model's (SmolLM2-135M's) 30 layers' linears on Q4_1 blocks and its LM
 head on Q8_0, as its GGUF file has them (random weights, quantized by the `gguf` package):
 the float32 vector kernel (engine/cpu/csrc/gemm_quant.c), its calls on VNNI dot products
@@ -26,7 +31,14 @@ Milliseconds, best of --repeats rounds of --iters calls; one thread unless --thr
 from __future__ import annotations
 
 import argparse
+import ctypes
+import io
+import statistics
+import subprocess
+import tarfile
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +46,7 @@ import torch.nn.functional as F
 from engine.attention.cpu import CPU
 from engine.attention.paged import build_metadata
 from engine.attention.reference import REFERENCE
+from engine.cpu import build as kernel_build
 from engine.cpu import kernels as cpu_kernels
 from engine.cpu import memory as cpu_memory
 from engine.cpu import panels as cpu_panels
@@ -96,16 +109,7 @@ GGUF_HEAD = (49152, 576, "Q8_0")
 
 
 def bench_gguf(args: argparse.Namespace) -> None:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-
-    shapes = GGUF_LAYER * 30 + [GGUF_HEAD]
-    made: dict[tuple, torch.Tensor] = {}
-    for out, inp, kind in set(shapes):
-        blocks = quantize(torch.randn(out, inp).numpy(), GGMLQuantizationType[kind])
-        made[(out, inp, kind)] = cpu_panels.pack_quant_weight(blocks, kind)
-    # a copy per layer: 96 MB in all, read from memory as in a real pass
-    panels = [made[shape].clone() for shape in shapes]
+    shapes, panels = _gguf_weights()
     has_vnni, has_tiles = cpu_kernels.set_vnni(True), cpu_kernels.set_amx(True)
     print("| rows | float32 vector kernel | VNNI | AMX tiles (6+ rows) |")
     print("|---:|---:|---:|---:|")
@@ -128,6 +132,65 @@ def bench_gguf(args: argparse.Namespace) -> None:
         cpu_kernels.set_vnni(True)
         cpu_kernels.set_amx(True)
         print(f"| {rows} | " + " | ".join(cells) + " |")
+
+
+def _gguf_weights() -> tuple[list, list[torch.Tensor]]:
+    """The default model's linears as (out, in, GGUF type) and their panels: random weights
+    quantized by the `gguf` package, a copy per layer (96 MB in all, read from memory as in a
+    real pass)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    shapes = GGUF_LAYER * 30 + [GGUF_HEAD]
+    made: dict[tuple, torch.Tensor] = {}
+    for out, inp, kind in set(shapes):
+        blocks = quantize(torch.randn(out, inp).numpy(), GGMLQuantizationType[kind])
+        made[(out, inp, kind)] = cpu_panels.pack_quant_weight(blocks, kind)
+    return shapes, [made[shape].clone() for shape in shapes]
+
+
+def bench_gguf_vs(args: argparse.Namespace) -> None:
+    root = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(
+        ["git", "archive", args.base, "engine/cpu/csrc"], cwd=root, capture_output=True, check=True
+    ).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        tarfile.open(fileobj=io.BytesIO(archive)).extractall(tmp, filter="data")
+        paths = {args.base: kernel_build.build(Path(tmp) / "engine/cpu/csrc")}
+    paths["this checkout"] = kernel_build.build()
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    kernels = {}
+    for name, path in paths.items():
+        lib = ctypes.CDLL(str(path))
+        kernels[name] = {
+            kind: getattr(lib, f"tandem_linear_{kind.lower()}") for kind in ("Q4_1", "Q8_0")
+        }
+        for fn in kernels[name].values():
+            fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+            fn.restype = None
+    shapes, panels = _gguf_weights()
+    names = list(kernels)
+    print(f"| rows | {names[0]} (median, best) | {names[1]} (median, best) | median ratio |")
+    print("|---:|---:|---:|---:|")
+    for rows in args.rows:
+        xs = {inp: torch.randn(rows, inp) for _, inp, _ in shapes}
+        ys = {out: torch.empty(rows, out) for out, _, _ in shapes}
+        calls = [(kind, xs[inp].data_ptr(), panel.data_ptr(), ys[out].data_ptr(), out, inp)
+                 for (out, inp, kind), panel in zip(shapes, panels, strict=True)]  # fmt: skip
+
+        def one_model(name: str, calls: list = calls, rows: int = rows) -> float:
+            start = time.perf_counter()
+            for kind, x, w, y, n, k in calls:
+                kernels[name][kind](x, w, None, None, y, rows, n, k, args.threads)
+            return (time.perf_counter() - start) * 1e3
+
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(args.repeats):
+            for name in names if i % 2 else names[::-1]:
+                times[name].append(one_model(name))
+        ratio = statistics.median(b / a for a, b in zip(*times.values(), strict=True))
+        cells = [f"{statistics.median(t):.2f}, {min(t):.2f} ms" for t in times.values()]
+        print(f"| {rows} | {cells[0]} | {cells[1]} | {ratio:.3f} |")
 
 
 def bench_attention(args: argparse.Namespace) -> None:
@@ -184,7 +247,8 @@ def bench_attention_pass(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("what", choices=["linear", "attention", "attention-pass", "gguf"])
+    p.add_argument("what", choices=["linear", "attention", "attention-pass", "gguf", "gguf-vs"])
+    p.add_argument("base", nargs="?", default="HEAD", help="gguf-vs: the commit to compare with")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 5, 9, 16, 33, 64, 512])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--iters", type=int, default=10)
@@ -200,6 +264,7 @@ def main() -> None:
         "attention": bench_attention,
         "attention-pass": bench_attention_pass,
         "gguf": bench_gguf,
+        "gguf-vs": bench_gguf_vs,
     }
     run[args.what](args)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -405,6 +406,20 @@ def test_the_library_is_cached_per_cpu_and_source(tmp_path, monkeypatch):
     assert kernel_build.build() == first  # built once, then found
     monkeypatch.setattr(kernel_build, "cpu_identity", lambda: "another cpu")
     assert kernel_build.build() != first
+
+
+def test_another_copy_of_the_sources_builds_its_own_library(tmp_path, monkeypatch):
+    """`build(csrc)` (bench.cpu_kernels gguf-vs builds a commit's sources): keyed by what the
+    copy holds, not by where it lies."""
+    copy = tmp_path / "csrc"
+    shutil.copytree(kernel_build.CSRC, copy)
+    original = kernel_build.build()  # the library the tests run on
+    assert kernel_build.build(copy) == original
+    (copy / "gemm.c").write_text((copy / "gemm.c").read_text() + "\n/* another version */\n")
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path / "cache"))
+    other = kernel_build.build(copy)
+    assert other.is_relative_to(tmp_path / "cache") and other.exists()
+    assert other.parent.name != original.parent.name  # another key
 
 
 def test_an_unwritable_cache_falls_back_to_the_temp_dir(tmp_path, monkeypatch):

@@ -30,13 +30,14 @@ _BASE_FLAGS = ["-std=gnu11", "-O3", "-ffp-contract=fast", "-shared", "-fPIC"]
 _FLAG_SETS = (["-march=native", "-fopenmp"], ["-march=native"], ["-fopenmp"], [])
 
 
-def build() -> Path:
+def build(csrc: Path = CSRC) -> Path:
     """The library's path, compiled first if this machine has no copy yet; raises
-    RuntimeError saying why when it cannot be built."""
+    RuntimeError saying why when it cannot be built. `csrc`: another copy of the sources
+    (`python -m bench.cpu_kernels gguf-vs` builds a commit's)."""
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    sources = sorted(CSRC.glob("*.c"))
-    contents = b"\0".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))
+    sources = sorted(csrc.glob("*.c"))
+    contents = b"\0".join(p.read_bytes() for p in sorted(csrc.glob("*.[ch]")))
     errors = []
     for extra in _FLAG_SETS:
         flags = _BASE_FLAGS + extra
@@ -57,7 +58,7 @@ def build() -> Path:
             return target
         os.unlink(tmp)
         errors.append(f"{' '.join(extra) or 'no extra flags'}: {proc.stderr.strip()[-300:]}")
-    raise RuntimeError(f"{cc} could not build {CSRC}: " + " | ".join(errors))
+    raise RuntimeError(f"{cc} could not build {csrc}: " + " | ".join(errors))
 
 
 def _compiler() -> str:

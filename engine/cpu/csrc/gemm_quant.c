@@ -168,31 +168,59 @@ INLINE void prefetch_blocks(const int type, const int np, const uint8_t *panel,
  * bench.cpu_kernels gguf --rows 1 --threads 2`). Same products, sums and order per column. */
 #define HALF 8
 
-/* Row k's 16 quants, as float32, in two halves. Q8_0: 16 int8s; Q4_1: 8 bytes, column c's
- * nibble at bits 32 * (c % 2) + 4 * (c / 2) (the 64-bit word broadcast, as 32-bit lanes
- * alternating low and high word, each shifted to its nibble). */
-INLINE void quants_avx2(const int type, const uint8_t *quants, int k, v8 q[2]) {
-  if (type == Q4_1) {
-    uint64_t bytes;
-    memcpy(&bytes, quants + k * 8, 8);
-    const __m256i all = _mm256_set1_epi64x((long long)bytes), low4 = _mm256_set1_epi32(15);
-    const __m256i lo = _mm256_srlv_epi32(all, _mm256_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12));
-    const __m256i hi = _mm256_srlv_epi32(all, _mm256_setr_epi32(16, 16, 20, 20, 24, 24, 28, 28));
-    q[0] = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(lo, low4));
-    q[1] = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(hi, low4));
-  } else {
-    const uint8_t *row = quants + k * QPANEL;
-    for (int h = 0; h < 2; h++) {
-      const __m128i bytes = _mm_loadl_epi64((const __m128i *)(row + h * HALF));
-      q[h] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-    }
+/* Q8_0: row k's 16 quants (16 int8s), as float32, in two halves. */
+INLINE void q8_quants_avx2(const uint8_t *quants, int k, v8 q[2]) {
+  for (int h = 0; h < 2; h++) {
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)(quants + k * QPANEL + h * HALF));
+    q[h] = (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
   }
+}
+
+/* Q4_1: row k's 16 quants in two halves, each quant left where it lies, times 2^s:
+ * columns 0-7 use bits 0-15 of the row's two 32-bit words and columns 8-15 bits 16-31
+ * (column c's nibble at bit 32 * (c % 2) + 4 * (c / 2)), so a 64-bit broadcast of the row
+ * (columns 0-7) or of the row read 2 bytes on (8-15: bits 16-31 moved to 0-15) and one mask
+ * of nibble j of lanes 2j and 2j + 1 give q * 2^s with s = 0, 0, 4, 4, 8, 8, 12, 12 in both
+ * halves: exact as int32 (q * 2^12 < 2^16) and as float32. A column's block sum is then 2^s
+ * times the sum of q * x, rounded alike (a power of 2 scales each rounding exactly), and the
+ * block's scale d times 2^-s (Q4_SUM_SCALE, exact) undoes it: the same bits as shifting each
+ * nibble down first, one shift per half and row of quants fewer (unless a block's sum of q * x
+ * passes 2^116, where 2^s times it overflows). The last row of a block shifts its own
+ * broadcast instead (`last`), so no read passes the block. */
+#define Q4_SUM_SCALE \
+  (v8) { 1.0f, 1.0f, 0x1p-4f, 0x1p-4f, 0x1p-8f, 0x1p-8f, 0x1p-12f, 0x1p-12f }
+INLINE void q4_quants_avx2(const uint8_t *quants, int k, const int last, v8 q[2]) {
+  const __m256i nibble = _mm256_setr_epi32(15, 15, 15 << 4, 15 << 4, 15 << 8, 15 << 8,
+                                           15 << 12, 15 << 12);
+  const uint8_t *row = quants + k * 8;
+  const __m256i lo = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)row));
+  const __m256i hi = last ? _mm256_srli_epi64(lo, 16)
+                          : _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(row + 2)));
+  q[0] = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(lo, nibble));
+  q[1] = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(hi, nibble));
 }
 
 /* The 16 float16 scales at p in two halves. */
 INLINE void halves_avx2(const uint8_t *p, v8 out[2]) {
   for (int h = 0; h < 2; h++)
     out[h] = (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + h * 2 * HALF)));
+}
+
+/* One quant row k of the tile's panels into the rows' block sums (`last`: k is the block's
+ * last row, q4_quants_avx2). */
+INLINE void quant_step(const int type, const int np, const int rows, const float *xb, int64_t K,
+                       const uint8_t *const *quants, int k, const int last,
+                       v8 sum[QGROUP][QROWS][2]) {
+  for (int p = 0; p < np; p++) {
+    v8 q[2];
+    if (type == Q4_1) q4_quants_avx2(quants[p], k, last, q);
+    else q8_quants_avx2(quants[p], k, q);
+    for (int r = 0; r < rows; r++) {
+      const v8 xk = splat(xb[r * K + k]);
+      sum[p][r][0] += xk * q[0];
+      sum[p][r][1] += xk * q[1];
+    }
+  }
 }
 
 /* quant_tile below, on AVX2. */
@@ -212,20 +240,13 @@ INLINE void quant_tile(const int type, const int np, const int rows, const float
     }
     prefetch_blocks(type, np, panel, pstride, b, nb);
     const float *xb = x + b * QBLOCK;
-    for (int k = 0; k < QBLOCK; k++)
-      for (int p = 0; p < np; p++) {
-        v8 q[2];
-        quants_avx2(type, quants[p], k, q);
-        for (int r = 0; r < rows; r++) {
-          const v8 xk = splat(xb[r * K + k]);
-          sum[p][r][0] += xk * q[0];
-          sum[p][r][1] += xk * q[1];
-        }
-      }
+    for (int k = 0; k < QBLOCK - 1; k++) quant_step(type, np, rows, xb, K, quants, k, 0, sum);
+    quant_step(type, np, rows, xb, K, quants, QBLOCK - 1, 1, sum);
     for (int p = 0; p < np; p++) {
       const uint8_t *blk = panel + p * pstride + b * stride;
       v8 d[2], m[2];
       halves_avx2(blk, d);
+      if (type == Q4_1) d[0] *= Q4_SUM_SCALE, d[1] *= Q4_SUM_SCALE;
       for (int r = 0; r < rows; r++)
         for (int h = 0; h < 2; h++) acc[p][r][h] += d[h] * sum[p][r][h];
       if (type == Q4_1) {
@@ -318,12 +339,15 @@ INLINE void quant_tile(const int type, const int np, const int rows, const float
  * the total; the totals are touched once a block, so where the registers run short (AVX-512
  * from 3 rows of 4 panels) the compiler keeps them in memory for little. Measured, 2 threads,
  * the default model's linears (`python -m bench.cpu_kernels gguf`): 4 panels up to 4 rows
- * beat 2 panels at 3-4 rows and 1 at 5 (4.85 against 5.89 ms at 3 rows). */
+ * beat 2 panels at 3-4 rows and 1 at 5 (4.85 against 5.89 ms at 3 rows). AVX2 (16
+ * registers): 2 panels up to 2 rows, 1 from 3; on a 2-core AMD EPYC (Zen 3), 2026-11-28,
+ * `python -m bench.cpu_kernels gguf-vs BASE --rows 2 --repeats 100` with 1 panel at 2 rows
+ * took 1.13x the time (2 threads; 1.14x with 1), and 2 panels at 3 rows 1.03x. */
 INLINE int tile_panels(const int rows) {
 #if QROWS == 8
   return rows <= 4 ? 4 : 2;
 #else
-  return rows == 1 ? 2 : 1;
+  return rows <= 2 ? 2 : 1;
 #endif
 }
 
@@ -358,6 +382,7 @@ INLINE void quant_group(const int type, const int np, const float *x, const floa
       else if (n == 2 && rows == 8) TILE(2, 8);
 #endif
       else if (n == 2 && rows == 1) TILE(2, 1);
+      else if (n == 2 && rows == 2) TILE(2, 2);
       else
         for (int p = 0; p < n; p++) { /* one panel at a time (and a group's last panels) */
           const uint8_t *p1 = pp + p * panel_bytes;
