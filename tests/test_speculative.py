@@ -14,8 +14,10 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import SpecConfig
 from engine.core.request import Request, SamplingParams
-from engine.model.head import HEAD_TOKENS_FILE
+from engine.model.head import HEAD_TOKENS_FILE, restrict_head
+from engine.model.runner import ModelRunner
 from engine.spec.draft_length import DraftLengths
+from engine.spec.proposers.draft_model import DraftModelProposer
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 
 MAX_TOKENS = 24
@@ -360,3 +362,42 @@ def test_sampled_continuations_with_a_restricted_draft_head(tiny_vocab_pair, tmp
     assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens
     stat, bound = _chi_square_test(counts, exact, n)
     assert stat < bound, f"chi-square {stat:.1f} >= {bound:.1f}"
+
+
+def test_a_restricted_draft_heads_greedy_pick_is_the_vocabularys_argmax():
+    """The draft's greedy chains pick from its head's own columns, not widened to the
+    vocabulary: the same token, ties included (the head's tokens in increasing order), and
+    a request whose logits are masked (here min_tokens over a stop) still gets the widened,
+    masked pick."""
+
+    class Runner:  # what DraftModelProposer reads of a runner with a restricted head
+        vocab_size = 12
+        head_tokens = torch.tensor([1, 4, 5, 9])
+        widen = ModelRunner.widen
+
+    proposer = DraftModelProposer(Runner(), 12)
+    logits = torch.tensor(
+        [[0.5, 2.0, -1.0, 0.0], [3.0, 1.0, 3.0, 2.0], [-2.0, -3.0, -1.0, -4.0]]
+    )  # row 1: a tie of tokens 1 and 5
+    plain = [Request(f"r{i}", [3], SamplingParams(max_tokens=4)) for i in range(3)]
+    entries = [(req, [], 1) for req in plain]
+    wide = Runner().widen(logits)
+    expected = wide.argmax(dim=-1).tolist()
+    assert expected == [4, 1, 5]
+    assert proposer._pick(logits, entries, False) == [([t], None) for t in expected]
+    # min_tokens masks the stop token 5 for this request: the widened path, masked
+    masked = Request("m", [3], SamplingParams(max_tokens=4, min_tokens=2), eos_token_ids=(5,))
+    assert 5 in masked.stop_token_ids
+    picked = proposer._pick(logits[2:], [(masked, [], 1)], False)
+    assert picked == [([1], None)]  # 5 (-1.0) masked: 1 (-2.0) is next
+
+
+def test_a_restricted_head_keeps_its_tokens_in_increasing_order(tiny_dirs, tmp_path):
+    """head_tokens.json in any order: the head's columns follow increasing token ids (the
+    greedy pick above relies on it), each the vocabulary row of its token."""
+    model_dir = with_head_tokens(tiny_dirs["llama_draft"], tmp_path / "draft", [7, 2, 30, 11])
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    full = model.get_output_embeddings().weight.detach().clone()
+    index = restrict_head(model, str(model_dir))
+    assert index.tolist() == [2, 7, 11, 30]
+    assert torch.equal(model.get_output_embeddings().weight, full[index])

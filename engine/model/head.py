@@ -31,7 +31,9 @@ def restrict_head(model: torch.nn.Module, model_path: str) -> torch.Tensor | Non
     ids = json.loads(path.read_text())["token_ids"]
     if not ids or len(set(ids)) != len(ids) or not all(0 <= i < vocab for i in ids):
         raise ValueError(f"{path}: token_ids must be distinct token ids below {vocab}")
-    index = torch.tensor(ids, dtype=torch.long, device=full.weight.device)
+    # In increasing order, so the first of equal largest logits is the same token in the
+    # head's columns as in the vocabulary's (the draft's greedy pick reads the columns).
+    index = torch.tensor(sorted(ids), dtype=torch.long, device=full.weight.device)
     head = torch.nn.Linear(full.in_features, len(ids), bias=full.bias is not None)
     with torch.no_grad():
         head.weight = torch.nn.Parameter(full.weight.detach().index_select(0, index).clone())

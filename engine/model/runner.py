@@ -286,9 +286,10 @@ class ModelRunner:
         return self.model.get_output_embeddings()(hidden)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
+    def forward(self, seqs: list[SeqInput], widen: bool = True) -> torch.Tensor:
         """Run the packed batch; return float32 logits [num_logits, vocab], in the order of
-        seqs and, within a request, of its logit_offsets."""
+        seqs and, within a request, of its logit_offsets. `widen=False`: a restricted head's
+        own columns [num_logits, len(head_tokens)] (`widen` makes them the vocabulary's)."""
         token_ids: list[int] = []
         positions: list[int] = []
         logit_index: list[int] = []
@@ -307,7 +308,8 @@ class ModelRunner:
         if graphs is not None and all_rows and graphs.fits(query_lens, context_lens):
             batch = (context_lens, tables, logit_index, query_lens, trees)
             hidden = self.last_hidden = graphs.run(token_ids, positions, *batch)
-            return self._widen(self._graph_head(hidden).float())  # [num_logits, vocab]
+            logits = self._graph_head(hidden).float()  # [num_logits, head]
+            return self.widen(logits) if widen else logits
         metadata = attention.build_metadata(
             self.kv_caches,
             self.block_size,
@@ -325,10 +327,12 @@ class ModelRunner:
             hidden = self.last_hidden = self.native(input_ids, position_ids, metadata)
             # One logit row per token (a decode, a verification): rows 0..n-1, in order.
             picked = hidden if len(logit_index) == len(token_ids) else hidden.index_select(0, rows)
-            return self._widen(self.native.logits(picked).float())
-        return self._widen(self.hf_logits(input_ids, position_ids, metadata, rows).float())
+            logits = self.native.logits(picked).float()
+        else:
+            logits = self.hf_logits(input_ids, position_ids, metadata, rows).float()
+        return self.widen(logits) if widen else logits
 
-    def _widen(self, logits: torch.Tensor) -> torch.Tensor:
+    def widen(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits of a restricted head [rows, head tokens] -> [rows, vocab]."""
         if self.head_tokens is None:
             return logits

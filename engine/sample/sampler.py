@@ -47,16 +47,21 @@ class RowSpec:
         return self.request.num_output_tokens + len(self.prior_drafts)
 
 
+def changes_logits(rows: list[RowSpec]) -> bool:
+    """Whether `apply_penalties_and_masks` changes any of these rows' logits."""
+    return any(
+        _masks_stops(r) or r.request.params.has_penalties or r.request.grammar is not None
+        for r in rows
+    )
+
+
 def apply_penalties_and_masks(
     logits: torch.Tensor,  # [num_rows, vocab], modified in place unless an inference tensor
     rows: list[RowSpec],
 ) -> torch.Tensor:
     # Logits straight from a forward were made under torch.inference_mode and cannot be
     # changed in place outside it (a draft model's are; the verifier's were concatenated).
-    if logits.is_inference() and any(
-        _masks_stops(r) or r.request.params.has_penalties or r.request.grammar is not None
-        for r in rows
-    ):
+    if logits.is_inference() and changes_logits(rows):
         logits = logits.clone()
     constrained = [i for i, row in enumerate(rows) if row.request.grammar is not None]
     if constrained:  # one host-to-device copy and one fill for every constrained row

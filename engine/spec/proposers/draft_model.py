@@ -32,6 +32,7 @@ from engine.sample.sampler import (
     RowSpec,
     apply_penalties_and_masks,
     argmax,
+    changes_logits,
     coupled_tokens,
     logits_to_probs,
     request_uniforms,
@@ -110,7 +111,7 @@ class DraftModelProposer:
             for seq in seqs:
                 fed[0] += len(seq.token_ids)
                 fed[1] += len(seq.token_ids) * seq.context_len
-            return self.runner.forward(seqs)
+            return self.runner.forward(seqs, widen=False)  # _pick widens where it must
 
         # A lane is one chain of drafts: one per request, or one per branch of a tree.
         width = {i: sched.scheduled[i].branches for i, _, _ in drafting}
@@ -177,7 +178,7 @@ class DraftModelProposer:
 
     def _pick(
         self,
-        logits: torch.Tensor,  # [len(entries), vocab]
+        logits: torch.Tensor,  # [len(entries), vocab], or the restricted head's columns
         entries: list[tuple[Request, list[int], int]],  # (request, drafts before, how many)
         want_q: bool,
     ) -> list[tuple[list[int], torch.Tensor | None]]:  # per entry: tokens, the q they came from
@@ -187,7 +188,15 @@ class DraftModelProposer:
         if not entries:  # a pass that only fed prefill chunks
             return []
         rows = [RowSpec(req, prior) for req, prior, _ in entries]  # earlier drafts count
-        logits = apply_penalties_and_masks(logits, rows)
+        head = self.runner.head_tokens
+        chains = all(n == 1 for _, _, n in entries)
+        if head is not None and chains and not want_q and not changes_logits(rows):
+            # Greedy chains with nothing to mask: the argmax of the head's own columns (in
+            # increasing token order, so a tie picks the token the vocabulary's row would).
+            # Not widening them to the vocabulary: 39 against 136 us a pick of the default
+            # draft's 8,191 columns (2-core AMD EPYC Zen 3, 2026-11-28, alternated 4,000 times).
+            return [([token], None) for token in head[argmax(logits)].tolist()]
+        logits = apply_penalties_and_masks(self.runner.widen(logits), rows)
         if not want_q:  # all greedy
             n_max = max(n for _, _, n in entries)
             picked = argmax(logits)[:, None] if n_max == 1 else logits.topk(n_max, dim=-1).indices

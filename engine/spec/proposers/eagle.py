@@ -230,7 +230,7 @@ class EagleProposer(DraftModelProposer):
             device = self.inputs.weight.device
             self.inputs.features = torch.cat([f.to(device) for f in feats])
             try:
-                logits = self.runner.forward(seqs)
+                logits = self.runner.forward(seqs, widen=False)  # _pick widens where it must
             finally:
                 self.inputs.features = None
             hidden = self.runner.last_hidden  # every fed row, or only the logit rows (graphs)
