@@ -257,9 +257,9 @@ def _count_draft_tokens(engine) -> list[int]:
     original = runner.forward
     fed: list[int] = []
 
-    def counting(seqs):
+    def counting(seqs, **kwargs):
         fed.append(sum(len(s.token_ids) for s in seqs))
-        return original(seqs)
+        return original(seqs, **kwargs)
 
     runner.forward = counting
     return fed

@@ -69,11 +69,11 @@ def test_profile_runs_every_model_on_a_scratch_pool_and_measures_around_it(
     forwarded = []
     for name, runner in zip(("target", "draft"), runners, strict=True):
 
-        def forward(seqs, runner=runner, name=name, original=runner.forward):
+        def forward(seqs, runner=runner, name=name, original=runner.forward, **kwargs):
             assert runner.kv_caches, "the scratch pool is allocated before the forward"
             fake_cuda.append(f"forward {name}")
             forwarded.append(sum(len(s.token_ids) for s in seqs))
-            return original(seqs)
+            return original(seqs, **kwargs)
 
         monkeypatch.setattr(runner, "forward", forward)
 
