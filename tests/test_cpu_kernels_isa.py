@@ -4,7 +4,8 @@ most x86 servers run) and the portable SSE2 one (x86-64 baseline) pass the same 
 and 16-bit caches, the native forward on the kernels) as the native build. The compiler is
 wrapped so that `-march=native` becomes the target; the library goes to a cache of its own.
 On a machine whose own build is one of these (an AVX2 machine), that case is skipped: the
-kernel tests ran those code paths already."""
+kernel tests ran those code paths already. And every kernel's code is the same whatever GCC's
+tuning says about fused multiply-add chains (the bit-equality tests rest on it)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import platform
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from engine.cpu import build as kernel_build
 from engine.cpu import kernels as cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,3 +79,38 @@ def test_kernels_built_for_another_instruction_set_pass_the_kernel_tests(tmp_pat
     )
     assert run.returncode == 0, run.stdout[-3000:]
     assert " passed" in run.stdout and " failed" not in run.stdout
+
+
+def _assembly(compiler: str, source: Path, flags: list[str]) -> subprocess.CompletedProcess:
+    build_flags = [f for f in kernel_build._BASE_FLAGS if f not in ("-shared", "-fPIC")]
+    cmd = [compiler, *build_flags, "-fopenmp", *flags, "-S"]
+    return subprocess.run([*cmd, str(source), "-o", "-"], capture_output=True, text=True)
+
+
+def test_each_kernel_compiles_to_the_same_code_whatever_the_tuning_says_of_fma_chains():
+    """GCC splits a loop's lone chain of multiply-adds into multiplies and adds where its
+    tuning asks (`--param avoid-fma-max-bits`; -mtune=sapphirerapids in GCC 13 does), and
+    fuses the tiles that have several chains: a 1-row tile's bits then differed from an 8-row
+    tile's on a Sapphire Rapids machine with GCC 13, where the 16-lane (AVX-512) tiles make a
+    1-row, 1-panel tile a single chain. The kernels write their accumulations as explicit
+    fused multiply-adds (vec.h `madd`), so that setting at its widest changes no instruction.
+    Static: it compiles for Sapphire Rapids (on any x86 machine) and runs nothing."""
+    compiler = next(
+        path
+        for name in (os.environ.get("CC"), "cc", "gcc")
+        if name and (path := shutil.which(name))
+    )
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    if "Free Software Foundation" not in version or "clang" in version:
+        pytest.skip("the FMA-chain setting is GCC's")
+    sources = sorted(kernel_build.CSRC.glob("*.c"))
+    plain = ["-march=sapphirerapids"]
+    tuned = [*plain, "--param", "avoid-fma-max-bits=512"]
+    jobs = [(source, flags) for source in sources for flags in (plain, tuned)]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        runs = list(pool.map(lambda job: _assembly(compiler, *job), jobs))
+    if any(run.returncode for run in runs):
+        pytest.skip(f"{compiler} does not build for Sapphire Rapids: {runs[0].stderr[-300:]}")
+    pairs = zip(runs[::2], runs[1::2], strict=True)
+    differ = [s.name for s, (a, b) in zip(sources, pairs, strict=True) if a.stdout != b.stdout]
+    assert not differ, f"compiled differently where GCC avoids FMA chains: {differ}"

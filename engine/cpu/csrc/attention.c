@@ -85,7 +85,7 @@ INLINE void score8_rows(const int KV, const int NV, const int R, v8 (*q)[NV], co
   for (int c = 0; c < NV; c++)
     for (int u = 0; u < 8; u++) {
       const v8 key = load_kv(KV, k, at + u * ks + 8 * c);
-      for (int r = 0; r < R; r++) part[r][u] += q[r][c] * key;
+      for (int r = 0; r < R; r++) part[r][u] = madd(part[r][u], q[r][c], key);
     }
   for (int r = 0; r < R; r++) sc[r][g] = reduce8(part[r]);
 }
@@ -106,7 +106,7 @@ INLINE void value_rows(const int KV, const int NV, const int R, v8 (*acc)[NV],
     for (int r = 0; r < R; r++) pt[r] = splat(((const float *)sc[r])[t]);
     for (int c = 0; c < NV; c++) {
       const v8 value = load_kv(KV, v, at + t * ks + 8 * c);
-      for (int r = 0; r < R; r++) a[r][c] += pt[r] * value;
+      for (int r = 0; r < R; r++) a[r][c] = madd(a[r][c], pt[r], value);
     }
   }
   for (int r = 0; r < R; r++)
@@ -186,7 +186,7 @@ INLINE void attend_tile(const int KV, const int NV, const float *q, const void *
         v8 s = splat(-INFINITY);
         for (int64_t t = full * 8; t < n && t <= pos[i] - first; t++) {
           v8 d = (v8){0};
-          for (int c = 0; c < NV; c++) d += qv[i][c] * load_kv(KV, k_cache, at + t * ks + 8 * c);
+          for (int c = 0; c < NV; c++) d = madd(d, qv[i][c], load_kv(KV, k_cache, at + t * ks + 8 * c));
           s[t - full * 8] = hsum(d);
         }
         sc[i][full] = s;

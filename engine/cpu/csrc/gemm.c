@@ -8,8 +8,8 @@
  * panels[p][k][c] = W[p * PANEL + c][k] (zero past N). A tile of up to ROWS rows keeps its
  * 2 x ROWS accumulators in registers while the panel streams past once (with AVX-512, 16-lane
  * tiles of up to 8 rows: linear_tile16); further tiles of the same call find the panel in
- * cache. Each output is summed over k in order, whatever M is,
- * so a row's result does not depend on the other rows in the batch.
+ * cache. Each output is summed over k in order, one fused multiply-add a step (vec.h madd),
+ * whatever M is, so a row's result does not depend on the other rows in the batch.
  *
  * Panels are float32, or bfloat16 when every weight of the matrix is exactly a bfloat16
  * value (a bfloat16 checkpoint loaded in float32): a bfloat16 is the top half of a float32,
@@ -54,8 +54,8 @@ INLINE void linear_tile(const int bf16, const int np, const int m, const float *
       panel_row(bf16, pp, k, &w_lo, &w_hi);
       for (int r = 0; r < m; r++) {
         const float s = x[r * K + k];
-        lo[p][r] += s * w_lo;
-        hi[p][r] += s * w_hi;
+        lo[p][r] = madd(lo[p][r], splat(s), w_lo);
+        hi[p][r] = madd(hi[p][r], splat(s), w_hi);
       }
     }
   }
@@ -79,8 +79,6 @@ INLINE void linear_tile(const int bf16, const int np, const int m, const float *
  * so the results are the same bit for bit. */
 #define ROWS16 8
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-
 /* Panel row k as 16 float32 lanes: the columns in order, or for bfloat16 in the stored order
  * 0, 8, 1, 9, ..., 7, 15 (one zero-extending load and one shift); `column_lane` maps back. */
 INLINE v16 panel_row16(const int bf16, const void *panel, int64_t k) {
@@ -102,7 +100,7 @@ INLINE void linear_tile16(const int bf16, const int np, const int m, const float
   for (int64_t k = 0; k < K; k++)
     for (int p = 0; p < np; p++) {
       const v16 w = panel_row16(bf16, (const char *)panel + p * pstride * (bf16 ? 2 : 4), k);
-      for (int r = 0; r < m; r++) acc[p][r] += x[r * K + k] * w;
+      for (int r = 0; r < m; r++) acc[p][r] = madd16(acc[p][r], splat16(x[r * K + k]), w);
     }
   for (int p = 0; p < np; p++) {
     const int n = span(cols, p * PANEL, PANEL);

@@ -46,16 +46,12 @@
 /* Blocks ahead whose weights a tile prefetches (see prefetch_blocks). */
 #define QAHEAD 4
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
 typedef uint64_t v8q __attribute__((vector_size(64), aligned(8)));
 
 INLINE v16 load16(const float *p) { return *(const v16 *)p; }
 INLINE void store16(float *p, v16 v) { *(v16 *)p = v; }
-INLINE v16 splat16(float x) {
-  return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
-}
 
 enum { Q8_0 = 0, Q4_1 = 1 };
 
@@ -217,8 +213,8 @@ INLINE void quant_step(const int type, const int np, const int rows, const float
     else q8_quants_avx2(quants[p], k, q);
     for (int r = 0; r < rows; r++) {
       const v8 xk = splat(xb[r * K + k]);
-      sum[p][r][0] += xk * q[0];
-      sum[p][r][1] += xk * q[1];
+      sum[p][r][0] = madd(sum[p][r][0], xk, q[0]);
+      sum[p][r][1] = madd(sum[p][r][1], xk, q[1]);
     }
   }
 }
@@ -248,11 +244,12 @@ INLINE void quant_tile(const int type, const int np, const int rows, const float
       halves_avx2(blk, d);
       if (type == Q4_1) d[0] *= Q4_SUM_SCALE, d[1] *= Q4_SUM_SCALE;
       for (int r = 0; r < rows; r++)
-        for (int h = 0; h < 2; h++) acc[p][r][h] += d[h] * sum[p][r][h];
+        for (int h = 0; h < 2; h++) acc[p][r][h] = madd(acc[p][r][h], d[h], sum[p][r][h]);
       if (type == Q4_1) {
         halves_avx2(blk + 2 * QPANEL, m);
         for (int r = 0; r < rows; r++)
-          for (int h = 0; h < 2; h++) acc[p][r][h] += m[h] * splat(xsum[r * nb + b]);
+          for (int h = 0; h < 2; h++)
+            acc[p][r][h] = madd(acc[p][r][h], m[h], splat(xsum[r * nb + b]));
       }
     }
   }
@@ -292,14 +289,14 @@ INLINE void quant_tile(const int type, const int np, const int rows, const float
       for (int k = 0; k < QBLOCK; k++)
         for (int p = 0; p < np; p++) {
           const v16 q = q4_quants(quants[p], k);
-          for (int r = 0; r < rows; r++) sum[p][r] += splat16(xb[r * K + k]) * q;
+          for (int r = 0; r < rows; r++) sum[p][r] = madd16(sum[p][r], splat16(xb[r * K + k]), q);
         }
     } else {
 #if defined(__AVX512F__)
       for (int k = 0; k < QBLOCK; k++)
         for (int p = 0; p < np; p++) {
           const v16 q = q8_quants_row(quants[p], k);
-          for (int r = 0; r < rows; r++) sum[p][r] += splat16(xb[r * K + k]) * q;
+          for (int r = 0; r < rows; r++) sum[p][r] = madd16(sum[p][r], splat16(xb[r * K + k]), q);
         }
 #else
       for (int k0 = 0; k0 < QBLOCK; k0 += 4) {
@@ -308,7 +305,7 @@ INLINE void quant_tile(const int type, const int np, const int rows, const float
         for (int j = 0; j < 4; j++)
           for (int p = 0; p < np; p++) {
             const v16 q = q8_quants(all[p], j);
-            for (int r = 0; r < rows; r++) sum[p][r] += splat16(xb[r * K + k0 + j]) * q;
+            for (int r = 0; r < rows; r++) sum[p][r] = madd16(sum[p][r], splat16(xb[r * K + k0 + j]), q);
           }
       }
 #endif
@@ -316,10 +313,11 @@ INLINE void quant_tile(const int type, const int np, const int rows, const float
     for (int p = 0; p < np; p++) {
       const uint8_t *blk = panel + p * pstride + b * stride;
       const v16 d = load_halves(blk);
-      for (int r = 0; r < rows; r++) acc[p][r] += d * sum[p][r];
+      for (int r = 0; r < rows; r++) acc[p][r] = madd16(acc[p][r], d, sum[p][r]);
       if (type == Q4_1) {
         const v16 m = load_halves(blk + 2 * QPANEL);
-        for (int r = 0; r < rows; r++) acc[p][r] += m * splat16(xsum[r * nb + b]);
+        for (int r = 0; r < rows; r++)
+          acc[p][r] = madd16(acc[p][r], m, splat16(xsum[r * nb + b]));
       }
     }
   }

@@ -25,6 +25,40 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
+/* acc + a * b, rounded once where the machine has a fused multiply-add (else a multiply and an
+ * add). Every accumulation that must give the same bits in each tile shape (a row alone or
+ * among others, a verification's query or a decode) is written with it rather than left to
+ * -ffp-contract: GCC keeps a loop's lone chain of multiply-adds as separate multiplies and
+ * adds on some tunings (`--param avoid-fma-max-bits`, which -mtune=sapphirerapids sets in GCC
+ * 13) while it fuses the tiles with several chains, and their bits then differ. */
+#if defined(__FMA__)
+#include <immintrin.h>
+#endif
+INLINE v8 madd(v8 acc, v8 a, v8 b) {
+#if defined(__FMA__)
+  return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+  return acc + a * b;
+#endif
+}
+
+/* 16 float32 lanes: one AVX-512 register, or two 8-lane halves. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+INLINE v16 splat16(float x) {
+  return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+INLINE v16 madd16(v16 acc, v16 a, v16 b) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#else
+  v8 h[3][2];
+  memcpy(h[0], &acc, 64), memcpy(h[1], &a, 64), memcpy(h[2], &b, 64);
+  for (int i = 0; i < 2; i++) h[0][i] = madd(h[0][i], h[1][i], h[2][i]);
+  memcpy(&acc, h[0], 64);
+  return acc;
+#endif
+}
 INLINE v8 load(const float *p) { return *(const v8 *)p; }
 INLINE void store(float *p, v8 v) { *(v8 *)p = v; } /* v8 is 4-byte aligned: any float * */
 INLINE v8 select_v(v8i mask, v8 a, v8 b) { return (v8)(((v8i)a & mask) | ((v8i)b & ~mask)); }
