@@ -353,7 +353,8 @@ def main() -> None:
         "feature draft in `models/eagle` (see `models/README.md`); the sections whose titles begin with",
         "`Toy pair` measure the toy pair in `bench/toy_pair/` (see its README), Tandem's",
         "default before it shipped a real model. The sections with `GPU` in their titles ran on",
-        "an NVIDIA H100 ([bench/GPU.md](../bench/GPU.md) says how); all the others on CPUs.",
+        "an NVIDIA H100, or the H200 where the title says so ([bench/GPU.md](../bench/GPU.md)",
+        "says how); all the others on CPUs.",
     ]
     DOCS.mkdir(exist_ok=True)
     chat = RESULTS / "chat.json"
@@ -410,6 +411,9 @@ def main() -> None:
     greedy = RESULTS / "gpu_greedy_h100.md"  # by hand, from bench.gpu_bench's greedy check
     if greedy.exists():
         sections += ["", greedy.read_text().rstrip()]
+    h200 = RESULTS / "gpu_session_h200.md"  # by hand, from bench/gpu_session.sh's output
+    if h200.exists():
+        sections += ["", h200.read_text().rstrip()]
     (DOCS / "BENCHMARKS.md").write_text("\n".join(sections) + "\n")
     print(f"wrote {DOCS / 'BENCHMARKS.md'}")
 
