@@ -3,6 +3,7 @@ verifies, and output tokens/s of speculation settings on held-out chat prompts.
 
   python -m bench.default_engine passes                  # target pass ms for 1..5 tokens
   python -m bench.default_engine passes --concurrency 16 --kv-cache-dtypes auto float16
+  python -m bench.default_engine draft-passes --draft-quantizations none int8 int4
   python -m bench.default_engine kv-agreement --kv-cache-dtypes float16 bfloat16 --requests 48
   python -m bench.default_engine speed                   # c=1: off, draft K=1..3, adaptive
   python -m bench.default_engine speed --concurrency 16 --requests 32 --configs off adaptive
@@ -21,6 +22,10 @@ token by token or as a block), or seeded (each request brings a seed: the couple
 the checkpoint's own greedy answers to the held-out prompts, teacher-forced through the rounded
 model, and how often its argmax is the same token (transformers' forward, float32).
 
+`draft-passes` times the draft's one-token pass (its restricted head, as the proposers run it)
+with its checkpoint rounded by each `--draft-quantization` given, the runners alternating pass
+by pass; it prints each one's median and best.
+
 `speed` runs requests of the held-out instructions (bench/chat_prompts.py) at --temperature
 (greedy by default) up to --max-tokens each, --concurrency at a time, after max(concurrency,
 4) warm-up requests on other instructions (on CUDA they capture the graphs the run needs; the
@@ -38,6 +43,7 @@ import argparse
 import copy
 import gc
 import itertools
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -136,6 +142,34 @@ def passes(
         label = f"{requests} request(s) x 1..5 tokens over {context}, KV cache {kv}"
         cells = ", ".join(f"{q}: {t * 1e3:.2f}" for q, t in enumerate(times, start=1))
         print(f"target pass ms, {label}: {cells}", flush=True)
+
+
+def draft_passes(draft: str, methods: list[str], context: int = 150, repeats: int = 2000) -> None:
+    """Median and best of `repeats` one-token draft passes over `context` cached keys, for
+    each --draft-quantization in `methods`, alternating runner by runner."""
+    runners = {}
+    for method in methods:
+        spec = SpecConfig(method="draft", draft_model=draft, draft_quantization=method)
+        runners[method] = engine(spec).proposer.runner
+        print(f"draft {method}: {runners[method].kernels}", flush=True)
+    table = list(range(-(-context // 16) + 1))
+    seqs = [SeqInput([100], context - 1, table, [0])]
+    for runner in runners.values():
+        runner.allocate_kv(len(table), 16)
+        for _ in range(10):
+            runner.forward(seqs, widen=False)
+    times: dict[str, list[float]] = {method: [] for method in runners}
+    for i in range(repeats):
+        for method, runner in list(runners.items())[:: 1 if i % 2 else -1]:
+            start = time.perf_counter()
+            runner.forward(seqs, widen=False)
+            times[method].append(time.perf_counter() - start)
+    for method, t in times.items():
+        print(
+            f"draft pass, 1 token over {context}, --draft-quantization {method}: "
+            f"median {statistics.median(t) * 1e3:.3f} ms, best {min(t) * 1e3:.3f} ms",
+            flush=True,
+        )
 
 
 def _prompts(model_dir: str, requests: int) -> list[list[int]]:
@@ -339,7 +373,7 @@ def _parting(a: list[int], b: list[int]) -> int | None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("mode", choices=["passes", "speed", "agreement", "kv-agreement"])
+    p.add_argument("mode", choices=["passes", "draft-passes", "speed", "agreement", "kv-agreement"])
     p.add_argument("--model", default=TARGET, help="a .gguf file or Hugging Face directory")
     p.add_argument("--quantization", default="none", choices=METHODS)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -359,6 +393,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--tree-drafts", default="top", choices=["top", "sampled"])
     p.add_argument("--draft", default=DRAFT, help="the draft directory of the draft configs")
+    p.add_argument(
+        "--draft-quantizations", nargs="+", default=["none", "int8"], choices=METHODS,
+        help="draft-passes: the draft's --draft-quantization settings to time",
+    )  # fmt: skip
     p.add_argument("--context", type=int, default=150, help="passes: keys cached per request")
     p.add_argument(
         "--kv-cache-dtypes", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES),
@@ -371,6 +409,8 @@ def main(argv: list[str] | None = None) -> None:
                 args.model, args.quantization, args.kv_cache_dtypes, args.concurrency,
                 args.context,
             )  # fmt: skip
+        elif args.mode == "draft-passes":
+            draft_passes(args.draft, args.draft_quantizations, args.context)
         elif args.mode == "agreement":
             agreement(args.model, args.quantization, args.requests, args.max_tokens)
         elif args.mode == "kv-agreement":

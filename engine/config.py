@@ -178,12 +178,17 @@ class SpecConfig:
     verification: str = "block"
     """How sampled drafts are verified: block = the block jointly (Sun et al.), token = token
     by token. Both are lossless; block keeps at least as many drafts in expectation."""
+    draft_quantization: str = "auto"
+    """Weight-only quantization of a draft model's Hugging Face checkpoint (the choices of
+    --quantization), or auto = the target's --quantization. The draft only proposes tokens, so
+    the output stays the target's; its rounding moves acceptance and the draft pass's time."""
 
     def __post_init__(self) -> None:
         _check_choice("--speculative-method", self.method, SPEC_METHODS)
         _check_choice("--draft-length", self.draft_length, DRAFT_LENGTH_POLICIES)
         _check_choice("--verification", self.verification, VERIFICATIONS)
         _check_choice("--tree-drafts", self.tree_drafts, TREE_DRAFTS)
+        _check_choice("--draft-quantization", self.draft_quantization, ("auto", *QUANTIZATIONS))
         _check(
             self.draft_branches is None or 1 <= self.draft_branches <= 8,
             f"--draft-branches must be auto or between 1 and 8 (got {self.draft_branches})",
@@ -209,6 +214,11 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "off" and self.max_draft_tokens > 0
+
+    def draft_weights(self, target_quantization: str) -> str:
+        """The draft model's --quantization: its own, or (auto) the target's."""
+        auto = self.draft_quantization == "auto"
+        return target_quantization if auto else self.draft_quantization
 
     @property
     def max_branches(self) -> int:

@@ -233,6 +233,15 @@ OPTIONS: tuple[Option, ...] = (
         choices=VERIFICATIONS,
     ),
     Option(
+        "speculative.draft_quantization",
+        "--draft-quantization",
+        str,
+        "weight-only quantization of the draft model's Hugging Face checkpoint (the choices "
+        "of --quantization), or auto = the target's --quantization; the output stays the "
+        "target's, the draft's rounding moves acceptance and its pass time",
+        choices=("auto", *QUANTIZATIONS),
+    ),
+    Option(
         "speculative.recalibrate",
         "--recalibrate",
         parse_bool,

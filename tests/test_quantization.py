@@ -101,3 +101,33 @@ def test_quantized_greedy_equals_generate_on_the_rounded_weights_with_speculatio
             engine.add_request(str(i), prompt, greedy(12))
         got = drain(engine)
         assert [got[str(i)] for i in range(len(prompts))] == want, (method, spec.method)
+
+
+def test_the_draft_takes_its_own_quantization_and_the_output_stays_the_targets(
+    tiny_dirs: dict[str, Path],
+):
+    """--draft-quantization rounds the draft's weights alone (auto: the target's): the
+    target is served unrounded, so greedy output equals generate() on its own weights, and
+    the draft's blocks are int8 while the target's stay float32."""
+    with pytest.raises(ValueError, match="--draft-quantization must be one of"):
+        SpecConfig(draft_model="d", draft_quantization="fp8")
+    assert SpecConfig(draft_model="d").draft_weights("int4") == "int4"
+    assert SpecConfig(draft_model="d", draft_quantization="none").draft_weights("int4") == "none"
+    with pytest.raises(ValueError, match="--draft-quantization int8 runs on the CPU in float32"):
+        spec = SpecConfig(draft_model=str(tiny_dirs["llama_draft"]), draft_quantization="int8")
+        make_engine(tiny_dirs["llama"], dtype="bfloat16", spec=spec)
+    prompts = random_prompts([5, 17, 9], vocab=200, seed=4)
+    want = hf_greedy(tiny_dirs["llama"], prompts, 12)
+    spec = SpecConfig(
+        draft_model=str(tiny_dirs["llama_draft"]), draft_length="fixed", draft_quantization="int8"
+    )
+    engine = make_engine(tiny_dirs["llama"], spec=spec)
+    assert engine.runner.quantization == "none" and engine.proposer.runner.quantization == "int8"
+    if cpu_kernels.available():
+        assert "blocks (--quantization int8)" in engine.proposer.runner.kernels
+        assert "--quantization" not in engine.runner.kernels
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, greedy(12))
+    got = drain(engine)
+    assert [got[str(i)] for i in range(len(prompts))] == want
+    assert engine.stats().spec_drafted_tokens > 0

@@ -28,6 +28,7 @@ from engine.kv.manager import KVCacheManager
 from engine.model import files as model_files
 from engine.model.decode_graphs import BATCH_BUCKETS
 from engine.model.on_cpu import use_cpu_kernels
+from engine.model.quantization import check_runs_here
 from engine.model.runner import ModelRunner, resolve_device, resolve_dtype
 from engine.sample.grammar import Grammars
 from engine.spec.calibration import calibrate
@@ -55,11 +56,9 @@ class LLMEngine:
             cpu_memory.keep_freed_memory()
         self.attention_backend = select_backend(config.model.attention_backend, self.device, dtype)
         quantization = config.model.quantization
-        if quantization != "none" and (self.device.type != "cpu" or dtype != torch.float32):
-            raise ValueError(
-                f"--quantization {quantization} runs on the CPU in float32 "
-                f"(got --device {self.device.type}, --dtype {config.model.dtype})"
-            )
+        draft_quantization = config.spec.draft_weights(quantization)
+        check_runs_here("--quantization", quantization, self.device, dtype)
+        check_runs_here("--draft-quantization", draft_quantization, self.device, dtype)
         impl = config.model.model_impl
         self.runner = ModelRunner(
             config.model.model, self.device, dtype, self.attention_backend, impl, quantization
@@ -68,8 +67,9 @@ class LLMEngine:
         self.eos_token_ids = model_files.eos_token_ids(config.model.model, self.runner.hf_config)
         self.max_model_len = self._max_model_len()
         self.proposer = build_proposer(
-            config.spec, self.device, dtype, self.runner, self.attention_backend, impl, quantization
-        )
+            config.spec, self.device, dtype, self.runner, self.attention_backend, impl,
+            draft_quantization,
+        )  # fmt: skip
 
         block_size = config.cache.block_size
         draft = getattr(self.proposer, "runner", None)  # a proposer with a model of its own

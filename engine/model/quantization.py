@@ -48,6 +48,16 @@ def _blocked(method: str, in_features: int) -> bool:
 
 
 @torch.no_grad()
+def check_runs_here(flag: str, method: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Rounded weights run on the CPU kernels in float32 only."""
+    if method != "none" and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(
+            f"{flag} {method} runs on the CPU in float32 "
+            f"(got device {device.type}, dtype {str(dtype).removeprefix('torch.')})"
+        )
+
+
+@torch.no_grad()
 def round_weights(model: nn.Module, method: str) -> dict[str, int]:
     """Replace, in place, the weight of every float32 `nn.Linear` of `model` by the values
     `method` serves; returns how many layers went to each format. A layer whose input width

@@ -50,6 +50,7 @@ def calibration_key(runners: list[ModelRunner], settings: dict) -> str:
     for runner in runners:
         h.update(json.dumps(runner.hf_config.to_dict(), sort_keys=True, default=str).encode())
         h.update(f"{runner.device} {runner.dtype} {runner.kv_dtype} {runner.model_impl}".encode())
+        h.update(f"weights {runner.quantization}".encode())  # --quantization's rounding
         h.update(type(runner.attention_backend).__name__.encode())
         graphs = runner.decode_graphs  # which passes run as graphs changes what they cost
         h.update(f"graphs {graphs.max_query_len if graphs is not None else 0}".encode())
