@@ -3,7 +3,8 @@
 # trained pair (bench/gpu_run.sh all) with the adaptive policy's cost model traced, and where
 # a step's time goes at concurrency 1 on that pair. 426 s on an H100 (2026-11-27, one run);
 # at most 120 + 360 + 90 s for its three stages, inside a 10-minute limit per command. Results land in $OUT when it is
-# set, else in bench/results/gpu_session/; see bench/GPU.md for what to do with them.
+# set, else in bench/results/gpu_session/; see bench/GPU.md for what to do with them. Then,
+# on the same warm machine, bench/host_cpu_check.sh runs the CPU kernel tests on its host.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}

@@ -369,26 +369,29 @@ def test_calibration_is_cached_per_key_and_redone_on_request(tmp_path, monkeypat
 
 def test_calibration_key_follows_what_the_cpu_kernels_run_on(monkeypatch, tmp_path):
     """Timings taken with AMX tiles on are not reused with them off (TANDEM_AMX=0): the key
-    holds the kernels' instruction set, when a model runs on them."""
+    holds the kernels' instruction set, when a model runs on them; and each model's weight
+    rounding (--quantization, --draft-quantization)."""
     from types import SimpleNamespace
 
     from engine.cpu import kernels as cpu_kernels
     from engine.spec.calibration import calibration_key
 
-    def runner(kernels: str, kv_dtype: str) -> SimpleNamespace:
+    def runner(kernels: str, kv_dtype: str, quantization: str) -> SimpleNamespace:
         return SimpleNamespace(
             hf_config=SimpleNamespace(to_dict=lambda: {"hidden_size": 8}),
             device="cpu", dtype="float32", model_impl="native", attention_backend=None,
             decode_graphs=None, head_tokens=None, kernels=kernels, name=str(tmp_path),
-            kv_dtype=kv_dtype,
+            kv_dtype=kv_dtype, quantization=quantization,
         )  # fmt: skip
 
-    def key(isa: str, kernels: str, kv_dtype: str = "float32") -> str:
+    def key(isa: str, kernels: str, kv_dtype: str = "float32", quantization: str = "none") -> str:
         monkeypatch.setattr(cpu_kernels, "isa", lambda: isa)
-        return calibration_key([runner(kernels, kv_dtype)], {"block_size": 16})
+        return calibration_key([runner(kernels, kv_dtype, quantization)], {"block_size": 16})
 
     assert key("avx512f", "cpu") != key("avx512f+amx", "cpu")
     assert key("avx512f", "cpu") != key("avx512f", "cpu", "float16")  # --kv-cache-dtype
+    # --quantization / --draft-quantization: the rounded weights' passes cost otherwise
+    assert key("avx512f", "cpu") != key("avx512f", "cpu", quantization="int8")
     assert key("avx512f", "cpu") == key("avx512f", "cpu")
     assert key("avx512f", "torch") == key("avx512f+amx", "torch")  # not on the kernels
 

@@ -26,12 +26,14 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 
 INLINE v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 
-/* acc + a * b, rounded once where the machine has a fused multiply-add (else a multiply and an
- * add). Every accumulation that must give the same bits in each tile shape (a row alone or
- * among others, a verification's query or a decode) is written with it rather than left to
- * -ffp-contract: GCC keeps a loop's lone chain of multiply-adds as separate multiplies and
- * adds on some tunings (`--param avoid-fma-max-bits`, which -mtune=sapphirerapids sets in GCC
- * 13) while it fuses the tiles with several chains, and their bits then differ. */
+/* acc + a * b, rounded once on x86 machines with FMA. Without FMA (the x86-64 baseline) it is
+ * a multiply and an add. On other machines it is the plain expression, which -ffp-contract
+ * fuses where they have a multiply-add (NEON): that case is not pinned down. Every
+ * accumulation that must give the same bits in each tile shape (a row alone or among others,
+ * a verification's query or a decode) is written with it rather than left to -ffp-contract:
+ * GCC keeps a loop's lone chain of multiply-adds as separate multiplies and adds on some
+ * tunings (`--param avoid-fma-max-bits`, which -mtune=sapphirerapids sets in GCC 13) while it
+ * fuses the tiles with several chains, and their bits then differ. */
 #if defined(__FMA__)
 #include <immintrin.h>
 #endif
