@@ -47,7 +47,6 @@ def _blocked(method: str, in_features: int) -> bool:
     return method in _BLOCKS and in_features % cpu_panels.QBLOCK == 0
 
 
-@torch.no_grad()
 def check_runs_here(flag: str, method: str, device: torch.device, dtype: torch.dtype) -> None:
     """Rounded weights run on the CPU kernels in float32 only."""
     if method != "none" and (device.type != "cpu" or dtype != torch.float32):
