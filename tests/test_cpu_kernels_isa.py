@@ -39,15 +39,20 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize(("march", "isa"), [("haswell", "avx2+fma"), ("x86-64", "sse2")])
-def test_kernels_built_for_another_instruction_set_pass_the_kernel_tests(tmp_path, march, isa):
-    if cpu_kernels.isa() == isa:  # the same code paths as the native build's
-        pytest.skip(f"this machine's own build is {isa}: the kernel tests already ran it")
-    compiler = next(
+def _compiler() -> str:
+    """The C compiler the kernels' build takes ($CC, else cc or gcc)."""
+    return next(
         path
         for name in (os.environ.get("CC"), "cc", "gcc")
         if name and (path := shutil.which(name))
     )
+
+
+@pytest.mark.parametrize(("march", "isa"), [("haswell", "avx2+fma"), ("x86-64", "sse2")])
+def test_kernels_built_for_another_instruction_set_pass_the_kernel_tests(tmp_path, march, isa):
+    if cpu_kernels.isa() == isa:  # the same code paths as the native build's
+        pytest.skip(f"this machine's own build is {isa}: the kernel tests already ran it")
+    compiler = _compiler()
     wrapper = tmp_path / "cc"
     wrapper.write_text(
         f"#!{sys.executable}\n"
@@ -95,11 +100,7 @@ def test_each_kernel_compiles_to_the_same_code_whatever_the_tuning_says_of_fma_c
     1-row, 1-panel tile a single chain. The kernels write their accumulations as explicit
     fused multiply-adds (vec.h `madd`), so that setting at its widest changes no instruction.
     Static: it compiles for Sapphire Rapids (on any x86 machine) and runs nothing."""
-    compiler = next(
-        path
-        for name in (os.environ.get("CC"), "cc", "gcc")
-        if name and (path := shutil.which(name))
-    )
+    compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     if "Free Software Foundation" not in version or "clang" in version:
         pytest.skip("the FMA-chain setting is GCC's")
