@@ -186,7 +186,8 @@ INLINE void attend_tile(const int KV, const int NV, const float *q, const void *
         v8 s = splat(-INFINITY);
         for (int64_t t = full * 8; t < n && t <= pos[i] - first; t++) {
           v8 d = (v8){0};
-          for (int c = 0; c < NV; c++) d = madd(d, qv[i][c], load_kv(KV, k_cache, at + t * ks + 8 * c));
+          for (int c = 0; c < NV; c++)
+            d = madd(d, qv[i][c], load_kv(KV, k_cache, at + t * ks + 8 * c));
           s[t - full * 8] = hsum(d);
         }
         sc[i][full] = s;

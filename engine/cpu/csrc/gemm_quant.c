@@ -305,7 +305,8 @@ INLINE void quant_tile(const int type, const int np, const int rows, const float
         for (int j = 0; j < 4; j++)
           for (int p = 0; p < np; p++) {
             const v16 q = q8_quants(all[p], j);
-            for (int r = 0; r < rows; r++) sum[p][r] = madd16(sum[p][r], splat16(xb[r * K + k0 + j]), q);
+            for (int r = 0; r < rows; r++)
+              sum[p][r] = madd16(sum[p][r], splat16(xb[r * K + k0 + j]), q);
           }
       }
 #endif
