@@ -13,9 +13,11 @@ from engine.sample.sampler import (
     couple_seeded_rows,
     coupled_tokens,
     logits_to_probs,
+    plain_sampling,
     position_uniforms,
     request_uniforms,
     sample_from,
+    sample_logits,
 )
 
 
@@ -94,6 +96,57 @@ def test_the_cpu_kernel_samples_as_the_float64_cdf_does(vocab):
     assert torch.equal(got, _cdf_sample(probs, uniform))
     assert bool((probs.gather(1, got[:, None]) > 0).all())
     assert torch.equal(sample_from(probs, uniform), got)  # the CPU path of sample_from
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="Tandem's CPU kernels did not build")
+@pytest.mark.parametrize("vocab", [7, 256, 1000, 49152])
+def test_sampling_from_logits_draws_as_the_softmax_then_the_cdf_does(vocab, monkeypatch):
+    """engine/cpu/csrc/sample.c's logits path (the softmax's numerators, never written out)
+    against torch's softmax of logits / T sampled by the float64 CDF: the same token for every
+    draw here (they can differ only within a rounding of a boundary), at several temperatures,
+    on rows with masked (-inf) tokens, and at the edges of [0, 1); `sample_logits` gives them
+    on the kernel and on torch's path (what other devices run)."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=g) * torch.tensor([0.5, 2, 6, 3, 3, 1, 4, 8])[:, None]
+    logits[3, : max(1, vocab // 2)] = float("-inf")  # masked: a stop token, a grammar
+    logits[4, 1:] = float("-inf")  # one token left
+    logits = logits.repeat(30, 1)
+    temperatures = [0.1, 0.7, 1.0, 1.5, 0.7, 2.0, 0.3, 1.0] * 30
+    uniform = torch.rand(logits.shape[0], generator=g, dtype=torch.float64)
+    uniform[:8], uniform[8:16] = 0.0, 1 - 2**-53
+    scale = torch.tensor(temperatures)[:, None]
+    expected = _cdf_sample(torch.softmax(logits / scale, dim=-1), uniform)
+    got = cpu_kernels.sample_logits(logits, [1 / t for t in temperatures], uniform)
+    assert torch.equal(got, expected)
+    assert bool((logits.gather(1, got[:, None]) > float("-inf")).all())
+    assert torch.equal(sample_logits(logits, temperatures, uniform), got)  # the CPU path
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert torch.equal(sample_logits(logits, temperatures, uniform), expected)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="Tandem's CPU kernels did not build")
+def test_a_row_without_finite_mass_gets_the_vocabulary_size_as_sample_rows_gives_it():
+    bad = torch.zeros(4, 300)
+    bad[0, 5] = float("nan")
+    bad[1] = float("-inf")
+    bad[2, 3] = float("inf")
+    bad[3, 7] = 1.0  # a sound row among them
+    uniform = torch.full((4,), 0.5, dtype=torch.float64)
+    got = cpu_kernels.sample_logits(bad, [1.0] * 4, uniform).tolist()
+    assert (
+        got[:3]
+        == [300] * 3
+        == cpu_kernels.sample_rows(torch.softmax(bad[:3], -1), uniform[:3]).tolist()
+    )
+    assert 0 <= got[3] < 300
+
+
+def test_plain_sampling_is_temperature_alone():
+    assert plain_sampling(SamplingParams(temperature=0.7))
+    assert not plain_sampling(SamplingParams(temperature=0.0))  # greedy: one-hot
+    assert not plain_sampling(SamplingParams(temperature=0.7, seed=3))  # the coupled race
+    assert not plain_sampling(SamplingParams(temperature=0.7, top_k=20))
+    assert not plain_sampling(SamplingParams(temperature=0.7, top_p=0.9))
 
 
 def test_a_requests_generator_gives_its_stream():

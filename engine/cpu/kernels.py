@@ -133,13 +133,26 @@ def sample_rows(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     [rows] int64: per row, the first token whose cumulative mass exceeds u times the row's
     total (csrc/sample.c; engine/sample/sampler.py `sample_from` says how it relates to the
     torch path)."""
-    probs = probs.contiguous()
-    uniform = uniform.to(torch.float64).contiguous()
-    rows, vocab = probs.shape
+    return _sample("tandem_sample_rows", probs, uniform)
+
+
+def sample_logits(
+    logits: torch.Tensor, inv_temperature: list[float], uniform: torch.Tensor
+) -> torch.Tensor:
+    """logits [rows, vocab] float32, inv_temperature per row (> 0), uniform [rows] in [0, 1) ->
+    [rows] int64: a token per row drawn from softmax(logits * inv_t) as `sample_rows` draws,
+    the softmax not written out (csrc/sample.c); vocab for a row without finite mass."""
+    inverse = (ctypes.c_float * len(inv_temperature))(*inv_temperature)  # no tensor: cheaper
+    return _sample("tandem_sample_logits", logits, uniform, ctypes.addressof(inverse))
+
+
+def _sample(name: str, rows_in: torch.Tensor, uniform: torch.Tensor, *per_row: int) -> torch.Tensor:
+    rows_in, uniform = rows_in.contiguous(), uniform.to(torch.float64).contiguous()
+    rows, vocab = rows_in.shape
     out = torch.empty(rows, dtype=torch.int64)
     if rows:
-        _require().tandem_sample_rows(
-            probs.data_ptr(), uniform.data_ptr(), rows, vocab, out.data_ptr(),
+        getattr(_require(), name)(
+            rows_in.data_ptr(), *per_row, uniform.data_ptr(), rows, vocab, out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
     return out
@@ -248,6 +261,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tandem_layers.restype = i32
     lib.tandem_sample_rows.argtypes = [ptr, ptr, i64, i64, ptr, i32]
     lib.tandem_sample_rows.restype = None
+    lib.tandem_sample_logits.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i32]
+    lib.tandem_sample_logits.restype = None
     lib.tandem_isa.argtypes = []
     lib.tandem_isa.restype = ctypes.c_char_p
     for unit in ("amx", "vnni"):  # tandem_amx_active(), tandem_amx_enable(int), ...

@@ -25,8 +25,10 @@ from engine.sample.sampler import (
     argmax,
     couple_seeded_rows,
     logits_to_probs,
+    plain_sampling,
     request_uniforms,
     sample_from,
+    sample_logits,
     token_logprobs,
 )
 from engine.sample.tree_verifier import DraftTree, verify_tree, verify_tree_greedy
@@ -156,10 +158,17 @@ class Verifier:
             emitted = greedy_verify(best, drafted)
             self._emit(reqs, num_drafts, emitted, raw, result)
             return
-        probs = logits_to_probs(apply_penalties_and_masks(logits, rows), rows)
-        probs = couple_seeded_rows(probs, rows)
+        logits = apply_penalties_and_masks(logits, rows)
         uniform = request_uniforms(reqs, [k + 1 for k in num_drafts], self.device)
-        if not any(num_drafts):  # plain sampling: what rejection_sample's bonus draw does
+        if not any(num_drafts) and all(plain_sampling(r.params) for r in reqs):
+            # Plain sampling, the distribution never written out: what rejection_sample's
+            # bonus draw does from the same draws.
+            temperatures = [r.params.temperature for r in reqs]
+            emitted = [[t] for t in sample_logits(logits, temperatures, uniform).tolist()]
+            self._emit(reqs, num_drafts, emitted, raw, result)
+            return
+        probs = couple_seeded_rows(logits_to_probs(logits, rows), rows)
+        if not any(num_drafts):  # with top-k/top-p, seeded or greedy rows among them
             emitted = [[t] for t in sample_from(probs, uniform).tolist()]
             self._emit(reqs, num_drafts, emitted, raw, result)
             return

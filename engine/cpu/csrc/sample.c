@@ -28,6 +28,28 @@ static double block_mass(const float *p, int64_t n) {
   return s;
 }
 
+/* In one block of mass p[n] whose blocks before it sum to `run`: the first index at which the
+ * running sum passes `point`, or (rounding having left the point past the block's own sum)
+ * its last index with mass. The caller found the block by its sum, so it has mass. */
+static int64_t scan_block(const float *p, int64_t n, double run, double point) {
+  int64_t last = -1;
+  for (int64_t i = 0; i < n; i++) {
+    if (p[i] > 0) last = i;
+    run += (double)p[i];
+    if (run > point) return i;
+  }
+  return last;
+}
+
+/* The block `b` of the row whose running total passes `point` (sums: the blocks' masses, in
+ * order), and in `run` the sum of the blocks before it. */
+static int64_t find_block(const double *sums, int64_t blocks, double point, double *run) {
+  int64_t b = 0;
+  *run = 0;
+  while (b < blocks - 1 && *run + sums[b] <= point) *run += sums[b++];
+  return b;
+}
+
 static int64_t sample_row(const float *p, int64_t vocab, double u, double *sums) {
   const int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
   double total = 0;
@@ -41,17 +63,9 @@ static int64_t sample_row(const float *p, int64_t vocab, double u, double *sums)
   if (point > below) point = below;
   /* The first block whose running total passes the point: one exists, since the blocks'
    * running total ends at `total` (the same additions), which is above the point. */
-  double run = 0;
-  int64_t b = 0;
-  while (b < blocks - 1 && run + sums[b] <= point) run += sums[b++];
-  const int64_t start = b * SAMPLE_BLOCK, end = start + span(vocab, start, SAMPLE_BLOCK);
-  int64_t last = -1;
-  for (int64_t i = start; i < end; i++) {
-    if (p[i] > 0) last = i;
-    run += (double)p[i];
-    if (run > point) return i;
-  }
-  return last; /* the block has mass (its total passed the point), so last >= 0 */
+  double run;
+  const int64_t start = find_block(sums, blocks, point, &run) * SAMPLE_BLOCK;
+  return start + scan_block(p + start, span(vocab, start, SAMPLE_BLOCK), run, point);
 }
 
 /* out[r] = the token sampled from row r of probs [rows, vocab] with draw uniform[r]. */
@@ -62,5 +76,71 @@ void tandem_sample_rows(const float *probs, const double *uniform, int64_t rows,
   for (int64_t r = 0; r < rows; r++) {
     double sums[blocks];
     out[r] = sample_row(probs + r * vocab, vocab, uniform[r], sums);
+  }
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Sampling straight from logits (engine/sample/sampler.py `sample_logits`): row r's token is
+ * drawn from softmax(logits[r] / T_r) with draw uniform[r], without the probabilities being
+ * written out. The mass of token i is w_i = exp((x_i - max) / T), the softmax's numerator
+ * (exp_v, within 2 ulp of expf); dividing by the row's sum would not move which token the
+ * draw picks, up to rounding, so the mass is sampled as sample_rows samples a row (float64
+ * block sums, then one block scanned). A block's weights are computed by one function both
+ * times they are needed, so the scan sees the values the sums were made of. A row with a NaN,
+ * or all -inf, or a +inf logit has no finite mass: out is vocab, as sample_rows answers for
+ * torch's softmax of such a row (NaN throughout). */
+
+/* w[i] = exp((x[i] - m) * inv_t), i < n <= SAMPLE_BLOCK. */
+static void block_weights(const float *x, int64_t n, float m, float inv_t, float *w) {
+  const v8 vm = splat(m), vt = splat(inv_t);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store(w + i, exp_v((load(x + i) - vm) * vt));
+  for (; i < n; i++) w[i] = exp_v((splat(x[i]) - vm) * vt)[0];
+}
+
+static float row_max(const float *x, int64_t n) { /* NaNs are passed over */
+  v8 mx = splat(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const v8 v = load(x + i);
+    mx = select_v(v > mx, v, mx);
+  }
+  float m = hmax(mx);
+  for (; i < n; i++) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
+static int64_t sample_logits_row(const float *x, int64_t vocab, float inv_t, double u,
+                                 double *sums) {
+  const int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+  const float m = row_max(x, vocab);
+  float w[SAMPLE_BLOCK];
+  double total = 0;
+  for (int64_t b = 0; b < blocks; b++) {
+    const int64_t n = span(vocab, b * SAMPLE_BLOCK, SAMPLE_BLOCK);
+    block_weights(x + b * SAMPLE_BLOCK, n, m, inv_t, w);
+    sums[b] = block_mass(w, n);
+    total += sums[b];
+  }
+  if (!(total > 0) || total == INFINITY) return vocab;
+  double point = u * total;
+  const double below = nextafter(total, 0.0);
+  if (point > below) point = below;
+  double run;
+  const int64_t start = find_block(sums, blocks, point, &run) * SAMPLE_BLOCK;
+  const int64_t n = span(vocab, start, SAMPLE_BLOCK);
+  block_weights(x + start, n, m, inv_t, w);
+  return start + scan_block(w, n, run, point);
+}
+
+/* out[r] = the token drawn from softmax(logits[r] * inv_temperature[r]) with uniform[r]. */
+void tandem_sample_logits(const float *logits, const float *inv_temperature,
+                          const double *uniform, int64_t rows, int64_t vocab, int64_t *out,
+                          int nthreads) {
+  const int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && rows >= 4)
+  for (int64_t r = 0; r < rows; r++) {
+    double sums[blocks];
+    out[r] = sample_logits_row(logits + r * vocab, vocab, inv_temperature[r], uniform[r], sums);
   }
 }
