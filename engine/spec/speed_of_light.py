@@ -16,11 +16,13 @@ import torch
 
 
 class SpeedOfLight:
-    def __init__(self, window: int = 512, every: int = 8) -> None:
+    def __init__(self, window: int = 512, every: int = 32) -> None:
         self.every = every
         """Distributions are read on one verification pass in `every`: the entropy of a
         full-vocabulary softmax costs a few percent of a small model's step, and a sample of
-        passes estimates the window's means as well."""
+        passes estimates the window's means as well. (One in 8 cost the default model's c=1
+        greedy steps 0.07 ms each on average, 0.7% of a step, on the 2-core AMD EPYC: its
+        nine small tensor operations run on caches a forward has just emptied.)"""
         self._passes = 0
         self._entropy: deque[float] = deque(maxlen=window)
         self._log_moment: deque[float] = deque(maxlen=window)
