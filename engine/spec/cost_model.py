@@ -105,8 +105,7 @@ class _Seconds:
     (a pause on a shared machine moves it a little, not a lot)."""
 
     def __init__(self) -> None:
-        self.value = 0.0
-        self.count = 0
+        self.value, self.count = 0.0, 0
 
     def observe(self, seconds: float) -> None:
         if self.count:
@@ -132,6 +131,9 @@ class CostModel:
         self.target_seconds = np.maximum.accumulate(np.asarray(target_seconds, dtype=np.float64))
         self._sizes_list = self.sizes.tolist()
         self._table_list = self.target_seconds.tolist()
+        limit = CAPACITY_SLACK * self._table_list[0]
+        fits = [n for n, t in zip(self._sizes_list, self._table_list, strict=True) if t <= limit]
+        self._capacity = int(max(fits, default=1))
         self.kv_coef = kv_coef
         self.qk_coef = qk_coef
         self.draft_fixed = draft_fixed
@@ -241,10 +243,9 @@ class CostModel:
         return inside
 
     def capacity(self) -> int:
-        """Verifier capacity P: most tokens a pass holds within CAPACITY_SLACK x one token."""
-        limit = CAPACITY_SLACK * self.target_seconds[0]
-        ok = self.sizes[self.target_seconds <= limit]
-        return int(ok.max()) if ok.size else 1
+        """Verifier capacity P: most tokens a pass holds within CAPACITY_SLACK x one token, in
+        the calibrated table (fixed, so found once: engine stats read it every step)."""
+        return self._capacity
 
     def best_chain_length(
         self,
