@@ -364,6 +364,7 @@ def main() -> None:
     for fragment in (
         "chat_runs_cpu.md",
         "server_overhead_cpu.md",
+        "step_host_cpu.md",
         "attention_cpu.md",
         "gemm_schedule_cpu.md",
         "gguf_avx2_cpu.md",
