@@ -291,7 +291,7 @@ def sample_logits(
     Tandem's kernel (engine/cpu/csrc/sample.c) samples the softmax's numerators without
     writing the distribution out: one call instead of a division, a softmax and a sampling
     pass, each of which pays for cold caches after a forward (a 49K row: 81 against 152 us
-    isolated, 2-core AMD EPYC)."""
+    isolated, 2-core AMD EPYC, 2026-11-28)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.available():
         return cpu_kernels.sample_logits(logits, [1.0 / t for t in temperatures], uniform)
     scale = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[:, None]

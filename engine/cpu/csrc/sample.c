@@ -41,12 +41,18 @@ static int64_t scan_block(const float *p, int64_t n, double run, double point) {
   return last;
 }
 
-/* The block `b` of the row whose running total passes `point` (sums: the blocks' masses, in
- * order), and in `run` the sum of the blocks before it. */
-static int64_t find_block(const double *sums, int64_t blocks, double point, double *run) {
+/* For draw u over blocks of masses sums[blocks] totalling `total` (> 0): the point u * total
+ * (strictly below the total), the first block whose running total passes it, and in `run`
+ * the sum of the blocks before that one. Such a block exists, since the blocks' running total
+ * ends at `total` (the same additions), which is above the point. */
+static int64_t find_block(const double *sums, int64_t blocks, double total, double u,
+                          double *point, double *run) {
+  *point = u * total;
+  const double below = nextafter(total, 0.0);
+  if (*point > below) *point = below;
   int64_t b = 0;
   *run = 0;
-  while (b < blocks - 1 && *run + sums[b] <= point) *run += sums[b++];
+  while (b < blocks - 1 && *run + sums[b] <= *point) *run += sums[b++];
   return b;
 }
 
@@ -58,13 +64,8 @@ static int64_t sample_row(const float *p, int64_t vocab, double u, double *sums)
     total += sums[b];
   }
   if (!(total > 0)) return vocab; /* no mass: as the torch path answers (past the end) */
-  double point = u * total;
-  const double below = nextafter(total, 0.0); /* strictly below the total */
-  if (point > below) point = below;
-  /* The first block whose running total passes the point: one exists, since the blocks'
-   * running total ends at `total` (the same additions), which is above the point. */
-  double run;
-  const int64_t start = find_block(sums, blocks, point, &run) * SAMPLE_BLOCK;
+  double point, run;
+  const int64_t start = find_block(sums, blocks, total, u, &point, &run) * SAMPLE_BLOCK;
   return start + scan_block(p + start, span(vocab, start, SAMPLE_BLOCK), run, point);
 }
 
@@ -122,12 +123,9 @@ static int64_t sample_logits_row(const float *x, int64_t vocab, float inv_t, dou
     sums[b] = block_mass(w, n);
     total += sums[b];
   }
-  if (!(total > 0) || total == INFINITY) return vocab;
-  double point = u * total;
-  const double below = nextafter(total, 0.0);
-  if (point > below) point = below;
-  double run;
-  const int64_t start = find_block(sums, blocks, point, &run) * SAMPLE_BLOCK;
+  if (!(total > 0)) return vocab; /* a NaN: see above */
+  double point, run;
+  const int64_t start = find_block(sums, blocks, total, u, &point, &run) * SAMPLE_BLOCK;
   const int64_t n = span(vocab, start, SAMPLE_BLOCK);
   block_weights(x + start, n, m, inv_t, w);
   return start + scan_block(w, n, run, point);
