@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from engine.sample.rejection_sampler import PAD, greedy_verify, rejection_sample
+from engine.cpu import kernels as cpu_kernels
+from engine.cpu import sampling as cpu_sampling
+from engine.sample.rejection_sampler import PAD, emitted_tokens, greedy_verify, rejection_sample
 
 
 def _one_hot(ids: list[int], vocab: int) -> torch.Tensor:
@@ -202,3 +204,45 @@ def test_block_verification_keeps_at_least_as_many_drafts():
         kept[method] = ((out != PAD).sum(dim=1) - 1).double()
     diff = kept["block"] - kept["token"]
     assert diff.mean() > 4 * diff.std() / math.sqrt(trials), kept
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="Tandem's CPU kernels did not build")
+@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize("drafter", ["model", "model_free"])
+def test_the_final_token_kernel_draws_what_the_tensor_residual_gives(method, drafter, monkeypatch):
+    """On the CPU the recovered and bonus tokens come from one kernel call (csrc/sample.c)
+    that computes the residual max(0, w p - q) a block at a time: for the same draws it must
+    give the tokens the tensor formulas and `sample_from` give, for every request."""
+    g = torch.Generator().manual_seed(11)
+    vocab, ks = 3000, [2, 0, 1, 3, 1, 2]
+    p = torch.softmax(3 * torch.randn(sum(ks) + len(ks), vocab, generator=g), -1)
+    q = torch.softmax(3 * torch.randn(sum(ks), vocab, generator=g), -1)
+    # Half the drafts the argmax of the row that checks them (often kept), half anywhere.
+    rows = [sum(ks[:r]) + r + j for r, k in enumerate(ks) for j in range(k)]
+    likely = p[rows].argmax(-1)
+    anywhere = torch.randint(vocab, (sum(ks),), generator=g)
+    drafts = torch.where(torch.arange(sum(ks)) % 2 == 0, likely, anywhere)
+    draft_probs = q if drafter == "model" else None
+    trials = [torch.rand(len(p), generator=g, dtype=torch.float64) for _ in range(60)]
+    got = [emitted_tokens(p, drafts, draft_probs, ks, u, method) for u in trials]
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    want = [emitted_tokens(p, drafts, draft_probs, ks, u, method) for u in trials]
+    assert got == want
+    ends = {tuple(out[-1] for out in step) for step in got}
+    assert len(ends) > 50  # the draws moved the final tokens
+    kept = [len(out) - 1 for step in got for out in step]
+    assert 0 < sum(kept) < sum(ks) * len(trials)  # both kept and rejected drafts
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="Tandem's CPU kernels did not build")
+def test_the_final_token_kernel_falls_back_to_p_where_the_residual_is_empty():
+    """A rejected draft whose q covers w p everywhere leaves no residual mass: the token is
+    then drawn from p, as the tensor path's guard does."""
+    p = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    u = [0.05, 0.25, 0.55, 0.95]
+    for w in (1.0, 0.5):
+        got = [cpu_sampling.sample_final(p, [0], p.clone(), [0], [2], [w], [x])[0] for x in u]
+        assert got == [0, 1, 2, 3]  # p's own inverse CDF
+    # A one-hot q (model-free) at token 3 with w = 1: the residual is p without token 3.
+    got = [cpu_sampling.sample_final(p, [0], None, [0], [3], [1.0], [x])[0] for x in u]
+    assert got == [0, 1, 2, 2]  # mass 0.1, 0.2, 0.3 over 0.6: 0.95 * 0.6 = 0.57 -> token 2

@@ -8,6 +8,7 @@ import torch
 
 from engine.core.request import Request, SamplingParams
 from engine.cpu import kernels as cpu_kernels
+from engine.cpu import sampling as cpu_sampling
 from engine.sample.sampler import (
     RowSpec,
     couple_seeded_rows,
@@ -92,7 +93,7 @@ def test_the_cpu_kernel_samples_as_the_float64_cdf_does(vocab):
     probs = torch.stack([*rows, head, tail, single]).repeat(40, 1)
     uniform = torch.rand(probs.shape[0], generator=g, dtype=torch.float64)
     uniform[:6], uniform[6:12] = 0.0, 1 - 2**-53
-    got = cpu_kernels.sample_rows(probs, uniform)
+    got = cpu_sampling.sample_rows(probs, uniform)
     assert torch.equal(got, _cdf_sample(probs, uniform))
     assert bool((probs.gather(1, got[:, None]) > 0).all())
     assert torch.equal(sample_from(probs, uniform), got)  # the CPU path of sample_from
@@ -116,7 +117,7 @@ def test_sampling_from_logits_draws_as_the_softmax_then_the_cdf_does(vocab, monk
     uniform[:8], uniform[8:16] = 0.0, 1 - 2**-53
     scale = torch.tensor(temperatures)[:, None]
     expected = _cdf_sample(torch.softmax(logits / scale, dim=-1), uniform)
-    got = cpu_kernels.sample_logits(logits, [1 / t for t in temperatures], uniform)
+    got = cpu_sampling.sample_logits(logits, [1 / t for t in temperatures], uniform)
     assert torch.equal(got, expected)
     assert bool((logits.gather(1, got[:, None]) > float("-inf")).all())
     assert torch.equal(sample_logits(logits, temperatures, uniform), got)  # the CPU path
@@ -132,11 +133,11 @@ def test_a_row_without_finite_mass_gets_the_vocabulary_size_as_sample_rows_gives
     bad[2, 3] = float("inf")
     bad[3, 7] = 1.0  # a sound row among them
     uniform = torch.full((4,), 0.5, dtype=torch.float64)
-    got = cpu_kernels.sample_logits(bad, [1.0] * 4, uniform).tolist()
+    got = cpu_sampling.sample_logits(bad, [1.0] * 4, uniform).tolist()
     assert (
         got[:3]
         == [300] * 3
-        == cpu_kernels.sample_rows(torch.softmax(bad[:3], -1), uniform[:3]).tolist()
+        == cpu_sampling.sample_rows(torch.softmax(bad[:3], -1), uniform[:3]).tolist()
     )
     assert 0 <= got[3] < 300
 

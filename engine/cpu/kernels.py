@@ -1,8 +1,9 @@
 """Tandem's CPU kernels (engine/cpu/csrc): loaded once per process, called through ctypes.
 
 engine/cpu/build.py compiles the C sources for this machine (once, cached); this module
-loads the library, declares its functions and wraps each call. Without a C compiler the
-kernels are unavailable and the engine keeps torch's paths (`unavailable_reason()` says why).
+loads the library, declares its functions and wraps each call (the sampling kernels' wrappers
+are in engine/cpu/sampling.py). Without a C compiler the kernels are unavailable and the
+engine keeps torch's paths (`unavailable_reason()` says why).
 
 All of them are float32 only, and each call runs on torch's thread count (the library links
 the OpenMP runtime torch already loaded). ctypes releases the GIL for the call.
@@ -128,36 +129,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def sample_rows(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """probs [rows, vocab] float32 (non-negative mass), uniform [rows] float64 in [0, 1) ->
-    [rows] int64: per row, the first token whose cumulative mass exceeds u times the row's
-    total (csrc/sample.c; engine/sample/sampler.py `sample_from` says how it relates to the
-    torch path)."""
-    return _sample("tandem_sample_rows", probs, uniform)
-
-
-def sample_logits(
-    logits: torch.Tensor, inv_temperature: list[float], uniform: torch.Tensor
-) -> torch.Tensor:
-    """logits [rows, vocab] float32, inv_temperature per row (> 0), uniform [rows] in [0, 1) ->
-    [rows] int64: a token per row drawn from softmax(logits * inv_t) as `sample_rows` draws,
-    the softmax not written out (csrc/sample.c); vocab for a row without finite mass."""
-    inverse = (ctypes.c_float * len(inv_temperature))(*inv_temperature)  # no tensor: cheaper
-    return _sample("tandem_sample_logits", logits, uniform, ctypes.addressof(inverse))
-
-
-def _sample(name: str, rows_in: torch.Tensor, uniform: torch.Tensor, *per_row: int) -> torch.Tensor:
-    rows_in, uniform = rows_in.contiguous(), uniform.to(torch.float64).contiguous()
-    rows, vocab = rows_in.shape
-    out = torch.empty(rows, dtype=torch.int64)
-    if rows:
-        getattr(_require(), name)(
-            rows_in.data_ptr(), *per_row, uniform.data_ptr(), rows, vocab, out.data_ptr(),
-            torch.get_num_threads(),
-        )  # fmt: skip
-    return out
-
-
 def rotary_cache(
     qkv: torch.Tensor,  # [tokens, (heads + 2 kv_heads) * head_dim] float32, contiguous
     positions: torch.Tensor,  # [tokens] int64
@@ -259,10 +230,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         [ptr, i64, ptr, ptr] + [i64] * 6 + [ctypes.c_float] * 2 + [ptr, i32]
     )
     lib.tandem_layers.restype = i32
-    lib.tandem_sample_rows.argtypes = [ptr, ptr, i64, i64, ptr, i32]
-    lib.tandem_sample_rows.restype = None
-    lib.tandem_sample_logits.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i32]
-    lib.tandem_sample_logits.restype = None
     lib.tandem_isa.argtypes = []
     lib.tandem_isa.restype = ctypes.c_char_p
     for unit in ("amx", "vnni"):  # tandem_amx_active(), tandem_amx_enable(int), ...

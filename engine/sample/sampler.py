@@ -32,6 +32,7 @@ import torch
 from engine.core.outputs import TokenLogprob
 from engine.core.request import Request, SamplingParams
 from engine.cpu import kernels as cpu_kernels
+from engine.cpu import sampling as cpu_sampling
 
 
 @dataclass
@@ -266,7 +267,7 @@ def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     paths can pick neighbouring tokens for a u within a float64 rounding of a boundary; each
     path is the exact sampler of the distribution up to that rounding."""
     if probs.device.type == "cpu" and probs.dtype == torch.float32 and cpu_kernels.available():
-        return cpu_kernels.sample_rows(probs, uniform)
+        return cpu_sampling.sample_rows(probs, uniform)
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     total = cdf[:, -1:]
     point = uniform.to(torch.float64)[:, None] * total
@@ -293,7 +294,7 @@ def sample_logits(
     pass, each of which pays for cold caches after a forward (a 49K row: 81 against 152 us
     isolated, 2-core AMD EPYC, 2026-11-28)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.available():
-        return cpu_kernels.sample_logits(logits, [1.0 / t for t in temperatures], uniform)
+        return cpu_sampling.sample_logits(logits, [1.0 / t for t in temperatures], uniform)
     scale = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[:, None]
     return sample_from(torch.softmax(logits / scale, dim=-1), uniform)
 

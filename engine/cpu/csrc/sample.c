@@ -111,24 +111,46 @@ static float row_max(const float *x, int64_t n) { /* NaNs are passed over */
   return m;
 }
 
-static int64_t sample_logits_row(const float *x, int64_t vocab, float inv_t, double u,
-                                 double *sums) {
+/* A row's mass computed a block at a time: fill(ctx, at, n, out) writes the masses of tokens
+ * at..at + n - 1 (n <= SAMPLE_BLOCK). */
+typedef void (*fill_fn)(const void *ctx, int64_t at, int64_t n, float *out);
+
+/* sample_row for a row whose masses `fill` computes: float64 block sums, then the block the
+ * point falls in computed again (by the same function: the values the sums were made of) and
+ * scanned. `vocab` when the row has no mass (or a NaN). */
+static int64_t sample_filled(fill_fn fill, const void *ctx, int64_t vocab, double u,
+                             double *sums) {
   const int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
-  const float m = row_max(x, vocab);
   float w[SAMPLE_BLOCK];
   double total = 0;
   for (int64_t b = 0; b < blocks; b++) {
     const int64_t n = span(vocab, b * SAMPLE_BLOCK, SAMPLE_BLOCK);
-    block_weights(x + b * SAMPLE_BLOCK, n, m, inv_t, w);
+    fill(ctx, b * SAMPLE_BLOCK, n, w);
     sums[b] = block_mass(w, n);
     total += sums[b];
   }
-  if (!(total > 0)) return vocab; /* a NaN: see above */
+  if (!(total > 0)) return vocab;
   double point, run;
   const int64_t start = find_block(sums, blocks, total, u, &point, &run) * SAMPLE_BLOCK;
   const int64_t n = span(vocab, start, SAMPLE_BLOCK);
-  block_weights(x + start, n, m, inv_t, w);
+  fill(ctx, start, n, w);
   return start + scan_block(w, n, run, point);
+}
+
+struct softmax_row {
+  const float *x;
+  float m, inv_t;
+};
+
+static void fill_softmax(const void *ctx, int64_t at, int64_t n, float *out) {
+  const struct softmax_row *s = ctx;
+  block_weights(s->x + at, n, s->m, s->inv_t, out);
+}
+
+static int64_t sample_logits_row(const float *x, int64_t vocab, float inv_t, double u,
+                                 double *sums) {
+  const struct softmax_row row = {x, row_max(x, vocab), inv_t};
+  return sample_filled(fill_softmax, &row, vocab, u, sums); /* vocab for a NaN: see above */
 }
 
 /* out[r] = the token drawn from softmax(logits[r] * inv_temperature[r]) with uniform[r]. */
@@ -140,5 +162,62 @@ void tandem_sample_logits(const float *logits, const float *inv_temperature,
   for (int64_t r = 0; r < rows; r++) {
     double sums[blocks];
     out[r] = sample_logits_row(logits + r * vocab, vocab, inv_temperature[r], uniform[r], sums);
+  }
+}
+
+/* ---------------------------------------------------------------------------------------
+ * The token that ends a request's verified drafts (engine/sample/rejection_sampler.py): the
+ * bonus, drawn from the target's row p after its last kept draft, or the recovered token of a
+ * rejected draft, drawn from the residual max(0, w p - q) (q the distribution the draft came
+ * from, w the block weight: 1 for token verification), or from p itself where the residual
+ * has no mass. The residual's values are torch's: the product w p and the difference rounded
+ * to float32 each (not fused into one multiply-add). A model-free drafter has no q row: q is
+ * one-hot at the rejected draft token. */
+struct residual_row {
+  const float *p, *q; /* q NULL: one-hot at `token` */
+  float w;
+  int64_t token;
+};
+
+#if defined(__clang__)
+#define NO_CONTRACT
+#elif defined(__GNUC__)
+#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define NO_CONTRACT
+#endif
+
+NO_CONTRACT static void fill_residual(const void *ctx, int64_t at, int64_t n, float *out) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  const struct residual_row *r = ctx;
+  for (int64_t i = 0; i < n; i++) {
+    const float wp = r->w * r->p[at + i];
+    const float q = r->q ? r->q[at + i] : (at + i == r->token ? 1.0f : 0.0f);
+    const float d = wp - q;
+    out[i] = d > 0 ? d : 0.0f;
+  }
+}
+
+/* For each of n requests: p is row rows[i] of probs [*, vocab]; q_rows[i] < 0 asks for the
+ * bonus (a token from p), else the residual of q row q_rows[i] (of q [*, vocab], or NULL for
+ * one-hot at tokens[i]) with weight w[i]; uniform[i] is the draw. out[i] = the token (vocab
+ * for a row without mass, as sample_rows answers). */
+void tandem_sample_final(const float *probs, const int64_t *rows, const float *q,
+                         const int64_t *q_rows, const int64_t *tokens, const float *w,
+                         const double *uniform, int64_t n, int64_t vocab, int64_t *out,
+                         int nthreads) {
+  const int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && n >= 4)
+  for (int64_t i = 0; i < n; i++) {
+    double sums[blocks];
+    const float *p = probs + rows[i] * vocab;
+    int64_t token = vocab;
+    if (q_rows[i] >= 0) {
+      const struct residual_row r = {p, q ? q + q_rows[i] * vocab : 0, w[i], tokens[i]};
+      token = sample_filled(fill_residual, &r, vocab, uniform[i], sums);
+    }
+    out[i] = token < vocab ? token : sample_row(p, vocab, uniform[i], sums);
   }
 }
