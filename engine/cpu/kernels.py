@@ -64,14 +64,14 @@ def set_amx(enabled: bool) -> bool:
     """Let the GGUF linears use AMX tiles (where the CPU and the OS allow it) or keep them
     on the vector kernel; returns whether they now use the tiles. `TANDEM_AMX=0` in the
     environment sets the default to off."""
-    return bool(_require().tandem_amx_enable(int(enabled)))
+    return bool(require().tandem_amx_enable(int(enabled)))
 
 
 def set_vnni(enabled: bool) -> bool:
     """Let the GGUF linears' vector kernel use VNNI dot products (where the CPU has them) or
     keep it on float32 multiply-adds; returns whether it now uses them. `TANDEM_VNNI=0` in
     the environment sets the default to off."""
-    return bool(_require().tandem_vnni_enable(int(enabled)))
+    return bool(require().tandem_vnni_enable(int(enabled)))
 
 
 _KERNELS = {
@@ -90,7 +90,7 @@ def linear(
     residual: torch.Tensor | None = None,  # [rows, out] float32, contiguous: added, in place
     quant: str | None = None,  # the GGUF type of quantized panels
 ) -> torch.Tensor:  # [rows, out]: x @ weight.T + bias (+ residual, which is then returned)
-    lib = _require()
+    lib = require()
     x = x.contiguous()
     rows, in_features = x.shape
     out = residual if residual is not None else torch.empty(rows, out_features)
@@ -114,7 +114,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [rows, dim] float32 -> RMSNorm(x) * weight, a new tensor."""
     x = x.contiguous()
     out = torch.empty_like(x)
-    _require().tandem_rms_norm(
+    require().tandem_rms_norm(
         x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps
     )
     return out
@@ -125,7 +125,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter)
-    _require().tandem_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter)
+    require().tandem_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter)
     return out
 
 
@@ -144,7 +144,7 @@ def rotary_cache(
     kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     tokens = qkv.shape[0]
     q = torch.empty(tokens, heads, head_dim)
-    _require().tandem_rotary_cache(
+    require().tandem_rotary_cache(
         qkv.data_ptr(), positions.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         tokens, heads, kv_heads, head_dim, q.data_ptr(), key_cache.data_ptr(),
         value_cache.data_ptr(), kv_type(key_cache.dtype),
@@ -168,7 +168,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def attention_supports(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
     """Whether `paged_attention` takes these shapes (head_dim 32/64/128, blocks <= 256)."""
-    return bool(_require().tandem_attention_supports(heads, kv_heads, head_dim, block_size))
+    return bool(require().tandem_attention_supports(heads, kv_heads, head_dim, block_size))
 
 
 def paged_attention(
@@ -184,7 +184,7 @@ def paged_attention(
     tree: torch.Tensor | None = None,  # [tokens] int64 draft-tree bits (0 = causal) or None
     tree_base: torch.Tensor | None = None,  # [num_seqs] int64 slot of bit 0, with tree
 ) -> None:
-    lib = _require()
+    lib = require()
     _, block_size, kv_heads, head_dim = key_cache.shape
     status = lib.tandem_paged_attention(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
@@ -199,7 +199,7 @@ def paged_attention(
         )
 
 
-def _require() -> ctypes.CDLL:
+def require() -> ctypes.CDLL:
     lib = load()
     if lib is None:
         raise RuntimeError(f"Tandem's CPU kernels are unavailable: {unavailable_reason()}")
@@ -230,6 +230,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         [ptr, i64, ptr, ptr] + [i64] * 6 + [ctypes.c_float] * 2 + [ptr, i32]
     )
     lib.tandem_layers.restype = i32
+    lib.tandem_sample_rows.argtypes = [ptr, ptr, i64, i64, ptr, i32]
+    lib.tandem_sample_logits.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i32]
+    lib.tandem_sample_final.argtypes = [ptr] * 7 + [i64, i64, ptr, i32]
+    for sample in (lib.tandem_sample_rows, lib.tandem_sample_logits, lib.tandem_sample_final):
+        sample.restype = None  # wrapped in engine/cpu/sampling.py
     lib.tandem_isa.argtypes = []
     lib.tandem_isa.restype = ctypes.c_char_p
     for unit in ("amx", "vnni"):  # tandem_amx_active(), tandem_amx_enable(int), ...
@@ -305,7 +310,7 @@ def layers(
     heads, kv_heads, head_dim, inter = shape
     tokens, dim = hidden.shape
     scratch = torch.empty(tokens * (dim + (3 * heads + 2 * kv_heads) * head_dim + 3 * inter))
-    status = _require().tandem_layers(
+    status = require().tandem_layers(
         ctypes.addressof(stack), len(stack), ctypes.addressof(batch), hidden.data_ptr(),
         tokens, dim, heads, kv_heads, head_dim, inter, eps, scale, scratch.data_ptr(),
         torch.get_num_threads(),

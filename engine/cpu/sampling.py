@@ -5,27 +5,10 @@ that relates to torch's path is in engine/sample/sampler.py `sample_from`."""
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from engine.cpu import kernels as cpu_kernels
-
-
-@functools.cache
-def _lib() -> ctypes.CDLL:
-    lib = cpu_kernels.load()
-    if lib is None:
-        raise RuntimeError(
-            f"Tandem's CPU kernels are unavailable: {cpu_kernels.unavailable_reason()}"
-        )
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.tandem_sample_rows.argtypes = [ptr, ptr, i64, i64, ptr, i32]
-    lib.tandem_sample_logits.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i32]
-    lib.tandem_sample_final.argtypes = [ptr] * 7 + [i64, i64, ptr, i32]
-    for fn in (lib.tandem_sample_rows, lib.tandem_sample_logits, lib.tandem_sample_final):
-        fn.restype = None
-    return lib
 
 
 def sample_rows(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -50,7 +33,7 @@ def _sample(name: str, rows_in: torch.Tensor, uniform: torch.Tensor, *per_row: i
     rows, vocab = rows_in.shape
     out = torch.empty(rows, dtype=torch.int64)
     if rows:
-        getattr(_lib(), name)(
+        getattr(cpu_kernels.require(), name)(
             rows_in.data_ptr(), *per_row, uniform.data_ptr(), rows, vocab, out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
@@ -75,7 +58,7 @@ def sample_final(
     w, u = (ctypes.c_float * n)(*weights), (ctypes.c_double * n)(*uniform)
     out = (ctypes.c_int64 * n)()
     q = draft_probs.data_ptr() if draft_probs is not None else None
-    _lib().tandem_sample_final(
+    cpu_kernels.require().tandem_sample_final(
         probs.data_ptr(), arrays[0], q, arrays[1], arrays[2], w, u, n, vocab, out,
         torch.get_num_threads(),
     )  # fmt: skip
