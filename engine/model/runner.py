@@ -27,6 +27,7 @@ from engine.model.files import gguf_source
 from engine.model.head import OUTSIDE_HEAD, restrict_head
 from engine.model.inputs import SeqInput
 from engine.model.native import MODEL_IMPLS, NativeForward, build_native
+from engine.model.native.lists import forward_lists
 from engine.model.probe import NATIVE_TOLERANCE, native_error
 from engine.model.quantization import round_weights
 
@@ -119,6 +120,9 @@ class ModelRunner:
         every fed token's row (a fixed-shape step only runs when every row is a logit row)."""
         self.last_hidden: torch.Tensor | None = None
         """The native forward's body output (before the final norm) of the last pass."""
+        self.lists_path = True
+        """Whether batches the C layer stack takes whole skip the AttentionMetadata
+        (engine/model/native/lists.py); off only to compare the two paths."""
 
     def _quantize(self, method: str) -> str:
         """Round the weights to `method` (engine/model/quantization.py); what is then served."""
@@ -309,6 +313,9 @@ class ModelRunner:
             batch = (context_lens, tables, logit_index, query_lens, trees)
             hidden = self.last_hidden = graphs.run(token_ids, positions, *batch)
             logits = self._graph_head(hidden).float()  # [num_logits, head]
+            return self.widen(logits) if widen else logits
+        args = (token_ids, positions, query_lens, context_lens, tables, logit_index, trees)
+        if (logits := forward_lists(self, *args)) is not None:  # the C stack takes it whole
             return self.widen(logits) if widen else logits
         metadata = attention.build_metadata(
             self.kv_caches,

@@ -274,7 +274,7 @@ class LlamaForward(nn.Module):
     ) -> torch.Tensor:
         """`forward` on the C kernels as one call (cpu_kernels.layers): the steps of
         `_Layer.forward_cpu`, same kernels in the same order, without Python between them."""
-        seqs, first = metadata.kernel_seqs, self.layers[0]
+        seqs = metadata.kernel_seqs
         key_cache = metadata.kv_caches[0][0]
         batch = cpu_kernels.Batch(
             positions.data_ptr(), metadata.slot_mapping.data_ptr(),
@@ -286,10 +286,20 @@ class LlamaForward(nn.Module):
             None if seqs.tree_base is None else seqs.tree_base.data_ptr(),
             cpu_kernels.kv_type(key_cache.dtype),
         )  # fmt: skip
-        hidden = hidden.contiguous()
+        return self.run_stack(hidden.contiguous(), batch, metadata.kv_caches)
+
+    def run_stack(
+        self,
+        hidden: torch.Tensor,  # [tokens, hidden] float32, contiguous: updated in place
+        batch: cpu_kernels.Batch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Every layer over `hidden` in one C call (cpu_kernels.layers), for `batch`'s layout
+        (from the metadata here, or from the runner's lists: engine/model/native/lists.py)."""
+        first = self.layers[0]
         shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.intermediate)
         eps = first.input_norm.variance_epsilon
-        stack = self._layer_stack(metadata.kv_caches)
+        stack = self._layer_stack(kv_caches)
         cpu_kernels.layers(stack, batch, hidden, shape, eps, first.scaling)
         return hidden
 
