@@ -226,8 +226,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         + [ctypes.c_float, i32, i32]
     )
     lib.tandem_paged_attention.restype = i32
+    head = [ptr, ptr, ctypes.c_float, i64, ptr]  # with the final norm: tandem_layers' tail
     lib.tandem_layers.argtypes = (
-        [ptr, i64, ptr, ptr] + [i64] * 6 + [ctypes.c_float] * 2 + [ptr, i32]
+        [ptr, i64, ptr, ptr] + [i64] * 6 + [ctypes.c_float] * 2 + [ptr, i32] + head
     )
     lib.tandem_layers.restype = i32
     lib.tandem_sample_rows.argtypes = [ptr, ptr, i64, i64, ptr, i32]
@@ -304,19 +305,28 @@ def layers(
     shape: tuple[int, int, int, int],  # heads, kv_heads, head_dim, intermediate size
     eps: float,
     scale: float,
-) -> None:
+    head: tuple[Weight, torch.Tensor, float, int] | None = None,
+) -> torch.Tensor | None:
     """Every layer of a Llama-family model over `hidden` in one call (tandem_layers): the
-    per-step kernels in the order engine/model/native/llama.py calls them, so the same numbers."""
+    per-step kernels in the order engine/model/native/llama.py calls them, so the same numbers.
+    With `head` (the LM head's Weight, kept alive by the caller, the final norm's weight, its
+    epsilon, the head's width) the final norm and the head follow in the same call, on every
+    row: their logits [tokens, width] are returned, `hidden` keeps the body's output."""
     heads, kv_heads, head_dim, inter = shape
     tokens, dim = hidden.shape
     scratch = torch.empty(tokens * (dim + (3 * heads + 2 * kv_heads) * head_dim + 3 * inter))
+    logits, tail = None, (None, None, 0.0, 0, None)
+    if head is not None:
+        logits = torch.empty(tokens, head[3])
+        tail = (ctypes.addressof(head[0]), head[1].data_ptr(), head[2], head[3], logits.data_ptr())
     status = require().tandem_layers(
         ctypes.addressof(stack), len(stack), ctypes.addressof(batch), hidden.data_ptr(),
         tokens, dim, heads, kv_heads, head_dim, inter, eps, scale, scratch.data_ptr(),
-        torch.get_num_threads(),
+        torch.get_num_threads(), *tail,
     )  # fmt: skip
     if status != 0:
         raise ValueError(
             f"the CPU attention kernel does not take heads={heads}, kv_heads={kv_heads}, "
             f"head_dim={head_dim}, block_size={batch.block_size}"
         )
+    return logits

@@ -147,13 +147,16 @@ static void linear_any(const tandem_weight *w, const float *x, const float *resi
 }
 
 /* hidden[tokens, dim] through num_layers layers, in place. scratch holds tokens x (dim +
- * (heads + 2 kv_heads) head_dim + 2 heads head_dim + 3 inter) floats. Returns 0, or -1 when
+ * (heads + 2 kv_heads) head_dim + 2 heads head_dim + 3 inter) floats. With `head` (else
+ * NULL), the final norm (its weight final_norm, epsilon final_eps) and the LM head follow over
+ * every row: logits[tokens, head_out], hidden left as the body's output. Returns 0, or -1 when
  * the attention kernel refuses the shapes or the caches' kv_type (checked before anything is
  * written). */
 int tandem_layers(const tandem_layer *layers, int64_t num_layers, const tandem_batch *batch,
                   float *hidden, int64_t tokens, int64_t dim, int64_t heads, int64_t kv_heads,
                   int64_t head_dim, int64_t inter, float eps, float scale, float *scratch,
-                  int nthreads) {
+                  int nthreads, const tandem_weight *head, const float *final_norm,
+                  float final_eps, int64_t head_out, float *logits) {
   if (!tandem_attention_supports(heads, kv_heads, head_dim, batch->block_size)) return -1;
   if (batch->kv_type < KV_F32 || batch->kv_type > KV_BF16) return -1;
   const int64_t qkv_width = (heads + 2 * kv_heads) * head_dim, q_width = heads * head_dim;
@@ -176,6 +179,10 @@ int tandem_layers(const tandem_layer *layers, int64_t num_layers, const tandem_b
     linear_any(&layer->gate_up, x, 0, gate_up, tokens, 2 * inter, dim, nthreads);
     tandem_silu_mul(gate_up, act, tokens, inter);
     linear_any(&layer->down, act, hidden, hidden, tokens, dim, inter, nthreads);
+  }
+  if (head) {
+    tandem_rms_norm(hidden, final_norm, x, tokens, dim, final_eps);
+    linear_any(head, x, 0, logits, tokens, head_out, dim, nthreads);
   }
   return 0;
 }

@@ -7,8 +7,10 @@ embedding operator on an id tensor. When every request is one the C attention ke
 one C call (`LlamaForward.run_stack`), none of that is needed: here the batch's integers
 (positions, cache slots, query starts and lengths, context lengths, block tables) go into one
 numpy array that the C batch points into, and a plain embedding's rows are copied by numpy
-indexing (an input layer of another kind runs as a module). The kernels and their inputs are
-the same, so the numbers are the same bits (tests/test_native_models.py compares the paths).
+indexing (an input layer of another kind runs as a module). When every row is a logit row (a
+decode, a verification), the final norm and the LM head run in the same C call. The kernels
+and their inputs are the same, so the numbers are the same bits (tests/test_native_models.py
+compares the paths).
 
 Why: right after a pass has streamed the weights through the caches, the host code before the
 next pass costs by the operations it runs, each one's code and data coming from memory again.
@@ -83,6 +85,8 @@ def forward_lists(
         hidden = torch.from_numpy(embed.weight.detach().numpy()[token_ids])
     else:  # an input layer of its own (a feature draft's: engine/spec/proposers/eagle.py)
         hidden = embed(torch.tensor(token_ids)).contiguous()
-    hidden = runner.last_hidden = native.run_stack(hidden, batch, runner.kv_caches)
-    picked = hidden if len(logit_index) == n else hidden[logit_index]
-    return native.logits(picked).float()
+    runner.last_hidden = hidden
+    if len(logit_index) == n:  # every row's logits: the final norm and the head in the call
+        return native.run_stack(hidden, batch, runner.kv_caches, with_logits=True)
+    native.run_stack(hidden, batch, runner.kv_caches)
+    return native.logits(hidden[logit_index]).float()

@@ -212,8 +212,8 @@ class LlamaForward(nn.Module):
         self.cpu_kernels = False
         self.triton_ops = False
         self.one_call = False
-        self._stack: tuple[tuple, ctypes.Array] | None = None
-        """(key, cpu_kernels.Layer array) for `cpu_kernels.layers`; see `_layer_stack`."""
+        self._stack: tuple[tuple, ctypes.Array, cpu_kernels.Weight] | None = None
+        """(key, the layers, the LM head) for `cpu_kernels.layers`; see `_layer_stack`."""
 
     def use_cpu_kernels(self) -> bool:
         """Pack the linears and run each layer through `_Layer.forward_cpu` (float32 on the
@@ -286,22 +286,29 @@ class LlamaForward(nn.Module):
             None if seqs.tree_base is None else seqs.tree_base.data_ptr(),
             cpu_kernels.kv_type(key_cache.dtype),
         )  # fmt: skip
-        return self.run_stack(hidden.contiguous(), batch, metadata.kv_caches)
+        self.run_stack(hidden := hidden.contiguous(), batch, metadata.kv_caches)
+        return hidden
 
     def run_stack(
         self,
         hidden: torch.Tensor,  # [tokens, hidden] float32, contiguous: updated in place
         batch: cpu_kernels.Batch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
+        with_logits: bool = False,
+    ) -> torch.Tensor | None:
         """Every layer over `hidden` in one C call (cpu_kernels.layers), for `batch`'s layout
-        (from the metadata here, or from the runner's lists: engine/model/native/lists.py)."""
+        (from the metadata here, or from the runner's lists: engine/model/native/lists.py).
+        `with_logits`: the final norm and the LM head follow in the same call, and every
+        row's logits are returned (what `logits(hidden)` gives); else None."""
         first = self.layers[0]
         shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.intermediate)
         eps = first.input_norm.variance_epsilon
         stack = self._layer_stack(kv_caches)
-        cpu_kernels.layers(stack, batch, hidden, shape, eps, first.scaling)
-        return hidden
+        head = None
+        if with_logits:
+            width = self.lm_head.out_features
+            head = (self._stack[2], self.norm.weight, self.norm.variance_epsilon, width)
+        return cpu_kernels.layers(stack, batch, hidden, shape, eps, first.scaling, head)
 
     def _layer_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array:
         """The layers' weights and caches as `cpu_kernels.Layer`s, rebuilt when the caches or
@@ -324,7 +331,8 @@ class LlamaForward(nn.Module):
                 entry.input_norm = layer.input_norm.weight.data_ptr()
                 entry.post_norm = layer.post_norm.weight.data_ptr()
                 entry.key_cache, entry.value_cache = key_cache.data_ptr(), value_cache.data_ptr()
-            self._stack = (key, stack)
+            lm: PackedLinear = self.lm_head
+            self._stack = (key, stack, cpu_kernels.weight(lm.panels, lm.packed_bias, lm.quant))
         return self._stack[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
