@@ -15,10 +15,9 @@ compares the paths).
 Why: right after a pass has streamed the weights through the caches, the host code before the
 next pass costs by the operations it runs, each one's code and data coming from memory again.
 On the default pair at concurrency 1 (2-core AMD EPYC, 2026-11-28; passes over 150 cached
-tokens, the two paths alternating pass by pass, 1,480 each, timed around the C calls), the
-runner's time outside them fell from 0.71 to 0.56 ms a one-token target pass (medians), 0.78
-to 0.62 ms a two-token one, and 0.33 to 0.22 ms a draft pass, whose whole pass went from 0.89
-to 0.78 ms.
+tokens, the two paths alternating pass by pass, 1,480 each, medians of two runs), a one-token
+target pass took 7.29-7.43 ms against 7.58-7.91 on the metadata path, and a draft pass
+0.73-0.78 ms against 0.87-0.92 (docs/BENCHMARKS.md, "A c=1 step's host code").
 """
 
 from __future__ import annotations
