@@ -38,6 +38,16 @@ def supports(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> st
     return None
 
 
+def kernel_tables(
+    block_tables: list[list[int]], context_lens: list[int], block_size: int
+) -> list[list[int]]:
+    """The kernel's block tables: each request's blocks that hold its context, padded with 0
+    to the longest."""
+    used = [t[: -(-ctx // block_size)] for t, ctx in zip(block_tables, context_lens, strict=True)]
+    width = max(len(blocks) for blocks in used)
+    return [blocks + [0] * (width - len(blocks)) for blocks in used]
+
+
 class CpuBackend:
     """Short queries through the C kernel, long ones through the reference SDPA path."""
 
@@ -57,12 +67,14 @@ class CpuBackend:
             metadata.groups = build_groups(layout, device, long)
         if not short:
             return
-        bs = layout.block_size
         trees = tree_bits(layout)
-        used = [layout.block_tables[i][: -(-layout.context_lens[i] // bs)] for i in short]
-        width = max(len(blocks) for blocks in used)
+        tables = kernel_tables(
+            [layout.block_tables[i] for i in short],
+            [layout.context_lens[i] for i in short],
+            layout.block_size,
+        )
         metadata.kernel_seqs = KernelSeqs(
-            tables=torch.tensor([b + [0] * (width - len(b)) for b in used], dtype=torch.int64),
+            tables=torch.tensor(tables, dtype=torch.int64),
             q_starts=torch.tensor([layout.query_starts[i] for i in short], dtype=torch.int64),
             q_lens=torch.tensor([layout.query_lens[i] for i in short], dtype=torch.int64),
             ctx_lens=torch.tensor([layout.context_lens[i] for i in short], dtype=torch.int64),

@@ -155,10 +155,7 @@ def build_metadata(
     The new tokens of request i fill cache slots [context_lens[i] - query_lens[i],
     context_lens[i]) of its table. trees: as `BatchLayout.trees`.
     """
-    slots = []
-    for q_len, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
-        for pos in range(ctx - q_len, ctx):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    slots = cache_slots(query_lens, context_lens, block_tables, block_size)
     starts = [0]
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)
@@ -182,6 +179,18 @@ def build_metadata(
     layout = BatchLayout(block_size, query_lens, context_lens, block_tables, starts, trees)
     metadata.backend.prepare(metadata, layout, device)
     return metadata
+
+
+def cache_slots(
+    query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> list[int]:
+    """The flat cache slot of every new token, request by request: request i's fill positions
+    context_lens[i] - query_lens[i] .. context_lens[i] - 1 of its block table."""
+    return [
+        table[pos // block_size] * block_size + pos % block_size
+        for q_len, ctx, table in zip(query_lens, context_lens, block_tables, strict=True)
+        for pos in range(ctx - q_len, ctx)
+    ]
 
 
 def tree_bits(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor] | None:

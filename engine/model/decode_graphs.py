@@ -31,7 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.paged import AttentionBackend, AttentionMetadata, Tree, tree_lists
+from engine.attention.paged import (
+    AttentionBackend,
+    AttentionMetadata,
+    Tree,
+    cache_slots,
+    tree_lists,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -214,11 +220,7 @@ class DecodeGraphs:
         real = len(token_ids)
         pad = bucket * static.query_len - real
         bs = self.block_size
-        slots = [
-            table[pos // bs] * bs + pos % bs
-            for ctx, table, q in zip(context_lens, block_tables, query_lens, strict=True)
-            for pos in range(ctx - q, ctx)
-        ]
+        slots = cache_slots(query_lens, context_lens, block_tables, bs)
         starts = [0, *itertools.accumulate(query_lens)]
         scratch = self.scratch_block * bs
         used = max(-(-ctx // bs) for ctx in context_lens)

@@ -22,13 +22,15 @@ target pass took 7.29-7.43 ms against 7.58-7.91 on the metadata path, and a draf
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.attention.backends import BACKENDS
-from engine.attention.cpu import MAX_KERNEL_QUERY
+from engine.attention.cpu import MAX_KERNEL_QUERY, kernel_tables
+from engine.attention.paged import cache_slots
 from engine.cpu import kernels as cpu_kernels
 
 if TYPE_CHECKING:
@@ -59,17 +61,11 @@ def forward_lists(
         return None
     key_cache = runner.kv_caches[0][0]
     bs = key_cache.shape[1]
-    slots = [
-        table[pos // bs] * bs + pos % bs
-        for q, ctx, table in zip(query_lens, context_lens, tables, strict=True)
-        for pos in range(ctx - q, ctx)
-    ]
-    used = [-(-ctx // bs) for ctx in context_lens]
-    width, n, seqs = max(used), len(token_ids), len(query_lens)
-    starts = [0] * seqs
-    for i in range(1, seqs):
-        starts[i] = starts[i - 1] + query_lens[i - 1]
-    padded = [x for t, u in zip(tables, used, strict=True) for x in t[:u] + [0] * (width - u)]
+    slots = cache_slots(query_lens, context_lens, tables, bs)
+    rows = kernel_tables(tables, context_lens, bs)
+    width, n, seqs = len(rows[0]), len(token_ids), len(query_lens)
+    starts = list(accumulate(query_lens[:-1], initial=0))
+    padded = [block for row in rows for block in row]
     # positions [n], slots [n], per request its start, length and context, then the tables
     ints = np.array(positions + slots + starts + query_lens + context_lens + padded, np.int64)
     at = ints.ctypes.data

@@ -209,9 +209,7 @@ class LlamaForward(nn.Module):
         scaling = rope.attention_scaling
         self.register_buffer("cos", (emb.cos() * scaling).to(device, dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(device, dtype), persistent=False)
-        self.cpu_kernels = False
-        self.triton_ops = False
-        self.one_call = False
+        self.cpu_kernels = self.triton_ops = self.one_call = False
         self._stack: tuple[tuple, ctypes.Array, cpu_kernels.Weight] | None = None
         """(key, the layers, the LM head) for `cpu_kernels.layers`; see `_layer_stack`."""
 
@@ -303,18 +301,19 @@ class LlamaForward(nn.Module):
         first = self.layers[0]
         shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.intermediate)
         eps = first.input_norm.variance_epsilon
-        stack = self._layer_stack(kv_caches)
+        stack, lm_head = self._layer_stack(kv_caches)
         head = None
         if with_logits:
             width = self.lm_head.out_features
-            head = (self._stack[2], self.norm.weight, self.norm.variance_epsilon, width)
+            head = (lm_head, self.norm.weight, self.norm.variance_epsilon, width)
         return cpu_kernels.layers(stack, batch, hidden, shape, eps, first.scaling, head)
 
-    def _layer_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array:
-        """The layers' weights and caches as `cpu_kernels.Layer`s, rebuilt when the caches or
-        any packed panels changed. The key: PackedLinear.changes, and the caches' list (a
-        runner makes a new one whenever it allocates them) by identity, length and its first
-        and last tensors' addresses (all ~60 addresses cost ~30 us a pass to read)."""
+    def _layer_stack(self, kv_caches: list) -> tuple[ctypes.Array, cpu_kernels.Weight]:
+        """The layers' weights and caches as `cpu_kernels.Layer`s, and the LM head's `Weight`,
+        rebuilt when the caches or any packed panels changed. The key: PackedLinear.changes,
+        and the caches' list (a runner makes a new one whenever it allocates them) by
+        identity, length and its first and last tensors' addresses (all ~60 addresses cost
+        ~30 us a pass to read)."""
         ends = (kv_caches[0][0].data_ptr(), kv_caches[-1][-1].data_ptr())
         key = (PackedLinear.changes, id(kv_caches), len(kv_caches), ends)
         if self._stack is None or self._stack[0] != key:
@@ -333,7 +332,7 @@ class LlamaForward(nn.Module):
                 entry.key_cache, entry.value_cache = key_cache.data_ptr(), value_cache.data_ptr()
             lm: PackedLinear = self.lm_head
             self._stack = (key, stack, cpu_kernels.weight(lm.panels, lm.packed_bias, lm.quant))
-        return self._stack[1]
+        return self._stack[1], self._stack[2]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] body output -> [rows, vocab]; rows are normalised independently, so
