@@ -82,6 +82,13 @@ CONFIGS = {
     "adaptive": SpecConfig(
         method="draft", draft_model=DRAFT, max_draft_tokens=4, draft_length="adaptive"
     ),
+    "adaptive+lookup": SpecConfig(
+        method="draft",
+        draft_model=DRAFT,
+        max_draft_tokens=4,
+        draft_length="adaptive",
+        ngram_assist=3,
+    ),
     "ngram": SpecConfig(method="ngram", max_draft_tokens=4, draft_length="adaptive"),
 }
 
@@ -227,6 +234,7 @@ def speed(
     )
     share = s.draft_seconds / max(s.step_seconds, 1e-9)
     per_pass = (s.spec_accepted_tokens + s.spec_verify_passes) / max(s.spec_verify_passes, 1)
+    lookup = spec.ngram_assist > 0
     label = f"{name} {verification}" if name != "off" else name
     if name != "off" and spec.draft_branches != 1:
         label += f" x{spec.draft_branches or 'auto'}"
@@ -234,7 +242,8 @@ def speed(
     print(
         f"{label:>15}  c={concurrency} T={temperature}: {tokens / seconds:6.1f} tok/s  "
         f"accepted by position: {accepted or '-'}  tokens per verifying pass {per_pass:.2f}  "
-        f"draft {100 * share:.0f}% of engine time, {s.spec_tree_steps} tree steps",
+        f"draft {100 * share:.0f}% of engine time, {s.spec_tree_steps} tree steps"
+        + (f", lookup kept {s.spec_lookup_accepted} of {s.spec_lookup_drafted}" if lookup else ""),
         flush=True,
     )
     if concurrency == 1:  # one request: a step's mean K is its K
@@ -299,6 +308,8 @@ def _since(after: EngineStats, before: EngineStats) -> EngineStats:
         spec_accepted_tokens=after.spec_accepted_tokens - before.spec_accepted_tokens,
         spec_verify_passes=after.spec_verify_passes - before.spec_verify_passes,
         spec_tree_steps=after.spec_tree_steps - before.spec_tree_steps,
+        spec_lookup_drafted=after.spec_lookup_drafted - before.spec_lookup_drafted,
+        spec_lookup_accepted=after.spec_lookup_accepted - before.spec_lookup_accepted,
         draft_seconds=after.draft_seconds - before.draft_seconds,
         step_seconds=after.step_seconds - before.step_seconds,
     )

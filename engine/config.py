@@ -165,6 +165,10 @@ class SpecConfig:
     """Longest suffix n-gram the prompt-lookup proposer matches."""
     ngram_min: int = 1
     """Shortest suffix n-gram it falls back to."""
+    ngram_assist: int = 0
+    """With a draft model: a decoding request whose last `ngram_assist` tokens (or more, up to
+    ngram_max) occurred earlier in its context may verify what followed them (prompt lookup)
+    in place of the draft model's drafts (engine/core/scheduler.py); 0 = never."""
     recalibrate: bool = False
     """Time the cost model afresh at start instead of reusing this machine's cached one."""
     draft_branches: int | None = 1
@@ -204,6 +208,10 @@ class SpecConfig:
         _check(
             self.method != "draft" or bool(self.draft_model),
             "--speculative-method draft needs --draft-model (or use ngram / off)",
+        )
+        _check(
+            0 <= self.ngram_assist <= 16,
+            f"ngram_assist must be between 0 and 16 (got {self.ngram_assist})",
         )
         _check(
             1 <= self.ngram_min <= self.ngram_max,

@@ -88,6 +88,16 @@ class EngineCollector(Collector):
             "part", step_split(stats),
         )  # fmt: skip
         yield _counter(
+            "spec_lookup_drafted_tokens",
+            "Drafts a prompt lookup gave in place of the draft model's (speculative.ngram_assist).",
+            stats.spec_lookup_drafted,
+        )
+        yield _counter(
+            "spec_lookup_accepted_tokens",
+            "Prompt-lookup drafts (speculative.ngram_assist) the target kept.",
+            stats.spec_lookup_accepted,
+        )
+        yield _counter(
             "grammar_forced_drafted_tokens",
             "Drafts a structured-output grammar forced (not the proposer's).",
             stats.grammar_forced_drafted,

@@ -251,6 +251,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("speculative.ngram_max", None, int, "longest n-gram prompt lookup matches"),
     Option("speculative.ngram_min", None, int, "shortest n-gram prompt lookup falls back to"),
+    Option("speculative.ngram_assist", None, int, "lookup drafts for suffixes of N+, 0=off"),
     Option(
         "cache.block_size", "--block-size", int, "tokens per KV cache block (1..256)", metavar="N"
     ),

@@ -133,6 +133,8 @@ def test_greedy_chat_equals_hf_generate(model_dir, reference, spec):
         assert stats.spec_drafted_tokens > 0
         if "speculative.draft_model" in spec:  # a trained draft: most first drafts are kept
             assert stats.spec_accepted_by_position[0] > 0.4 * stats.spec_drafted_by_position[0]
+        if not spec:  # and prompt lookups in place of some (speculative.ngram_assist)
+            assert 0 < stats.spec_lookup_accepted <= stats.spec_lookup_drafted
 
 
 def test_a_q4_0_file_runs_on_its_own_blocks_and_equals_hf_generate(tmp_path):

@@ -39,6 +39,12 @@ class PerRequestK:
     ) -> None:
         pass
 
+    def lookup_length(self, request: Request, k: int, found: int, batch: int) -> int:
+        return min(k, found)
+
+    def observe_lookup(self, num_drafted: int, num_accepted: int) -> None:
+        pass
+
 
 def _run_with_ks(engine, prompts, max_tokens=MAX_TOKENS, params=None):
     ids = [f"s{i}" for i in range(len(prompts))]
@@ -267,6 +273,7 @@ def _sample_continuations(
     seeded: bool = False,
     branches: int = 1,
     tree_drafts: str = "sampled",
+    ngram_assist: int = 0,
 ):
     """n sampled continuations of PROMPT, drafts from `draft`: (counts, stats, n). With
     `seeded`, request i brings seed i (the coupled sampler: a different path to the target)."""
@@ -278,6 +285,7 @@ def _sample_continuations(
         verification=verification,
         draft_branches=branches,
         tree_drafts=tree_drafts,
+        ngram_assist=ngram_assist,
     )
     engine = make_engine(
         target,

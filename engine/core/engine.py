@@ -36,6 +36,7 @@ from engine.spec.cost_model import CostModel, PassShape
 from engine.spec.draft_length import policy_for
 from engine.spec.proposers import build_proposer
 from engine.spec.proposers.base import DraftBatch, with_forced_drafts
+from engine.spec.proposers.ngram import assist_lookup
 from engine.spec.speed_of_light import SpeedOfLight
 from engine.spec.verifier import Verifier
 
@@ -117,6 +118,7 @@ class LLMEngine:
             self.max_model_len,
             self.policy,
             has_draft_model=self.proposer is not None and self.proposer.keeps_kv,
+            lookup=assist_lookup(config.spec, self.proposer),
         )
         self.verifier = Verifier(
             self.vocab_size,
@@ -231,6 +233,8 @@ class LLMEngine:
         s.spec_tree_steps = self.scheduler.num_tree_steps
         s.grammar_forced_drafted = self.scheduler.num_forced_drafted
         s.grammar_forced_accepted = self.scheduler.num_forced_accepted
+        s.spec_lookup_drafted = self.scheduler.num_lookup_drafted
+        s.spec_lookup_accepted = self.scheduler.num_lookup_accepted
         s.grammar_seconds = self.grammars.seconds
         spec = self.scheduler.spec_totals
         s.spec_verify_passes = spec.verify_passes

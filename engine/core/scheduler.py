@@ -9,6 +9,7 @@ request is preempted: its blocks are freed and it is re-queued to be recomputed 
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
@@ -37,8 +38,10 @@ class ScheduledRequest:
     """Draft-tree candidates for the next token, each continued to depth K: the request has
     K x branches draft slots this step."""
     forced: list[int] | None = None
-    """A constrained request's drafts this step when its grammar forces its next tokens
-    (engine/sample/grammar.py): they replace the proposer's, which skips the request."""
+    """Drafts that replace the proposer's this step (the proposer skips the request): the
+    tokens a constrained request's grammar forces next (engine/sample/grammar.py), or, with
+    `looked_up`, what followed the context's suffix earlier in it (`speculative.ngram_assist`)."""
+    looked_up: bool = False
 
     @property
     def num_proposed_tokens(self) -> int:
@@ -75,12 +78,14 @@ class Scheduler:
         max_model_len: int,
         policy: DraftLengthPolicy,
         has_draft_model: bool = False,
+        lookup: Callable[[list[int], int], list[int]] | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
         self.policy = policy
         self.has_draft_model = has_draft_model
+        self.lookup = lookup  # (context, K) -> up to K prompt-lookup drafts (ngram_assist)
         self.requests: dict[str, Request] = {}
         """Every unfinished request, waiting or running, by id."""
         self.waiting: deque[Request] = deque()
@@ -91,6 +96,8 @@ class Scheduler:
         self.num_forced_drafted = 0
         """Drafts the grammars forced, and how many of them the target kept."""
         self.num_forced_accepted = 0
+        self.num_lookup_drafted = 0  # drafts the lookup gave, and those kept
+        self.num_lookup_accepted = 0
         self.num_prefix_hit_tokens = 0
         self.spec_totals = SpecStats()
         self.draft_length_reasons: Counter[str] = Counter()
@@ -108,7 +115,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decoding = [r for r in self.running if not r.is_prefill]
         prefill = sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.is_prefill)
-        choice = self.policy.choose(decoding, min(prefill, max(budget - len(decoding), 0)))
+        batch = len(decoding)
+        choice = self.policy.choose(decoding, min(prefill, max(budget - batch, 0)))
         branches = choice.branches
         wanted = dict(zip(decoding, zip(choice.ks, choice.reasons, strict=True), strict=True))
 
@@ -118,11 +126,15 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             k_wanted, reason = wanted.get(req, (0, None))
             forced = self._forced(req)
+            looked_up = False
             if forced:  # the grammar's own drafts, whatever the policy chose
                 k_wanted, reason = len(forced), None
-            k = k_wanted
-            # A constrained request drafts a chain: its grammar follows one path of drafts.
-            width = 1 if req.grammar is not None else branches
+            elif self._may_look_up(req, k_wanted, batch):
+                found = self.lookup(req.all_token_ids, self.policy.max_draft_tokens)
+                if found and (k := self.policy.lookup_length(req, k_wanted, len(found), batch)):
+                    forced, looked_up, k_wanted = found[:k], True, k
+            k = k_wanted  # a grammar's drafts, or a lookup's, are one chain:
+            width = 1 if req.grammar is not None or looked_up else branches
             if k > 0:
                 # No point drafting past what the request may still emit or hold.
                 room = min(
@@ -136,13 +148,11 @@ class Scheduler:
             if slots is None:
                 break  # req itself was preempted; nothing younger is left running
             if slots < k * width:
-                reason = REASON_MEMORY
-                k = 0
+                reason, k = REASON_MEMORY, 0
             if reason is not None:
                 self.draft_length_reasons[reason] += 1
-            item = ScheduledRequest(
-                req, num_new, k, width if k else 1, forced[:k] if forced and k else None
-            )
+            given = forced[:k] if forced and k else None
+            item = ScheduledRequest(req, num_new, k, width if k else 1, given, looked_up and k > 0)
             out.scheduled.append(item)
             budget -= num_new + item.num_draft_slots
             i += 1
@@ -202,7 +212,11 @@ class Scheduler:
                 req.num_draft_computed_tokens, req.num_computed_tokens
             )
             num_drafted = result.num_drafted
-            if item.forced:  # the grammar's drafts say nothing of the proposer's
+            if item.looked_up:  # a lookup's or a grammar's drafts say nothing of the proposer's
+                self.num_lookup_drafted += num_drafted
+                self.num_lookup_accepted += result.num_accepted
+                self.policy.observe_lookup(num_drafted, result.num_accepted)
+            elif item.forced:
                 self.num_forced_drafted += num_drafted
                 self.num_forced_accepted += result.num_accepted
             elif num_drafted:
@@ -222,6 +236,12 @@ class Scheduler:
                 out.prompt_logprobs = req.prompt_logprobs  # complete this step: sent once
             outputs.append(out)
         return outputs
+
+    def _may_look_up(self, req: Request, k: int, batch: int) -> bool:
+        """With `speculative.ngram_assist`, for a request without a grammar that drafts this step or
+        decodes alone (in a batch the policy's search priced the rows: a lookup takes them)."""
+        usable = self.lookup is not None and req.grammar is None and not req.is_prefill
+        return usable and (k > 0 or batch == 1)
 
     def _forced(self, req: Request) -> list[int]:
         """Tokens a decoding request's grammar forces next, at most FORCED_MAX or K_max."""

@@ -35,6 +35,10 @@ class EngineStats:
     grammar_forced_drafted: int = 0
     """Drafts structured output's grammars forced (not the proposer's), and those kept."""
     grammar_forced_accepted: int = 0
+    spec_lookup_drafted: int = 0
+    """Drafts a prompt lookup gave in place of the draft model's (`speculative.ngram_assist`), and
+    those kept; not in spec_drafted_tokens / spec_accepted_tokens, which are the proposer's."""
+    spec_lookup_accepted: int = 0
     grammar_seconds: float = 0.0
     """Of `step_seconds`, structured output's grammar work: masks, matcher moves, draft checks."""
     draft_passes: int = 0

@@ -255,21 +255,21 @@ class CostModel:
         max_drafts: int,
         catch_up: float = 0.0,
         overhead: tuple[float, float] = (0.0, 0.0),
+        free_drafts: bool = False,
     ) -> int:
-        """For one request drafting a chain (`gains[d - 1]`: the chance that its d-th draft
-        is kept, `context` tokens cached) in a pass that holds `base_tokens` other tokens (its
-        own last one included): the K in 0..max_drafts with the most expected tokens per
-        second, the first if several tie; drafting also feeds the draft `catch_up` tokens
-        (its lag, engine/spec/catch_up.py); every K pays the step's `overhead` seconds
-        outside the passes (those of plain steps for K = 0, of drafting steps for K > 0).
-        What the draft-length policy's vectorised search gives for a batch of one, in plain
-        Python (at c=1 the policy decides every few steps)."""
+        """For one request drafting a chain (`gains[d - 1]`: the chance that its d-th draft is
+        kept, `context` tokens cached) in a pass of `base_tokens` other tokens (its own last
+        included): the K in 0..max_drafts with the most expected tokens per second (the first
+        of ties). Drafting feeds the draft `catch_up` tokens (its lag, engine/spec/catch_up.py)
+        unless the drafts are `free_drafts` (a prompt lookup's); every K pays the step's
+        `overhead` outside the passes (plain steps' for K = 0, drafting steps' for K > 0). The
+        policy's vectorised search for a batch of one, in plain Python (c=1 decides often)."""
         tokens, rates = 1.0, []
         for k in range(max_drafts + 1):
             tokens += gains[k - 1] if k else 0.0
             target = self._target_at(base_tokens + k, context, context * (1 + k))
             fed = k + catch_up if k else 0.0
-            draft = self._draft_at(k, fed, fed * context)
+            draft = 0.0 if free_drafts else self._draft_at(k, fed, fed * context)
             target_scale = self.target_scale_at(base_tokens + k)
             seconds = target_scale * target + self.draft_scale.value * draft + overhead[k > 0]
             rates.append(tokens / seconds)

@@ -58,6 +58,15 @@ class DraftLengthPolicy(Protocol):
         a tree of `branches` candidates at its root (1: a chain)."""
         ...
 
+    def lookup_length(self, request: Request, k: int, found: int, batch: int) -> int:
+        """How many of `found` prompt-lookup drafts (`speculative.ngram_assist`) `request`
+        verifies in place of the proposer's, given its K in a batch of `batch` requests."""
+        ...
+
+    def observe_lookup(self, num_drafted: int, num_accepted: int) -> None:
+        """A verified chain of prompt-lookup drafts."""
+        ...
+
 
 class FixedDraftLength:
     """Always K_max (the baseline the adaptive policy is measured against), with a fixed
@@ -74,6 +83,12 @@ class FixedDraftLength:
     def observe(
         self, request: Request, num_drafted: int, num_accepted: int, branches: int = 1
     ) -> None:
+        pass
+
+    def lookup_length(self, request: Request, k: int, found: int, batch: int) -> int:
+        return min(k, found)
+
+    def observe_lookup(self, num_drafted: int, num_accepted: int) -> None:
         pass
 
 
@@ -160,6 +175,7 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice, DecisionReuse):
         self.catch_up = CatchUp()
         self._depth_cache: tuple[list[float], tuple] | None = None
         """`depth_factors()` as floats and rounded for `_inputs_key`, until the next observe()."""
+        self._lookup_counts = [prior * prior_weight, float(prior_weight)]  # kept, trials
 
     @property
     def global_acceptance(self) -> float:
@@ -223,6 +239,24 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice, DecisionReuse):
             num_drafted, num_accepted = num_drafted - 1, num_accepted - 1
         self._accepted = decay * self._accepted + num_accepted
         self._trials = decay * self._trials + num_accepted + (num_accepted < num_drafted)
+
+    def lookup_length(self, request: Request, k: int, found: int, batch: int) -> int:
+        """Alone in its step, the cost model's best chain of the lookup's drafts at their own
+        measured per-token acceptance (decayed engine-wide), as drafts that cost no draft
+        pass, whatever K the draft model got; in a batch, the draft model's K (its search
+        priced the batch's rows)."""
+        if batch > 1:
+            return min(k, found)
+        kept, trials = self._lookup_counts
+        gains = [min((kept / trials) ** d, 0.99) for d in range(1, found + 1)]
+        over = (self.cost.step_overhead(1), self.cost.step_overhead(1, drafting=True))
+        context = float(request.num_tokens)
+        return self.cost.best_chain_length(gains, context, 1, found, 0.0, over, free_drafts=True)
+
+    def observe_lookup(self, num_drafted: int, num_accepted: int) -> None:
+        decay, counts = 0.995, self._lookup_counts
+        counts[0] = decay * counts[0] + num_accepted
+        counts[1] = decay * counts[1] + num_accepted + (num_accepted < num_drafted)
 
     def choose(self, requests: list[Request], num_other_tokens: int = 0) -> DraftLengths:
         batch, k_max = len(requests), self.max_draft_tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +40,15 @@ def prompt_lookup_branches(
                     if len(found) == branches:
                         return found
     return found
+
+
+def assist_lookup(spec: SpecConfig, proposer) -> Callable[[list[int], int], list[int]] | None:
+    """`speculative.ngram_assist`: the scheduler's lookup for drafts in place of a draft model's (a
+    match of the context's last ngram_assist tokens or more, up to ngram_max), or None."""
+    if not spec.ngram_assist or proposer is None or not proposer.keeps_kv:
+        return None
+    n_min, n_max = spec.ngram_assist, max(spec.ngram_assist, spec.ngram_max)
+    return lambda tokens, k: prompt_lookup(tokens, k, n_max, n_min)
 
 
 class NgramProposer:

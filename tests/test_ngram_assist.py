@@ -1,0 +1,88 @@
+"""`speculative.ngram_assist`: a decoding request whose context's suffix occurred earlier may
+verify a prompt lookup's continuation in place of the draft model's drafts. The output stays
+the target's (greedy token for token, sampling in distribution), in a batch the lookup is
+asked only for requests given K > 0, and the draft model gets no work for those it serves."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import SpecConfig
+from engine.spec.proposers.ngram import prompt_lookup
+from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
+from tests.test_speculative import (
+    PerRequestK,
+    _chi_square_test,
+    _exact_distribution,
+    _params,
+    _sample_continuations,
+)
+
+MAX_TOKENS = 24
+
+
+def test_greedy_with_lookups_equals_target_only(tiny_dirs):
+    prompts = random_prompts([5, 9, 14, 22, 30, 12], vocab=300, seed=11)
+    prompts = [p + p[: len(p) // 2] for p in prompts]  # repeats for the lookup to find
+    expected = hf_greedy(tiny_dirs["llama"], prompts, MAX_TOKENS)
+    spec = SpecConfig("draft", str(tiny_dirs["llama_draft"]), 8, "fixed", ngram_assist=2)
+    engine = make_engine(tiny_dirs["llama"], spec=spec, max_num_batched_tokens=96)
+    ids = [f"s{i}" for i in range(len(prompts))]
+    ks = {rid: 0 if i == 0 else 1 + i % 4 for i, rid in enumerate(ids)}  # s0 never drafts
+    engine.scheduler.policy = PerRequestK(ks)
+
+    asked: list[tuple[list[int], int]] = []  # (context, decoding requests)
+    lookup = engine.scheduler.lookup
+    assert lookup is not None
+
+    def recording_lookup(tokens: list[int], k: int) -> list[int]:
+        asked.append((tokens, sum(not r.is_prefill for r in engine.scheduler.running)))
+        return lookup(tokens, k)
+
+    engine.scheduler.lookup = recording_lookup
+    served: list[int] = []  # what the proposer was asked for the lookup's requests
+    propose = engine.proposer.propose
+
+    def recording_propose(sched, tables):
+        for item in sched.scheduled:
+            if item.looked_up:
+                served.append(item.num_proposed_tokens)
+                req = item.request
+                assert 0 < len(item.forced) <= ks[req.request_id]
+                assert item.forced == prompt_lookup(req.all_token_ids, len(item.forced), 4, 2)
+        return propose(sched, tables)
+
+    engine.proposer.propose = recording_propose
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, greedy(MAX_TOKENS))
+    outputs = drain(engine)
+    assert [outputs[rid] for rid in ids] == expected
+    stats = engine.stats()
+    assert served and not any(served)  # the draft model skipped every looked-up request
+    assert 0 < stats.spec_lookup_accepted <= stats.spec_lookup_drafted
+    assert stats.spec_drafted_tokens > 0  # and drafted for the others
+    # s0 (K = 0) is looked up for only when it decodes alone: in a batch, only for K > 0.
+    s0 = [batch for tokens, batch in asked if tokens[: len(prompts[0])] == prompts[0]]
+    assert len(asked) > len(s0) and all(batch == 1 for batch in s0)
+
+
+def test_no_lookup_without_a_draft_model_or_with_it_off(tiny_dirs):
+    ngram = SpecConfig("ngram", max_draft_tokens=4, draft_length="fixed", ngram_assist=2)
+    draft = SpecConfig("draft", str(tiny_dirs["llama_draft"]), 4, "fixed")
+    for spec in (ngram, draft):
+        assert make_engine(tiny_dirs["llama"], spec=spec).scheduler.lookup is None
+
+
+@pytest.mark.parametrize(
+    "params", [_params(temperature=1.0), _params(temperature=0.8, top_k=2)], ids=["plain", "top_k"]
+)
+def test_sampled_continuations_with_lookups_follow_the_target(tiny_vocab_pair, params):
+    """Against the exact distribution of 4-token continuations: a lookup's drafts are
+    verified with a one-hot q, the draft model's with its own, in one batch."""
+    target, draft = tiny_vocab_pair
+    exact = _exact_distribution(target, params)
+    counts, stats, n = _sample_continuations(target, draft, params, ngram_assist=1)
+    assert 0 < stats.spec_lookup_accepted < stats.spec_lookup_drafted  # both outcomes
+    assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens  # the draft's too
+    stat, bound = _chi_square_test(counts, exact, n)
+    assert stat < bound, f"chi-square {stat:.1f} >= {bound:.1f}"
