@@ -365,6 +365,7 @@ def main() -> None:
         "chat_runs_cpu.md",
         "server_overhead_cpu.md",
         "step_host_cpu.md",
+        "lookup_assist_cpu.md",
         "attention_cpu.md",
         "gemm_schedule_cpu.md",
         "gguf_avx2_cpu.md",
