@@ -133,8 +133,8 @@ class Scheduler:
                 found = self.lookup(req.all_token_ids, self.policy.max_draft_tokens)
                 if found and (k := self.policy.lookup_length(req, k_wanted, len(found), batch)):
                     forced, looked_up, k_wanted = found[:k], True, k
-            k = k_wanted  # a grammar's drafts, or a lookup's, are one chain:
-            width = 1 if req.grammar is not None or looked_up else branches
+            k = k_wanted
+            width = 1 if req.grammar is not None or looked_up else branches  # those are chains
             if k > 0:
                 # No point drafting past what the request may still emit or hold.
                 room = min(

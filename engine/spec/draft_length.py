@@ -28,6 +28,10 @@ REASON_BUDGET = "token_budget"
 REASON_LENGTH = "max_tokens"
 REASON_MEMORY = "kv_memory"
 
+ACCEPTANCE_DECAY = 0.995
+"""Per verified chain, the weight left to the acceptance counts before it (the draft's and
+the prompt lookup's)."""
+
 PROBE_STEPS = 8
 """Consecutive steps a probe drafts (K = 1) for its request: its first step pays the draft's
 catch-up, so one step alone does not measure what drafting costs in steady state."""
@@ -222,7 +226,7 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice, DecisionReuse):
     def observe(
         self, request: Request, num_drafted: int, num_accepted: int, branches: int = 1
     ) -> None:
-        decay = 0.995
+        decay = ACCEPTANCE_DECAY
         self._depth_cache = None
         if branches == 1:
             # The request's estimate before this step (its counts already hold it).
@@ -254,7 +258,7 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice, DecisionReuse):
         return self.cost.best_chain_length(gains, context, 1, found, 0.0, over, free_drafts=True)
 
     def observe_lookup(self, num_drafted: int, num_accepted: int) -> None:
-        decay, counts = 0.995, self._lookup_counts
+        decay, counts = ACCEPTANCE_DECAY, self._lookup_counts
         counts[0] = decay * counts[0] + num_accepted
         counts[1] = decay * counts[1] + num_accepted + (num_accepted < num_drafted)
 

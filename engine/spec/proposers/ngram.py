@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import SpecConfig
-from engine.spec.proposers.base import DraftBatch
+from engine.spec.proposers.base import DraftBatch, Proposer
 
 if TYPE_CHECKING:
     from engine.core.scheduler import SchedulerOutput
@@ -42,7 +42,9 @@ def prompt_lookup_branches(
     return found
 
 
-def assist_lookup(spec: SpecConfig, proposer) -> Callable[[list[int], int], list[int]] | None:
+def assist_lookup(
+    spec: SpecConfig, proposer: Proposer | None
+) -> Callable[[list[int], int], list[int]] | None:
     """`speculative.ngram_assist`: the scheduler's lookup for drafts in place of a draft model's (a
     match of the context's last ngram_assist tokens or more, up to ngram_max), or None."""
     if not spec.ngram_assist or proposer is None or not proposer.keeps_kv:
