@@ -102,9 +102,15 @@ def test_requests_past_the_timeout_are_aborted_with_504(served, monkeypatch):
             # FIFO admission: the first two fill the batch, the third waits for a free slot.
             # Its deadline comes a few ms after theirs, less than the step it would need to
             # produce a token once they are gone, so it times out before anything is sent.
+            # Each is sent once the engine has the one before: requests sent 10 ms apart on
+            # a busy machine could reach it out of order (the queued one then the stream).
             for stream in (False, True, True):
+                submitted = served.engine._num_submitted
                 tasks.append(asyncio.create_task(_call(http, _body(200, stream=stream))))
-                await asyncio.sleep(0.01)
+                for _ in range(5000):  # 10 s at most
+                    if served.engine._num_submitted > submitted:
+                        break
+                    await asyncio.sleep(0.002)
             return await asyncio.gather(*tasks)
 
     with patched_forward(served, monkeypatch, slow(0.25)):
