@@ -69,8 +69,8 @@ def set_amx(enabled: bool) -> bool:
 
 def set_vnni(enabled: bool) -> bool:
     """Let the GGUF linears' vector kernel use VNNI dot products (where the CPU has them) or
-    keep it on float32 multiply-adds; returns whether it now uses them. `TANDEM_VNNI=0` in
-    the environment sets the default to off."""
+    keep it on float32 multiply-adds; returns whether it now uses them. Off unless
+    `TANDEM_VNNI=1` is in the environment (gemm_vnni.c says why)."""
     return bool(require().tandem_vnni_enable(int(enabled)))
 
 

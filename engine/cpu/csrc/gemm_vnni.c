@@ -37,7 +37,14 @@
  * 32 * (c % 2) + 4 * (c / 2) of row k's 8 bytes) the bytes holding the nibbles, then a
  * per-lane shift and a mask.
  *
- * `TANDEM_VNNI=0` in the environment keeps the calls on gemm_quant.c's float32 kernel.
+ * Off by default since 2026-11-28: gemm_quant.c's float32 kernel has got faster since the
+ * figures above (the guided schedule, the prefetches), and on the 2-core AMD EPYC (Zen 4)
+ * it is now as fast at 1 row and faster at every other count (`python -m bench.cpu_kernels
+ * gguf --rows 1 2 3 4 5 --threads 2`, three runs: 1 row 2.64-2.75 ms against 2.54-2.68 here,
+ * 2 rows 2.71-2.76 against 3.01-3.16, 3 rows 2.96-3.02 against 3.29-3.46, 5 rows 3.93-3.99
+ * against 5.05-5.13; 16 rows 10.4 against 12.4-12.5). A verification pass of 2-5 rows is
+ * the commonest call after a decode at concurrency 1. `TANDEM_VNNI=1` in the environment
+ * turns it on (a CPU not measured here, e.g. an Intel one, may do better with it).
  */
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -59,7 +66,7 @@ static __m512i gather_idx[2], nibble_shift, q8_idx;
 int tandem_vnni_active(void) {
   if (vnni_state < 0) {
     const char *env = getenv("TANDEM_VNNI");
-    vnni_state = !(env && env[0] == '0');
+    vnni_state = env && env[0] == '1';
     uint8_t idx[2][64], q8[64];
     uint32_t shift[16];
     for (int c = 0; c < 16; c++) {
