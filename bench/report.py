@@ -368,6 +368,7 @@ def main() -> None:
         "lookup_assist_cpu.md",
         "attention_cpu.md",
         "gemm_schedule_cpu.md",
+        "vnni_default_cpu.md",
         "gguf_avx2_cpu.md",
         "kv_cache_cpu.md",
         "chat-eagle.json",

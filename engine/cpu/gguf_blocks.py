@@ -7,8 +7,9 @@ each packed linear layer (engine/cpu/linear.py) whose every weight row is a row 
 Q4_1 or Q4_0 tensor of the file is switched to those blocks (engine/cpu/csrc/gemm_quant.c), which
 sums each block's quants times x and then applies the block's scale (and minimum): the same
 weights, the products summed in another order (as close to the exact sum as the float32
-layer, not the same bits), for a fifth of the bytes. (On a CPU with AVX-512 VNNI, the
-calls take x in 24-bit fixed point per block and sum in integers: gemm_vnni.c; with AMX
+layer, not the same bits), for a fifth of the bytes. (On a CPU with AVX-512 VNNI and
+`TANDEM_VNNI=1`, the calls take x in 24-bit fixed point per block and sum in integers:
+gemm_vnni.c; with AMX
 tiles, calls of 6 rows or more sum the same products in yet another order: gemm_amx.c.)
 
 A Q4_0 tensor (w = d (q - 8), a float16 scale and 32 nibbles a block) runs as Q4_1 blocks

@@ -450,8 +450,9 @@ void tandem_amx_linear(int q4, int64_t stride, const float *x, const uint8_t *pa
                        const float *bias, const float *residual, float *y, int64_t M, int64_t N,
                        int64_t K, int nthreads);
 
-/* The vector kernel's calls run on VNNI integer dot products where the CPU has them
- * (gemm_vnni.c: x in 24-bit fixed point per block, the sums in another order). */
+/* The vector kernel's calls run on VNNI integer dot products where the CPU has them and
+ * TANDEM_VNNI=1 asks for them (gemm_vnni.c: x in 24-bit fixed point per block, the sums in
+ * another order; it says why that is not the default). */
 int tandem_vnni_active(void);
 void tandem_vnni_linear(int q4, const float *x, const float *xsum, const uint8_t *panels,
                         const float *bias, const float *residual, float *y, int64_t M, int64_t N,
