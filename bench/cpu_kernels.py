@@ -19,12 +19,14 @@ layer's cache fits in the outer caches), and the rate it reads them at.
 its engine/cpu/csrc), one model's linears on each in turn, --repeats times (default 3; use
 100 or so), the order alternating: on a shared machine whose speed drifts by 10-30% within
 minutes, the median of the rounds' ratios is steadier than two best-ofs taken apart. Each
-library runs what it would choose on this CPU (VNNI where present, AMX from 6 rows).
+library runs what it would choose on this CPU in this environment (this checkout's: the float32
+vector kernel unless `TANDEM_VNNI=1`, AMX tiles from 6 rows where present).
 `gguf`: the default model's (SmolLM2-135M's) 30 layers' linears on Q4_1 blocks and its LM
 head on Q8_0, as its GGUF file has them (random weights, quantized by the `gguf` package):
 the float32 vector kernel (engine/cpu/csrc/gemm_quant.c), its calls on VNNI dot products
-(gemm_vnni.c), and with AMX tiles on as well (gemm_amx.c,
-from 6 rows on: fewer rows run as in the VNNI column). "n/a" where the CPU lacks the unit.
+(gemm_vnni.c), and with AMX tiles on (gemm_amx.c, from 6 rows on: fewer rows run on the
+vector kernel the engine would choose, float32 unless `TANDEM_VNNI=1`). "n/a" where the CPU
+lacks the unit.
 Milliseconds, best of --repeats rounds of --iters calls; one thread unless --threads.
 """
 
@@ -110,6 +112,8 @@ GGUF_HEAD = (49152, 576, "Q8_0")
 
 def bench_gguf(args: argparse.Namespace) -> None:
     shapes, panels = _gguf_weights()
+    isa = cpu_kernels.isa() or ""
+    vnni_default, amx_default = "+vnni" in isa, "+amx" in isa  # what the engine would run
     has_vnni, has_tiles = cpu_kernels.set_vnni(True), cpu_kernels.set_amx(True)
     print("| rows | float32 vector kernel | VNNI | AMX tiles (6+ rows) |")
     print("|---:|---:|---:|---:|")
@@ -122,15 +126,15 @@ def bench_gguf(args: argparse.Namespace) -> None:
 
         cells = []
         for vnni, tiles, present in ((False, False, True), (True, False, has_vnni),
-                                     (has_vnni, True, has_tiles)):  # fmt: skip
+                                     (vnni_default, True, has_tiles)):  # fmt: skip
             if not present:
                 cells.append("n/a")
                 continue
             cpu_kernels.set_vnni(vnni)
             cpu_kernels.set_amx(tiles)
             cells.append(f"{best_ms(one_model, args.iters, args.repeats):.2f} ms")
-        cpu_kernels.set_vnni(True)
-        cpu_kernels.set_amx(True)
+        cpu_kernels.set_vnni(vnni_default)
+        cpu_kernels.set_amx(amx_default)
         print(f"| {rows} | " + " | ".join(cells) + " |")
 
 

@@ -39,7 +39,7 @@
  *
  * Off by default since 2026-11-28: gemm_quant.c's float32 kernel has got faster since the
  * figures above (the guided schedule, the prefetches), and on the 2-core AMD EPYC (Zen 4)
- * it is now as fast at 1 row and faster at every other count (`python -m bench.cpu_kernels
+ * it is now within 4% at 1 row and faster at every other count (`python -m bench.cpu_kernels
  * gguf --rows 1 2 3 4 5 --threads 2`, three runs: 1 row 2.64-2.75 ms against 2.54-2.68 here,
  * 2 rows 2.71-2.76 against 3.01-3.16, 3 rows 2.96-3.02 against 3.29-3.46, 5 rows 3.93-3.99
  * against 5.05-5.13; 16 rows 10.4 against 12.4-12.5). A verification pass of 2-5 rows is
