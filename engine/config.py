@@ -184,8 +184,11 @@ class SpecConfig:
     by token. Both are lossless; block keeps at least as many drafts in expectation."""
     draft_quantization: str = "auto"
     """Weight-only quantization of a draft model's Hugging Face checkpoint (the choices of
-    --quantization), or auto = the target's --quantization. The draft only proposes tokens, so
-    the output stays the target's; its rounding moves acceptance and the draft pass's time."""
+    --quantization), or auto = the target's --quantization, and int4 beside a GGUF target whose
+    linears run on its file's blocks (a draft pass there is bound by reading its weights, and
+    a quarter of the bytes left the default draft's acceptance where it was). The draft only
+    proposes tokens, so the output stays the target's; its rounding moves acceptance and the
+    draft pass's time."""
 
     def __post_init__(self) -> None:
         _check_choice("--speculative-method", self.method, SPEC_METHODS)
@@ -223,10 +226,12 @@ class SpecConfig:
     def enabled(self) -> bool:
         return self.method != "off" and self.max_draft_tokens > 0
 
-    def draft_weights(self, target_quantization: str) -> str:
-        """The draft model's --quantization: its own, or (auto) the target's."""
-        auto = self.draft_quantization == "auto"
-        return target_quantization if auto else self.draft_quantization
+    def draft_weights(self, target_quantization: str, target_on_gguf_blocks: bool = False) -> str:
+        """The draft model's --quantization: its own, or (auto) the target's, int4 beside a
+        target on GGUF blocks (engine/model/on_cpu.py `on_gguf_blocks`)."""
+        if self.draft_quantization != "auto":
+            return self.draft_quantization
+        return "int4" if target_on_gguf_blocks else target_quantization
 
     @property
     def max_branches(self) -> int:

@@ -135,6 +135,9 @@ def test_greedy_chat_equals_hf_generate(model_dir, reference, spec):
             assert stats.spec_accepted_by_position[0] > 0.4 * stats.spec_drafted_by_position[0]
         if not spec:  # and prompt lookups in place of some (speculative.ngram_assist)
             assert 0 < stats.spec_lookup_accepted <= stats.spec_lookup_drafted
+            # Beside the target's GGUF blocks the draft runs on int4 blocks (auto).
+            gguf = "on Q4_1" in engine.engine.runner.kernels
+            assert engine.engine.proposer.runner.quantization == ("int4" if gguf else "none")
 
 
 def test_a_q4_0_file_runs_on_its_own_blocks_and_equals_hf_generate(tmp_path):

@@ -106,13 +106,19 @@ def test_quantized_greedy_equals_generate_on_the_rounded_weights_with_speculatio
 def test_the_draft_takes_its_own_quantization_and_the_output_stays_the_targets(
     tiny_dirs: dict[str, Path],
 ):
-    """--draft-quantization rounds the draft's weights alone (auto: the target's): the
-    target is served unrounded, so greedy output equals generate() on its own weights, and
-    the draft's blocks are int8 while the target's stay float32."""
+    """--draft-quantization rounds the draft's weights alone (auto: the target's, or int4
+    beside a target on GGUF blocks): the target is served unrounded, so greedy output equals
+    generate() on its own weights, and the draft's blocks are int8 while the target's stay
+    float32."""
     with pytest.raises(ValueError, match="--draft-quantization must be one of"):
         SpecConfig(draft_model="d", draft_quantization="fp8")
     assert SpecConfig(draft_model="d").draft_weights("int4") == "int4"
     assert SpecConfig(draft_model="d", draft_quantization="none").draft_weights("int4") == "none"
+    # Beside a target on a GGUF file's blocks, auto rounds the draft to int4 blocks.
+    assert SpecConfig(draft_model="d").draft_weights("none", True) == "int4"
+    assert SpecConfig(draft_model="d").draft_weights("none", False) == "none"
+    spec = SpecConfig(draft_model="d", draft_quantization="none")
+    assert spec.draft_weights("none", True) == "none"
     with pytest.raises(ValueError, match="--draft-quantization int8 runs on the CPU in float32"):
         spec = SpecConfig(draft_model=str(tiny_dirs["llama_draft"]), draft_quantization="int8")
         make_engine(tiny_dirs["llama"], dtype="bfloat16", spec=spec)

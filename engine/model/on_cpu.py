@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.cpu import kernels as cpu_kernels
 from engine.cpu import linear as cpu_linear
 from engine.cpu.gguf_blocks import use_gguf_blocks
 from engine.model.files import gguf_source
@@ -19,9 +20,23 @@ from engine.model.probe import NATIVE_TOLERANCE
 from engine.model.quantization import use_blocks
 
 if TYPE_CHECKING:
+    from engine.config import ModelConfig
     from engine.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+def on_gguf_blocks(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the target (a prepared directory) will run its linears on the blocks of the
+    GGUF file it was converted from: the CPU kernels in float32 with --gguf-blocks on."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and config.cpu_packed_linear
+        and config.gguf_blocks
+        and gguf_source(config.model) is not None
+        and cpu_kernels.available()
+    )
 
 
 def use_cpu_kernels(runner: ModelRunner, gguf_blocks: bool = True) -> str:
