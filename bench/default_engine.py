@@ -12,6 +12,7 @@ verifies, and output tokens/s of speculation settings on held-out chat prompts.
   python -m bench.default_engine speed --configs K=2 K=3 --branches 1 2 3   # draft trees
   python -m bench.default_engine speed --configs off ngram --model FILE.gguf  # any GGUF, n-gram
   python -m bench.default_engine speed --draft models/eagle   # another draft (here the EAGLE one)
+  python -m bench.default_engine speed --configs K=1 --requests 48 --draft-quantizations none auto
   python -m bench.default_engine speed --concurrency 16 --configs off --kv-cache-dtypes auto float16
 
 `--verification` runs every config once per verifier: token or block (sampled drafts verified
@@ -203,9 +204,11 @@ def speed(
     tree_drafts: str = "top",
     draft: str = DRAFT,
     kv_cache_dtype: str = "auto",
+    draft_quantization: str = "auto",
 ) -> None:
     seeded = verification == "seeded"
     spec = replace(CONFIGS[name], verification="block" if seeded else verification)
+    spec = replace(spec, draft_quantization=draft_quantization)
     if spec.method != "off":
         spec = replace(spec, draft_branches=branches, tree_drafts=tree_drafts)
     if spec.method == "draft":
@@ -236,6 +239,7 @@ def speed(
     per_pass = (s.spec_accepted_tokens + s.spec_verify_passes) / max(s.spec_verify_passes, 1)
     lookup = spec.ngram_assist > 0
     label = f"{name} {verification}" if name != "off" else name
+    label += f" draft {draft_quantization}" if draft_quantization != "auto" else ""
     if name != "off" and spec.draft_branches != 1:
         label += f" x{spec.draft_branches or 'auto'}"
         label += " sampled" if tree_drafts == "sampled" else ""
@@ -405,8 +409,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tree-drafts", default="top", choices=["top", "sampled"])
     p.add_argument("--draft", default=DRAFT, help="the draft directory of the draft configs")
     p.add_argument(
-        "--draft-quantizations", nargs="+", default=["none", "int8"], choices=METHODS,
-        help="draft-passes: the draft's --draft-quantization settings to time",
+        "--draft-quantizations", nargs="+", default=None, choices=["auto", *METHODS],
+        help="draft-passes: the draft's --draft-quantization settings to time (default none "
+        "int8); speed: run every draft config with each (default auto)",
     )  # fmt: skip
     p.add_argument("--context", type=int, default=150, help="passes: keys cached per request")
     p.add_argument(
@@ -421,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.context,
             )  # fmt: skip
         elif args.mode == "draft-passes":
-            draft_passes(args.draft, args.draft_quantizations, args.context)
+            draft_passes(args.draft, args.draft_quantizations or ["none", "int8"], args.context)
         elif args.mode == "agreement":
             agreement(args.model, args.quantization, args.requests, args.max_tokens)
         elif args.mode == "kv-agreement":
@@ -430,16 +435,18 @@ def main(argv: list[str] | None = None) -> None:
                 args.max_tokens,
             )  # fmt: skip
         else:
+            draft_quantizations = args.draft_quantizations or ["auto"]
             for name, kv in itertools.product(args.configs, args.kv_cache_dtypes):
                 for verification in args.verification if name != "off" else ["block"]:
                     for branches in args.branches if name != "off" else [None]:
-                        if len(args.kv_cache_dtypes) > 1:
-                            print(f"KV cache {kv}:", flush=True)
-                        speed(
-                            name, args.requests, args.concurrency, args.max_tokens, args.model,
-                            args.quantization, args.temperature, verification, branches,
-                            args.tree_drafts, args.draft, kv,
-                        )  # fmt: skip
+                        for dq in draft_quantizations if name != "off" else ["auto"]:
+                            if len(args.kv_cache_dtypes) > 1:
+                                print(f"KV cache {kv}:", flush=True)
+                            speed(
+                                name, args.requests, args.concurrency, args.max_tokens,
+                                args.model, args.quantization, args.temperature, verification,
+                                branches, args.tree_drafts, args.draft, kv, dq,
+                            )  # fmt: skip
 
 
 if __name__ == "__main__":
