@@ -50,6 +50,14 @@ def test_trees_are_refused_at_start(tiny_dirs, feature_draft):
         make_engine(tiny_dirs["llama"], spec=spec)
 
 
+def test_an_explicit_draft_quantization_is_refused_at_start(tiny_dirs, feature_draft):
+    """A feature draft keeps its weights: auto leaves them, an explicit rounding is an error
+    rather than a setting silently ignored."""
+    spec = SpecConfig("draft", str(feature_draft[0]), 3, "fixed", draft_quantization="int8")
+    with pytest.raises(ValueError, match="a feature draft .EAGLE. keeps its trained weights"):
+        make_engine(tiny_dirs["llama"], spec=spec)
+
+
 def test_served_passes_compute_what_training_trains(tiny_dirs, feature_draft):
     """Depth 1 over a prompt with given features, then depth 2 from the draft's own
     feature, through the engine's runner; against FeatureDraft.unrolled."""

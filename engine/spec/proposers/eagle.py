@@ -164,6 +164,11 @@ class EagleProposer(DraftModelProposer):
         assert config.draft_model is not None
         if config.max_branches != 1:
             raise ValueError("a feature draft (EAGLE) drafts chains: --draft-branches must be 1")
+        if config.draft_quantization not in ("auto", "none"):  # auto: it keeps its weights
+            raise ValueError(
+                f"--draft-quantization {config.draft_quantization}: a feature draft (EAGLE) "
+                "keeps its trained weights; use auto or none"
+            )
         model = load_feature_draft(config.draft_model, target, dtype)
         runner = ModelRunner(
             config.draft_model, device, dtype, attention_backend, model_impl, "none", model=model
