@@ -184,9 +184,10 @@ class SpecConfig:
     by token. Both are lossless; block keeps at least as many drafts in expectation."""
     draft_quantization: str = "auto"
     """Weight-only quantization of a draft model's Hugging Face checkpoint (the choices of
-    --quantization), or auto = the target's --quantization, and int4 beside a GGUF target whose
-    linears run on its file's blocks (a draft pass there is bound by reading its weights, and
-    a quarter of the bytes left the default draft's acceptance where it was). The draft only
+    --quantization), or auto = the target's --quantization, and int4 for a Hugging Face draft
+    beside a GGUF target whose linears run on its file's blocks (a draft pass there is bound
+    by reading its weights, and a quarter of the bytes left the default draft's acceptance
+    where it was; a GGUF draft runs on its own blocks). The draft only
     proposes tokens, so the output stays the target's; its rounding moves acceptance and the
     draft pass's time."""
 
@@ -226,12 +227,12 @@ class SpecConfig:
     def enabled(self) -> bool:
         return self.method != "off" and self.max_draft_tokens > 0
 
-    def draft_weights(self, target_quantization: str, target_on_gguf_blocks: bool = False) -> str:
+    def draft_weights(self, target_quantization: str, beside_gguf_blocks: bool = False) -> str:
         """The draft model's --quantization: its own, or (auto) the target's, int4 beside a
-        target on GGUF blocks (engine/model/on_cpu.py `on_gguf_blocks`)."""
+        target on GGUF blocks (engine/model/on_cpu.py `draft_beside_gguf_blocks`)."""
         if self.draft_quantization != "auto":
             return self.draft_quantization
-        return "int4" if target_on_gguf_blocks else target_quantization
+        return "int4" if beside_gguf_blocks else target_quantization
 
     @property
     def max_branches(self) -> int:

@@ -237,9 +237,9 @@ OPTIONS: tuple[Option, ...] = (
         "--draft-quantization",
         str,
         "weight-only quantization of the draft model's Hugging Face checkpoint (the choices "
-        "of --quantization), or auto = the target's --quantization, and int4 beside a .gguf "
-        "target whose linears run on its file's blocks; the output stays the target's, the "
-        "draft's rounding moves acceptance and its pass time",
+        "of --quantization), or auto = the target's --quantization, and int4 for a Hugging "
+        "Face draft beside a .gguf target whose linears run on its file's blocks; the output "
+        "stays the target's, the draft's rounding moves acceptance and its pass time",
         choices=("auto", *QUANTIZATIONS),
     ),
     Option(

@@ -5,6 +5,7 @@ the reference."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine.config import ModelConfig, SpecConfig
+from engine.config import EngineConfig, ModelConfig, SpecConfig
 from engine.cpu import kernels as cpu_kernels
+from engine.model.on_cpu import draft_beside_gguf_blocks
 from engine.model.quantization import round_weights
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 
@@ -137,3 +139,34 @@ def test_the_draft_takes_its_own_quantization_and_the_output_stays_the_targets(
     got = drain(engine)
     assert [got[str(i)] for i in range(len(prompts))] == want
     assert engine.stats().spec_drafted_tokens > 0
+
+
+def test_auto_rounds_a_hugging_face_draft_beside_a_target_on_gguf_blocks(tmp_path: Path):
+    """`--draft-quantization auto` means int4 only where the target runs on its GGUF file's
+    blocks (CPU kernels, float32, --gguf-blocks) and the draft is not a GGUF conversion."""
+    if not cpu_kernels.available():
+        pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
+
+    def converted(name: str | None) -> str:
+        directory = tmp_path / f"{name or 'plain'}-dir"
+        directory.mkdir(exist_ok=True)
+        if name is not None:
+            (tmp_path / name).write_bytes(b"GGUF")
+            marker = {"source": str(tmp_path / name)}
+            (directory / "tandem-gguf.json").write_text(json.dumps(marker))
+        return str(directory)
+
+    gguf_target, gguf_draft, hf = converted("t.gguf"), converted("d.gguf"), converted(None)
+    cpu, f32 = torch.device("cpu"), torch.float32
+
+    def beside(target: str, draft: str, **model) -> bool:
+        config = EngineConfig(ModelConfig(target, **model), spec=SpecConfig(draft_model=draft))
+        return draft_beside_gguf_blocks(config, cpu, f32)
+
+    assert beside(gguf_target, hf)
+    assert not beside(gguf_target, gguf_draft)  # a GGUF draft runs on its own blocks
+    assert not beside(hf, hf)  # a Hugging Face target: auto is its --quantization
+    assert not beside(gguf_target, hf, gguf_blocks=False)
+    assert not beside(gguf_target, hf, cpu_packed_linear=False)
+    config = EngineConfig(ModelConfig(gguf_target), spec=SpecConfig(draft_model=hf))
+    assert not draft_beside_gguf_blocks(config, cpu, torch.bfloat16)

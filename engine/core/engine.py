@@ -27,7 +27,7 @@ from engine.cpu import memory as cpu_memory
 from engine.kv.manager import KVCacheManager
 from engine.model import files as model_files
 from engine.model.decode_graphs import BATCH_BUCKETS
-from engine.model.on_cpu import on_gguf_blocks, use_cpu_kernels
+from engine.model.on_cpu import draft_beside_gguf_blocks, use_cpu_kernels
 from engine.model.quantization import check_runs_here
 from engine.model.runner import ModelRunner, resolve_device, resolve_dtype
 from engine.sample.grammar import Grammars
@@ -57,7 +57,7 @@ class LLMEngine:
             cpu_memory.keep_freed_memory()
         self.attention_backend = select_backend(config.model.attention_backend, self.device, dtype)
         quantization = config.model.quantization
-        gguf = on_gguf_blocks(config.model, self.device, dtype)
+        gguf = draft_beside_gguf_blocks(config, self.device, dtype)
         draft_quantization = config.spec.draft_weights(quantization, gguf)
         check_runs_here("--quantization", quantization, self.device, dtype)
         check_runs_here("--draft-quantization", draft_quantization, self.device, dtype)

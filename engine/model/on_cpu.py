@@ -20,21 +20,27 @@ from engine.model.probe import NATIVE_TOLERANCE
 from engine.model.quantization import use_blocks
 
 if TYPE_CHECKING:
-    from engine.config import ModelConfig
+    from engine.config import EngineConfig
     from engine.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
-def on_gguf_blocks(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the target (a prepared directory) will run its linears on the blocks of the
-    GGUF file it was converted from: the CPU kernels in float32 with --gguf-blocks on."""
+def draft_beside_gguf_blocks(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> bool:
+    """Whether --draft-quantization auto rounds the draft to int4: the target (a prepared
+    directory) will run its linears on the blocks of the GGUF file it was converted from (the
+    CPU kernels in float32 with --gguf-blocks on), and the draft is a Hugging Face checkpoint
+    (a draft converted from a GGUF file runs on its own blocks)."""
+    model, draft = config.model, config.spec.draft_model
     return (
         device.type == "cpu"
         and dtype == torch.float32
-        and config.cpu_packed_linear
-        and config.gguf_blocks
-        and gguf_source(config.model) is not None
+        and model.cpu_packed_linear
+        and model.gguf_blocks
+        and gguf_source(model.model) is not None
+        and not (draft and gguf_source(draft) is not None)
         and cpu_kernels.available()
     )
 
