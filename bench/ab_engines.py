@@ -8,7 +8,8 @@
   python -m bench.ab_engines --a method=off --b draft_length=fixed max_draft_tokens=1
 
 Each side is the shipped speculation setting (the trained draft, adaptive K, one chain,
-prompt-lookup assist) with the given SpecConfig fields replaced. Both engines are built in this process; the held-out
+prompt-lookup assist) with the given SpecConfig fields replaced (an optional number takes
+`auto` for None, a flag true or false). Both engines are built in this process; the held-out
 chat prompts run in chunks of --concurrency (one prompt at a time by default), each chunk on
 A and on B back to back, the order swapped every chunk and every round. On a shared machine
 whose speed drifts by 10-30% within minutes, the two sides then see the same drift, so the
@@ -41,7 +42,12 @@ def spec_with(assignments: list[str]) -> SpecConfig:
         if name not in types:
             raise SystemExit(f"{name!r} is not a SpecConfig field ({', '.join(types)})")
         kind = str(types[name])
-        changes[name] = int(value) if kind.startswith("int") else value
+        if kind.startswith("int"):  # int, or int | None (auto)
+            changes[name] = None if value == "auto" and "None" in kind else int(value)
+        elif kind == "bool":
+            changes[name] = value.lower() in ("1", "true", "on", "yes")
+        else:
+            changes[name] = value
     return replace(spec, **changes)
 
 

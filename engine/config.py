@@ -187,9 +187,8 @@ class SpecConfig:
     --quantization), or auto = the target's --quantization, and int4 for a Hugging Face draft
     beside a GGUF target whose linears run on its file's blocks (a draft pass there is bound
     by reading its weights, and a quarter of the bytes left the default draft's acceptance
-    where it was; a GGUF draft runs on its own blocks). The draft only
-    proposes tokens, so the output stays the target's; its rounding moves acceptance and the
-    draft pass's time."""
+    where it was; a GGUF draft runs on its own blocks). The draft only proposes tokens, so
+    the output stays the target's; its rounding moves acceptance and the draft pass's time."""
 
     def __post_init__(self) -> None:
         _check_choice("--speculative-method", self.method, SPEC_METHODS)

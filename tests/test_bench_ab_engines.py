@@ -41,3 +41,9 @@ def test_a_chunk_runs_its_prompts_to_the_end_and_counts_their_tokens(
     assert not engine.has_work()
     stats = engine.stats()
     assert stats.num_blocks_free == stats.num_blocks_total
+
+
+def test_optional_numbers_take_auto_and_flags_take_true_or_false():
+    spec = spec_with(["draft_branches=auto", "recalibrate=true"])
+    assert spec.draft_branches is None and spec.recalibrate is True
+    assert spec_with(["recalibrate=false"]).recalibrate is False

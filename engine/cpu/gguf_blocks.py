@@ -9,8 +9,8 @@ sums each block's quants times x and then applies the block's scale (and minimum
 weights, the products summed in another order (as close to the exact sum as the float32
 layer, not the same bits), for a fifth of the bytes. (On a CPU with AVX-512 VNNI and
 `TANDEM_VNNI=1`, the calls take x in 24-bit fixed point per block and sum in integers:
-gemm_vnni.c; with AMX
-tiles, calls of 6 rows or more sum the same products in yet another order: gemm_amx.c.)
+gemm_vnni.c; with AMX tiles, calls of 6 rows or more sum the same products in yet another
+order: gemm_amx.c.)
 
 A Q4_0 tensor (w = d (q - 8), a float16 scale and 32 nibbles a block) runs as Q4_1 blocks
 with the minimum m = -8 d: the same weights exactly (`q4_0_as_q4_1`), 2 more bytes a block
