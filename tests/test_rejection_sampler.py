@@ -10,7 +10,13 @@ import torch
 
 from engine.cpu import kernels as cpu_kernels
 from engine.cpu import sampling as cpu_sampling
-from engine.sample.rejection_sampler import PAD, emitted_tokens, greedy_verify, rejection_sample
+from engine.sample.rejection_sampler import (
+    PAD,
+    emitted_tokens,
+    greedy_verify,
+    rejection_sample,
+    verify_sampled,
+)
 
 
 def _one_hot(ids: list[int], vocab: int) -> torch.Tensor:
@@ -139,10 +145,14 @@ TRIALS = 40_000
 
 @pytest.mark.parametrize("method", ["token", "block"])
 @pytest.mark.parametrize("drafter", ["model", "model_free", "zero_q"])
-def test_multi_token_output_follows_the_target(method, drafter):
+@pytest.mark.parametrize("path", ["tensors", "kernel"])
+def test_multi_token_output_follows_the_target(method, drafter, path):
     """K = 3 drafts from a draft chain (or fixed model-free drafts): the first K + 1 tokens
     (kept drafts, the recovered or bonus token, then the target's own continuation) must be
-    distributed as the target's K + 1 tokens, for both verification methods."""
+    distributed as the target's K + 1 tokens, for both verification methods, on probability
+    rows (`rejection_sample`) and on the CPU kernel that takes logits (`verify_sampled`)."""
+    if path == "kernel" and not cpu_kernels.available():
+        pytest.skip("Tandem's CPU kernels did not build")
     vocab, k, trials = 3, 3, TRIALS
     p, q = _chain_tables(vocab, k, seed=7, zero_q=drafter == "zero_q")
     g = torch.Generator().manual_seed(8)
@@ -161,7 +171,14 @@ def test_multi_token_output_follows_the_target(method, drafter):
         draft_probs = torch.stack([q[d[:j]] for d in drafts for j in range(k)])
     flat = torch.tensor([t for d in drafts for t in d])
     uniform = torch.rand(trials * (k + 1), generator=g, dtype=torch.float64)
-    out = rejection_sample(target, flat, draft_probs, [k] * trials, uniform, method=method)
+    if path == "kernel":  # logits whose softmax is p, at T = 1
+        q32 = draft_probs.float() if draft_probs is not None else None
+        emitted = verify_sampled(
+            target.float().log(), [1.0] * trials, flat.tolist(), q32, [k] * trials, uniform, method
+        )
+        out = torch.tensor([e + [PAD] * (k + 1 - len(e)) for e in emitted])
+    else:
+        out = rejection_sample(target, flat, draft_probs, [k] * trials, uniform, method=method)
 
     counts = torch.zeros(vocab ** (k + 1))
     for row in out.tolist():
@@ -246,3 +263,34 @@ def test_the_final_token_kernel_falls_back_to_p_where_the_residual_is_empty():
     # A one-hot q (model-free) at token 3 with w = 1: the residual is p without token 3.
     got = [cpu_sampling.sample_final(p, [0], None, [0], [3], [1.0], [x])[0] for x in u]
     assert got == [0, 1, 2, 2]  # mass 0.1, 0.2, 0.3 over 0.6: 0.95 * 0.6 = 0.57 -> token 2
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="Tandem's CPU kernels did not build")
+@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize("drafter", ["model", "model_free"])
+def test_verifying_from_logits_in_one_call_decides_as_emitted_tokens(method, drafter):
+    """csrc/sample.c `tandem_verify_sampled` (softmax rows, decisions, final token in one call)
+    against `emitted_tokens` on the same softmax rows: the same kept drafts and final tokens
+    for every request and draw, with requests at several temperatures and K = 0..3."""
+    g = torch.Generator().manual_seed(12)
+    vocab, ks, temps = 3000, [2, 0, 1, 3, 1, 2], [0.7, 1.0, 0.3, 1.3, 0.7, 0.9]
+    logits = 3 * torch.randn(sum(ks) + len(ks), vocab, generator=g)
+    inv_rows = [1 / t for t, k in zip(temps, ks, strict=True) for _ in range(k + 1)]
+    everything = torch.arange(vocab)  # a "head" of every token: q is the softmax rows
+    zeros = torch.zeros(len(logits), dtype=torch.float64)
+    _, p = cpu_sampling.sample_head(logits, inv_rows, everything, zeros, vocab)
+    q = torch.softmax(3 * torch.randn(sum(ks), vocab, generator=g), -1)
+    rows = [sum(ks[:r]) + r + j for r, k in enumerate(ks) for j in range(k)]
+    # Half the drafts the argmax of the row that checks them (often kept), half q's own
+    # (rejected more often than not).
+    drafts = torch.where(torch.arange(sum(ks)) % 2 == 0, p[rows].argmax(-1), q.argmax(-1))
+    draft_probs = q if drafter == "model" else None
+    trials = [torch.rand(len(p), generator=g, dtype=torch.float64) for _ in range(80)]
+    got = [
+        verify_sampled(logits, temps, drafts.tolist(), draft_probs, ks, u, method) for u in trials
+    ]
+    want = [emitted_tokens(p, drafts, draft_probs, ks, u, method) for u in trials]
+    assert got == want
+    kept = [len(out) - 1 for step in got for out in step]
+    assert 0 < sum(kept) < sum(ks) * len(trials)  # both kept and rejected drafts
+    assert len({tuple(out[-1] for out in step) for step in got}) > 70  # the draws moved them

@@ -142,6 +142,46 @@ def test_a_row_without_finite_mass_gets_the_vocabulary_size_as_sample_rows_gives
     assert 0 <= got[3] < 300
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="Tandem's CPU kernels did not build")
+@pytest.mark.parametrize("vocab", [7, 256, 1000, 49152])
+def test_drafts_over_a_restricted_head_are_drawn_from_the_q_they_return(vocab):
+    """csrc/sample.c `tandem_sample_head`: q is torch's softmax of logits / T on the head's
+    tokens (within float32 rounding) and 0 elsewhere, each row's q the same bits alone or in a
+    batch, a row without finite mass NaN with the vocabulary's size as its token; the token is
+    the float64 CDF's draw from q over the head's tokens (here the same token for every draw,
+    near the edges of [0, 1) too)."""
+    g = torch.Generator().manual_seed(vocab)
+    head = torch.randperm(vocab, generator=g)[: max(1, vocab // 3)].sort().values
+    n = len(head)
+    logits = torch.randn(8, n, generator=g) * torch.tensor([0.5, 2, 6, 3, 3, 1, 4, 8])[:, None]
+    logits[3, : max(1, n // 2)] = float("-inf")
+    logits[4, 1:] = float("-inf")  # one token left
+    logits = logits.repeat(8, 1)
+    temperatures = [0.1, 0.7, 1.0, 1.5, 0.7, 2.0, 0.3, 1.0] * 8
+    uniform = torch.rand(logits.shape[0], generator=g, dtype=torch.float64)
+    uniform[:8], uniform[8:16] = 0.0, 1 - 1e-9  # (1 - 2**-53 lands within a rounding of the total)
+    tokens, q = cpu_sampling.sample_head(
+        logits, [1 / t for t in temperatures], head, uniform, vocab
+    )
+    want = torch.zeros(len(logits), vocab)
+    want[:, head] = torch.softmax(logits / torch.tensor(temperatures)[:, None], dim=-1)
+    torch.testing.assert_close(q, want, rtol=2e-5, atol=1e-7)
+    assert torch.equal(q[:, head].sum(-1) > 0, torch.ones(len(q), dtype=torch.bool))
+    assert tokens == head[_cdf_sample(q[:, head], uniform)].tolist()
+    assert set(tokens) <= set(head.tolist()) and tokens[4] == int(head[0])
+    for r in (0, 5):
+        _, alone = cpu_sampling.sample_head(
+            logits[r : r + 1], [1 / temperatures[r]], head, uniform[r : r + 1], vocab
+        )
+        assert torch.equal(alone[0], q[r])
+    bad = torch.zeros(3, n)
+    bad[0, n // 2] = float("nan")
+    bad[1] = float("-inf")
+    bad[2, n - 1] = float("inf")
+    tokens, q = cpu_sampling.sample_head(bad, [1.0] * 3, head, uniform[:3], vocab)
+    assert tokens == [vocab] * 3 and bool(q[:, head].isnan().all())
+
+
 def test_plain_sampling_is_temperature_alone():
     assert plain_sampling(SamplingParams(temperature=0.7))
     assert not plain_sampling(SamplingParams(temperature=0.0))  # greedy: one-hot

@@ -28,6 +28,29 @@ def sample_logits(
     return _sample("tandem_sample_logits", logits, uniform, ctypes.addressof(inverse))
 
 
+def sample_head(
+    logits: torch.Tensor,  # [rows, n] float32: the draft's logits for the head's n tokens
+    inv_temperature: list[float],  # per row (> 0)
+    head: torch.Tensor,  # [n] int64, increasing token ids
+    uniform: torch.Tensor,  # [rows] U[0, 1)
+    vocab: int,
+) -> tuple[list[int], torch.Tensor]:  # per row its token; q [rows, vocab]
+    """Draft tokens drawn from softmax(logits * inv_t) over a restricted head, and q, that
+    distribution on the whole vocabulary (0 off the head), in one call (csrc/sample.c
+    `tandem_sample_head`); the vocabulary's size for a row without mass."""
+    logits, uniform = logits.contiguous(), uniform.to(torch.float64).contiguous()
+    rows, n = logits.shape
+    q = torch.empty(rows, vocab, dtype=torch.float32)
+    scratch = torch.empty(rows, n, dtype=torch.float32)
+    out = (ctypes.c_int64 * rows)()
+    inverse = (ctypes.c_float * rows)(*inv_temperature)
+    cpu_kernels.require().tandem_sample_head(
+        logits.data_ptr(), inverse, head.data_ptr(), uniform.data_ptr(), rows, n, vocab,
+        q.data_ptr(), scratch.data_ptr(), out, torch.get_num_threads(),
+    )  # fmt: skip
+    return list(out), q
+
+
 def _sample(name: str, rows_in: torch.Tensor, uniform: torch.Tensor, *per_row: int) -> torch.Tensor:
     rows_in, uniform = rows_in.contiguous(), uniform.to(torch.float64).contiguous()
     rows, vocab = rows_in.shape
@@ -63,3 +86,31 @@ def sample_final(
         torch.get_num_threads(),
     )  # fmt: skip
     return list(out)
+
+
+def verify_sampled(
+    logits: torch.Tensor,  # [rows, vocab] float32: request i's num_drafts[i] + 1 rows, in order
+    inv_temperature: list[float],  # per request
+    draft_probs: torch.Tensor | None,  # [num_draft, vocab] float32, contiguous; None: one-hot
+    draft_ids: list[int],  # the drafts, request by request
+    num_drafts: list[int],  # per request
+    uniform: torch.Tensor,  # [rows] float64: one draw per row
+    block: bool,  # block verification (else token by token)
+) -> tuple[list[int], list[int]]:  # per request: drafts kept, the final token
+    """A sampling step's verification in one kernel call (csrc/sample.c
+    `tandem_verify_sampled`): the target's softmax rows, the decisions, and the recovered or
+    bonus token, as engine/sample/rejection_sampler.py `emitted_tokens` makes them from
+    softmax rows."""
+    logits, uniform = logits.contiguous(), uniform.to(torch.float64).contiguous()
+    batch, vocab = len(num_drafts), logits.shape[1]
+    probs = torch.empty_like(logits)
+    ids = (ctypes.c_int64 * max(len(draft_ids), 1))(*draft_ids)
+    counts = (ctypes.c_int64 * batch)(*num_drafts)
+    inverse = (ctypes.c_float * batch)(*inv_temperature)
+    kept, out = (ctypes.c_int64 * batch)(), (ctypes.c_int64 * batch)()
+    q = draft_probs.data_ptr() if draft_probs is not None else None
+    cpu_kernels.require().tandem_verify_sampled(
+        logits.data_ptr(), inverse, probs.data_ptr(), q, ids, counts, uniform.data_ptr(),
+        int(block), batch, vocab, kept, out, torch.get_num_threads(),
+    )  # fmt: skip
+    return list(kept), list(out)

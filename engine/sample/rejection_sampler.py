@@ -149,6 +149,33 @@ def emitted_tokens(
     ]
 
 
+def verify_sampled(
+    logits: torch.Tensor,  # [num_rows, vocab] after penalties and masks; rows as target_probs
+    temperatures: list[float],  # per request (> 0): every row is plain softmax(logits / T)
+    draft_token_ids: list[int],
+    draft_probs: torch.Tensor | None,
+    num_draft_tokens: list[int],
+    uniform: torch.Tensor,
+    method: str = "token",
+) -> list[list[int]] | None:  # as emitted_tokens; None where the CPU kernel does not apply
+    """`emitted_tokens` of softmax(logits / T) rows in one CPU kernel call
+    (engine/cpu/sampling.py `verify_sampled`): the softmax rows, the decisions and the final
+    token, with this module's arithmetic (float32 weights and tests, float64 draws). Each
+    step's few scalars and vocabulary-wide passes otherwise take a dozen tensor and numpy
+    operations, each paying for caches a forward has just emptied."""
+    if not _kernel_takes(logits, draft_probs):
+        return None
+    kept, final = cpu_sampling.verify_sampled(
+        logits, [1.0 / t for t in temperatures], draft_probs, draft_token_ids,
+        num_draft_tokens, uniform, block=method == "block",
+    )  # fmt: skip
+    out, at = [], 0
+    for k, n, token in zip(num_draft_tokens, kept, final, strict=True):
+        out.append(draft_token_ids[at : at + n] + [token])
+        at += k
+    return out
+
+
 def _kernel_takes(target_probs: torch.Tensor, draft_probs: torch.Tensor | None) -> bool:
     """Whether engine/cpu/csrc/sample.c draws the final tokens (float32 rows in memory)."""
     on_cpu = [

@@ -142,6 +142,11 @@ def logits_to_probs(
     return probs
 
 
+def kernel_rows(rows: torch.Tensor) -> bool:
+    """Whether Tandem's CPU kernels take these rows (float32 in the CPU's memory)."""
+    return rows.device.type == "cpu" and rows.dtype == torch.float32 and cpu_kernels.available()
+
+
 def _top_k_top_p(scaled: torch.Tensor, params: list) -> torch.Tensor:
     vocab = scaled.shape[1]
     top_k = torch.tensor(
@@ -266,7 +271,7 @@ def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     float64 CDF (a row of 49K: about 6 against 200 us). It sums in another order, so the two
     paths can pick neighbouring tokens for a u within a float64 rounding of a boundary; each
     path is the exact sampler of the distribution up to that rounding."""
-    if probs.device.type == "cpu" and probs.dtype == torch.float32 and cpu_kernels.available():
+    if kernel_rows(probs):
         return cpu_sampling.sample_rows(probs, uniform)
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     total = cdf[:, -1:]
@@ -293,7 +298,7 @@ def sample_logits(
     writing the distribution out: one call instead of a division, a softmax and a sampling
     pass, each of which pays for cold caches after a forward (a 49K row: 81 against 152 us
     isolated, 2-core AMD EPYC, 2026-11-28)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.available():
+    if kernel_rows(logits):
         return cpu_sampling.sample_logits(logits, [1.0 / t for t in temperatures], uniform)
     scale = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[:, None]
     return sample_from(torch.softmax(logits / scale, dim=-1), uniform)

@@ -18,7 +18,7 @@ from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
 from engine.model.inputs import SeqInput
 from engine.model.runner import ModelRunner
-from engine.sample.rejection_sampler import emitted_tokens, greedy_verify
+from engine.sample.rejection_sampler import emitted_tokens, greedy_verify, verify_sampled
 from engine.sample.sampler import (
     RowSpec,
     apply_penalties_and_masks,
@@ -160,13 +160,23 @@ class Verifier:
             return
         logits = apply_penalties_and_masks(logits, rows)
         uniform = request_uniforms(reqs, [k + 1 for k in num_drafts], self.device)
-        if not any(num_drafts) and all(plain_sampling(r.params) for r in reqs):
+        plain = all(plain_sampling(r.params) for r in reqs)
+        temperatures = [r.params.temperature for r in reqs]
+        if plain and not any(num_drafts):
             # Plain sampling, the distribution never written out: what rejection_sample's
             # bonus draw does from the same draws.
-            temperatures = [r.params.temperature for r in reqs]
             emitted = [[t] for t in sample_logits(logits, temperatures, uniform).tolist()]
             self._emit(reqs, num_drafts, emitted, raw, result)
             return
+        draft_probs = drafts.probs if drafts is not None else None
+        if plain:  # softmax rows, decisions and final tokens in one CPU kernel call
+            ids = [t for d in drafted for t in d]
+            emitted = verify_sampled(
+                logits, temperatures, ids, draft_probs, num_drafts, uniform, self.method
+            )
+            if emitted is not None:
+                self._emit(reqs, num_drafts, emitted, raw, result)
+                return
         probs = couple_seeded_rows(logits_to_probs(logits, rows), rows)
         if not any(num_drafts):  # with top-k/top-p, seeded or greedy rows among them
             emitted = [[t] for t in sample_from(probs, uniform).tolist()]
@@ -176,7 +186,6 @@ class Verifier:
             [t for d in drafted for t in d], dtype=torch.long, device=self.device
         )
         # Only sampling (decoding) requests get drafts, so the probs line up with reqs.
-        draft_probs = drafts.probs if drafts is not None else None
         emitted = emitted_tokens(probs, draft_ids, draft_probs, num_drafts, uniform, self.method)
         self._emit(reqs, num_drafts, emitted, raw, result)
 

@@ -46,7 +46,6 @@
 /* Blocks ahead whose weights a tile prefetches (see prefetch_blocks). */
 #define QAHEAD 4
 
-typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
 typedef uint64_t v8q __attribute__((vector_size(64), aligned(8)));
 

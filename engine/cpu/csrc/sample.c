@@ -91,10 +91,16 @@ void tandem_sample_rows(const float *probs, const double *uniform, int64_t rows,
  * or all -inf, or a +inf logit has no finite mass: out is vocab, as sample_rows answers for
  * torch's softmax of such a row (NaN throughout). */
 
-/* w[i] = exp((x[i] - m) * inv_t), i < n <= SAMPLE_BLOCK. */
+/* w[i] = exp((x[i] - m) * inv_t), i < n <= SAMPLE_BLOCK: 16 lanes at a time (vec.h exp16).
+ * Drawing from a 49K row of logits (tandem_sample_logits, warm caches) took 41 us with 8
+ * lanes and 31 us with 16 (2-core AMD EPYC Zen 5, 2026-11-29). */
 static void block_weights(const float *x, int64_t n, float m, float inv_t, float *w) {
   const v8 vm = splat(m), vt = splat(inv_t);
   int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const v16 v = *(const v16 *)(x + i);
+    *(v16 *)(w + i) = exp16((v - splat16(m)) * splat16(inv_t));
+  }
   for (; i + 8 <= n; i += 8) store(w + i, exp_v((load(x + i) - vm) * vt));
   for (; i < n; i++) w[i] = exp_v((splat(x[i]) - vm) * vt)[0];
 }
@@ -166,6 +172,50 @@ void tandem_sample_logits(const float *logits, const float *inv_temperature,
 }
 
 /* ---------------------------------------------------------------------------------------
+ * Softmax rows, for the kernels below: out[r] = softmax(x[r] * inv_t[r]) as w_i / sum(w),
+ * w_i = exp((x_i - max) * inv_t) the numerators tandem_sample_logits draws from, their sum in
+ * float64 (block_mass). Three passes over the row (max, numerators, scale). A row's values
+ * depend on that row alone. A row with a NaN or an infinite maximum (+inf, or no finite
+ * logit) has no distribution: it is written NaN throughout, as torch's softmax answers. */
+static void softmax_row(const float *x, int64_t vocab, float inv_t, float *out) {
+  v8 mx = splat(-INFINITY);
+  v8i nan = (v8i){0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= vocab; i += 8) {
+    const v8 v = load(x + i);
+    nan |= v != v;
+    mx = select_v(v > mx, v, mx);
+  }
+  float m = hmax(mx);
+  int bad = 0;
+  for (int l = 0; l < 8; l++) bad |= nan[l] != 0;
+  for (; i < vocab; i++) {
+    bad |= x[i] != x[i];
+    m = x[i] > m ? x[i] : m;
+  }
+  if (bad || isinf(m)) {
+    for (i = 0; i < vocab; i++) out[i] = NAN;
+    return;
+  }
+  double total = 0;
+  for (int64_t at = 0; at < vocab; at += SAMPLE_BLOCK) {
+    const int64_t n = span(vocab, at, SAMPLE_BLOCK);
+    block_weights(x + at, n, m, inv_t, out + at);
+    total += block_mass(out + at, n);
+  }
+  const v8 scale = splat((float)(1.0 / total)); /* total >= 1: the maximum's own exp(0) */
+  for (i = 0; i + 8 <= vocab; i += 8) store(out + i, load(out + i) * scale);
+  for (; i < vocab; i++) out[i] *= scale[0];
+}
+
+static void softmax_rows(const float *x, const float *inv_temperature, float *out,
+                         int64_t rows, int64_t vocab, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && rows >= 2)
+  for (int64_t r = 0; r < rows; r++)
+    softmax_row(x + r * vocab, vocab, inv_temperature[r], out + r * vocab);
+}
+
+/* ---------------------------------------------------------------------------------------
  * The token that ends a request's verified drafts (engine/sample/rejection_sampler.py): the
  * bonus, drawn from the target's row p after its last kept draft, or the recovered token of a
  * rejected draft, drawn from the residual max(0, w p - q) (q the distribution the draft came
@@ -219,5 +269,138 @@ void tandem_sample_final(const float *probs, const int64_t *rows, const float *q
       token = sample_filled(fill_residual, &r, vocab, uniform[i], sums);
     }
     out[i] = token < vocab ? token : sample_row(p, vocab, uniform[i], sums);
+  }
+}
+
+/* ---------------------------------------------------------------------------------------
+ * A sampling step's verification in one call (engine/sample/rejection_sampler.py
+ * `verify_sampled`): for chains of drafts whose rows are plain softmax(logits / T) rows, the
+ * target's probabilities (softmax_row, all rows in parallel), the decisions of token or block
+ * verification on the drafts, and the final token (tandem_sample_final's draw), with the
+ * arithmetic of `emitted_tokens`: p/q ratios, block weights and h in float32, each product and
+ * difference rounded on its own, draws compared in float64. A residual's mass is summed in
+ * float64 (torch sums float32 in another order), so the two paths can decide differently only
+ * for a draw within a rounding of h. */
+#define TINY 1e-30f
+
+/* sum_x max(0, w p(x) - q(x)) (q NULL: one-hot at `token`), rounded to float32. */
+static float residual_mass(const float *p, const float *q, float w, int64_t token,
+                           int64_t vocab) {
+  const struct residual_row r = {p, q, w, token};
+  float buf[SAMPLE_BLOCK];
+  double total = 0;
+  for (int64_t at = 0; at < vocab; at += SAMPLE_BLOCK) {
+    const int64_t n = span(vocab, at, SAMPLE_BLOCK);
+    fill_residual(&r, at, n, buf);
+    total += block_mass(buf, n);
+  }
+  return (float)total;
+}
+
+/* A min with Python's rule, as `min(a, b)` answers: a unless b < a (a NaN stays). */
+static float min_first(float a, float b) { return b < a ? b : a; }
+
+/* How many of request's k drafts block verification keeps (tau), and w_tau. p: its k + 1
+ * rows; q: its k rows (NULL: one-hot at each draft); ids, u: its drafts and its rows' draws. */
+static int64_t block_keep(const float *p, const float *q, const int64_t *ids, const double *u,
+                          int64_t k, int64_t vocab, float *w_tau) {
+  float w[k + 1];
+  w[0] = 1.0f;
+  for (int64_t j = 0; j < k; j++) {
+    const float px = p[j * vocab + ids[j]], qx = q ? q[j * vocab + ids[j]] : 1.0f;
+    const float ratio = qx > 0 ? px / (TINY > qx ? TINY : qx) : 0.0f;
+    w[j + 1] = min_first(w[j] * ratio, 1.0f);
+  }
+  int64_t tau = 0;
+  for (int64_t i = 1; i <= k; i++) {
+    float h = 0.0f;
+    if (i == k) {
+      h = w[k];
+    } else if (w[i] > 0) {
+      const float m = q ? residual_mass(p + i * vocab, q + i * vocab, w[i], -1, vocab)
+                        : w[i] * (1.0f - p[i * vocab + ids[i]]); /* one-hot at x_{i+1} */
+      const float denom = m + 1.0f - w[i];
+      h = denom > 0 ? m / (TINY > denom ? TINY : denom) : 0.0f;
+    }
+    if (u[i - 1] < (double)h) tau = i;
+  }
+  *w_tau = w[tau];
+  return tau;
+}
+
+/* The token method: drafts kept while u q(x) <= p(x), both positive (float64 products). */
+static int64_t token_keep(const float *p, const float *q, const int64_t *ids, const double *u,
+                          int64_t k, int64_t vocab) {
+  int64_t kept = 0;
+  for (; kept < k; kept++) {
+    const float px = p[kept * vocab + ids[kept]], qx = q ? q[kept * vocab + ids[kept]] : 1.0f;
+    if (!(px > 0 && qx > 0 && u[kept] * (double)qx <= (double)px)) break;
+  }
+  return kept;
+}
+
+/* For batch requests, request i owning num_drafts[i] drafts and num_drafts[i] + 1 rows (in
+ * order): logits [rows, vocab] and inv_temperature per request; probs [rows, vocab] receives
+ * the softmax rows; q [num_draft, vocab] the drafts' distributions (NULL: one-hot, a
+ * model-free drafter); ids the drafts; uniform one draw per row (row j < k decides on draft
+ * j + 1, the last one draws the final token). kept[i] = the drafts kept, out[i] = the final
+ * token (vocab for a row without mass). block: 1 for block verification, 0 for the token
+ * method. */
+void tandem_verify_sampled(const float *logits, const float *inv_temperature, float *probs,
+                           const float *q, const int64_t *ids, const int64_t *num_drafts,
+                           const double *uniform, int block, int64_t batch, int64_t vocab,
+                           int64_t *kept, int64_t *out, int nthreads) {
+  int64_t rows = 0, starts[batch + 1], draft_starts[batch + 1];
+  for (int64_t i = 0; i < batch; i++) {
+    starts[i] = rows, draft_starts[i] = rows - i;
+    rows += num_drafts[i] + 1;
+  }
+  float inv_row[rows];
+  for (int64_t i = 0; i < batch; i++)
+    for (int64_t j = starts[i]; j <= starts[i] + num_drafts[i]; j++) inv_row[j] = inv_temperature[i];
+  softmax_rows(logits, inv_row, probs, rows, vocab, nthreads);
+  const int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && batch >= 4)
+  for (int64_t i = 0; i < batch; i++) {
+    const int64_t k = num_drafts[i], d = draft_starts[i];
+    const float *p = probs + starts[i] * vocab, *qi = q ? q + d * vocab : 0;
+    const double *u = uniform + starts[i];
+    float w = 1.0f;
+    const int64_t tau = block ? block_keep(p, qi, ids + d, u, k, vocab, &w)
+                              : token_keep(p, qi, ids + d, u, k, vocab);
+    double sums[blocks];
+    const float *row = p + tau * vocab;
+    int64_t token = vocab;
+    if (tau < k) { /* the rejected draft's residual */
+      const struct residual_row r = {row, qi ? qi + tau * vocab : 0, w, ids[d + tau]};
+      token = sample_filled(fill_residual, &r, vocab, u[k], sums);
+    }
+    kept[i] = tau;
+    out[i] = token < vocab ? token : sample_row(row, vocab, u[k], sums);
+  }
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Sampled drafts over a restricted LM head (engine/spec/proposers/draft_model.py): row r of
+ * logits [rows, n] holds the draft's logits for the n tokens head[0..n-1] (increasing ids).
+ * q[r] (a row of the whole vocabulary) gets softmax(logits[r] * inv_t[r]) at those tokens and
+ * 0 everywhere else, and out[r] is the token drawn from it with uniform[r]: the draw walks the
+ * head's masses in order, which is the widened row's own order (its other tokens have no
+ * mass), so the token is distributed as q[r] (vocab for a row without mass). scratch [rows, n]
+ * holds the head's distribution on the way. One call for what took a widening, a softmax
+ * over the vocabulary and a draw. */
+void tandem_sample_head(const float *logits, const float *inv_temperature, const int64_t *head,
+                        const double *uniform, int64_t rows, int64_t n, int64_t vocab, float *q,
+                        float *scratch, int64_t *out, int nthreads) {
+  const int64_t blocks = (n + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && rows >= 4)
+  for (int64_t r = 0; r < rows; r++) {
+    float *dist = scratch + r * n, *row = q + r * vocab;
+    double sums[blocks];
+    softmax_row(logits + r * n, n, inv_temperature[r], dist);
+    memset(row, 0, (size_t)vocab * sizeof(float));
+    for (int64_t i = 0; i < n; i++) row[head[i]] = dist[i];
+    const int64_t at = sample_row(dist, n, uniform[r], sums);
+    out[r] = at < n ? head[at] : vocab;
   }
 }

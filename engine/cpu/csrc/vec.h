@@ -120,25 +120,31 @@ INLINE v8 reduce8(const v8 *x) {
 }
 
 /* exp(x), Cephes' expf polynomial, within 2 ulp. Below -87 (masked keys, -inf, included)
- * the result is exactly 0; inputs past 88 are taken as 88 (exp(88) ~ 1.7e38). */
-INLINE v8 exp_v(v8 x) {
-  const v8i dead = x < splat(-87.0f);
-  x = (v8)((v8i)x & ~dead);
-  x = select_v(x > splat(88.0f), splat(88.0f), x);
-  const v8 fx = x * splat(1.44269504088896341f) + splat(0.5f);
-  v8 n = __builtin_convertvector(__builtin_convertvector(fx, v8i), v8);
-  n -= (v8)((v8i)splat(1.0f) & (n > fx)); /* floor */
-  x = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);
-  v8 y = splat(1.9875691500e-4f);
-  y = y * x + splat(1.3981999507e-3f);
-  y = y * x + splat(8.3334519073e-3f);
-  y = y * x + splat(4.1665795894e-2f);
-  y = y * x + splat(1.6666665459e-1f);
-  y = y * x + splat(5.0000001201e-1f);
-  y = y * x * x + x + splat(1.0f);
-  const v8i scale = (__builtin_convertvector(n, v8i) + 127) << 23; /* 2^n */
-  return (v8)((v8i)(y * (v8)scale) & ~dead);
-}
+ * the result is exactly 0; inputs past 88 are taken as 88 (exp(88) ~ 1.7e38). Defined for 8
+ * lanes (exp_v) and for 16 (exp16: one AVX-512 register where the machine has them, two
+ * 8-lane halves elsewhere), the same operations lane by lane. */
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
+#define DEFINE_EXP(name, V, VI, SPLAT)                                                        \
+  INLINE V name(V x) {                                                                        \
+    const VI dead = x < SPLAT(-87.0f), big = x > SPLAT(88.0f);                                \
+    x = (V)((VI)x & ~dead);                                                                   \
+    x = (V)(((VI)SPLAT(88.0f) & big) | ((VI)x & ~big));                                       \
+    const V fx = x * SPLAT(1.44269504088896341f) + SPLAT(0.5f);                               \
+    V n = __builtin_convertvector(__builtin_convertvector(fx, VI), V);                        \
+    n -= (V)((VI)SPLAT(1.0f) & (n > fx)); /* floor */                                         \
+    x = x - n * SPLAT(0.693359375f) + n * SPLAT(2.12194440e-4f);                              \
+    V y = SPLAT(1.9875691500e-4f);                                                            \
+    y = y * x + SPLAT(1.3981999507e-3f);                                                      \
+    y = y * x + SPLAT(8.3334519073e-3f);                                                      \
+    y = y * x + SPLAT(4.1665795894e-2f);                                                      \
+    y = y * x + SPLAT(1.6666665459e-1f);                                                      \
+    y = y * x + SPLAT(5.0000001201e-1f);                                                      \
+    y = y * x * x + x + SPLAT(1.0f);                                                          \
+    const VI scale = (__builtin_convertvector(n, VI) + 127) << 23; /* 2^n */                  \
+    return (V)((VI)(y * (V)scale) & ~dead);                                                   \
+  }
+DEFINE_EXP(exp_v, v8, v8i, splat)
+DEFINE_EXP(exp16, v16, v16i, splat16)
 
 /* ---------------------------------------------------------------------------------------
  * KV cache elements (engine/cpu/kernels.py KV_TYPES): float32, or 16 bits (float16 as llama.cpp

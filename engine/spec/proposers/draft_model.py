@@ -26,6 +26,7 @@ import torch
 
 from engine.config import SpecConfig
 from engine.core.request import Request
+from engine.cpu import sampling as cpu_sampling
 from engine.model.inputs import SeqInput
 from engine.model.runner import ModelRunner
 from engine.sample.sampler import (
@@ -34,7 +35,9 @@ from engine.sample.sampler import (
     argmax,
     changes_logits,
     coupled_tokens,
+    kernel_rows,
     logits_to_probs,
+    plain_sampling,
     request_uniforms,
     sample_from,
 )
@@ -150,7 +153,8 @@ class DraftModelProposer:
             flat_q.extend(lane_q[i][b][d] for d in range(k) for b in range(n) if want_q)
             # Only the root's draft KV is kept: the accepted drafts are fed again next step.
             req.num_draft_computed_tokens = root[i] + 1
-        probs = torch.stack(flat_q) if flat_q else None
+        # (One row, as at concurrency 1 with K = 1: a view of it, not a copy.)
+        probs = (flat_q[0][None] if len(flat_q) == 1 else torch.stack(flat_q)) if flat_q else None
         has_tree = any(p is not None for p in parents)
         return DraftBatch(drafts, probs, *fed, parents=parents if has_tree else None)
 
@@ -196,6 +200,9 @@ class DraftModelProposer:
             # Not widening them to the vocabulary: 39 against 136 us a pick of the default
             # draft's 8,191 columns (2-core AMD EPYC Zen 3, 2026-11-28, alternated 4,000 times).
             return [([token], None) for token in head[argmax(logits)].tolist()]
+        if head is not None and chains and not changes_logits(rows):
+            if (picks := self._sample_head(logits, rows)) is not None:
+                return picks
         logits = apply_penalties_and_masks(self.runner.widen(logits), rows)
         if not want_q:  # all greedy
             n_max = max(n for _, _, n in entries)
@@ -217,6 +224,22 @@ class DraftModelProposer:
                 picked = self._siblings(logits[j], q[j], req, tokens[j], n, self.tree_drafts)
             out.append((picked, q[j]))
         return out
+
+    def _sample_head(
+        self, logits: torch.Tensor, rows: list[RowSpec]
+    ) -> list[tuple[list[int], torch.Tensor]] | None:
+        """Sampled chains with nothing to mask, cut or couple, on the CPU: q over the restricted
+        head's own columns, widened with zeros, and a token drawn from it, in one kernel call
+        (engine/cpu/sampling.py `sample_head`); None where it does not apply."""
+        head = self.runner.head_tokens
+        params = [row.request.params for row in rows]
+        if not (kernel_rows(logits) and all(plain_sampling(p) for p in params)):
+            return None
+        uniform = request_uniforms([row.request for row in rows], [1] * len(rows), head.device)
+        tokens, q = cpu_sampling.sample_head(
+            logits, [1.0 / p.temperature for p in params], head, uniform, self.runner.vocab_size
+        )
+        return [([token], q[j]) for j, token in enumerate(tokens)]
 
     @staticmethod
     def _siblings(
