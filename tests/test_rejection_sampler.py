@@ -294,3 +294,19 @@ def test_verifying_from_logits_in_one_call_decides_as_emitted_tokens(method, dra
     kept = [len(out) - 1 for step in got for out in step]
     assert 0 < sum(kept) < sum(ks) * len(trials)  # both kept and rejected drafts
     assert len({tuple(out[-1] for out in step) for step in got}) > 70  # the draws moved them
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="Tandem's CPU kernels did not build")
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_a_draft_outside_the_vocabulary_is_rejected_in_the_one_call_path(method):
+    """A draft row without mass draws the vocabulary's size (engine/cpu/sampling.py): the
+    kernel reads its p and q as 0, so it is never kept, and the final token comes from the
+    target's row, never from past its end."""
+    g = torch.Generator().manual_seed(5)
+    vocab = 50
+    logits = torch.randn(3, vocab, generator=g)
+    q = torch.softmax(torch.randn(2, vocab, generator=g), -1)
+    for _ in range(20):
+        u = torch.rand(3, generator=g, dtype=torch.float64)
+        out = verify_sampled(logits, [0.8], [vocab, 3], q, [2], u, method)
+        assert len(out[0]) == 1 and 0 <= out[0][0] < vocab

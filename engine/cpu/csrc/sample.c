@@ -300,6 +300,11 @@ static float residual_mass(const float *p, const float *q, float w, int64_t toke
 /* A min with Python's rule, as `min(a, b)` answers: a unless b < a (a NaN stays). */
 static float min_first(float a, float b) { return b < a ? b : a; }
 
+/* row[id], or 0 for an id outside the vocabulary (a draft drawn from a row without mass). */
+static float mass_at(const float *row, int64_t id, int64_t vocab) {
+  return id >= 0 && id < vocab ? row[id] : 0.0f;
+}
+
 /* How many of request's k drafts block verification keeps (tau), and w_tau. p: its k + 1
  * rows; q: its k rows (NULL: one-hot at each draft); ids, u: its drafts and its rows' draws. */
 static int64_t block_keep(const float *p, const float *q, const int64_t *ids, const double *u,
@@ -307,7 +312,8 @@ static int64_t block_keep(const float *p, const float *q, const int64_t *ids, co
   float w[k + 1];
   w[0] = 1.0f;
   for (int64_t j = 0; j < k; j++) {
-    const float px = p[j * vocab + ids[j]], qx = q ? q[j * vocab + ids[j]] : 1.0f;
+    const float px = mass_at(p + j * vocab, ids[j], vocab);
+    const float qx = q ? mass_at(q + j * vocab, ids[j], vocab) : 1.0f;
     const float ratio = qx > 0 ? px / (TINY > qx ? TINY : qx) : 0.0f;
     w[j + 1] = min_first(w[j] * ratio, 1.0f);
   }
@@ -318,7 +324,7 @@ static int64_t block_keep(const float *p, const float *q, const int64_t *ids, co
       h = w[k];
     } else if (w[i] > 0) {
       const float m = q ? residual_mass(p + i * vocab, q + i * vocab, w[i], -1, vocab)
-                        : w[i] * (1.0f - p[i * vocab + ids[i]]); /* one-hot at x_{i+1} */
+                        : w[i] * (1.0f - mass_at(p + i * vocab, ids[i], vocab)); /* one-hot */
       const float denom = m + 1.0f - w[i];
       h = denom > 0 ? m / (TINY > denom ? TINY : denom) : 0.0f;
     }
@@ -333,7 +339,8 @@ static int64_t token_keep(const float *p, const float *q, const int64_t *ids, co
                           int64_t k, int64_t vocab) {
   int64_t kept = 0;
   for (; kept < k; kept++) {
-    const float px = p[kept * vocab + ids[kept]], qx = q ? q[kept * vocab + ids[kept]] : 1.0f;
+    const float px = mass_at(p + kept * vocab, ids[kept], vocab);
+    const float qx = q ? mass_at(q + kept * vocab, ids[kept], vocab) : 1.0f;
     if (!(px > 0 && qx > 0 && u[kept] * (double)qx <= (double)px)) break;
   }
   return kept;
@@ -355,9 +362,10 @@ void tandem_verify_sampled(const float *logits, const float *inv_temperature, fl
     starts[i] = rows, draft_starts[i] = rows - i;
     rows += num_drafts[i] + 1;
   }
-  float inv_row[rows];
+  float inv_row[rows > 0 ? rows : 1];
   for (int64_t i = 0; i < batch; i++)
-    for (int64_t j = starts[i]; j <= starts[i] + num_drafts[i]; j++) inv_row[j] = inv_temperature[i];
+    for (int64_t j = starts[i]; j <= starts[i] + num_drafts[i]; j++)
+      inv_row[j] = inv_temperature[i];
   softmax_rows(logits, inv_row, probs, rows, vocab, nthreads);
   const int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && batch >= 4)
