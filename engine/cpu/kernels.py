@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -309,22 +310,26 @@ def layers(
     eps: float,
     scale: float,
     head: tuple[Weight, torch.Tensor, float, int] | None = None,
+    scratch: Callable[[int], torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """Every layer of a Llama-family model over `hidden` in one call (tandem_layers): the
     per-step kernels in the order engine/model/native/llama.py calls them, so the same numbers.
     With `head` (the LM head's Weight, kept alive by the caller, the final norm's weight, its
     epsilon, the head's width) the final norm and the head follow in the same call, on every
-    row: their logits [tokens, width] are returned, `hidden` keeps the body's output."""
+    row: their logits [tokens, width] are returned, `hidden` keeps the body's output.
+    `scratch(n)`: a buffer of at least n float32s for the call's intermediates (one made for
+    it when None)."""
     heads, kv_heads, head_dim, inter = shape
     tokens, dim = hidden.shape
-    scratch = torch.empty(tokens * (dim + (3 * heads + 2 * kv_heads) * head_dim + 3 * inter))
+    floats = tokens * (dim + (3 * heads + 2 * kv_heads) * head_dim + 3 * inter)
+    buffer = scratch(floats) if scratch is not None else torch.empty(floats)
     logits, tail = None, (None, None, 0.0, 0, None)
     if head is not None:
         logits = torch.empty(tokens, head[3])
         tail = (ctypes.addressof(head[0]), head[1].data_ptr(), head[2], head[3], logits.data_ptr())
     status = require().tandem_layers(
         ctypes.addressof(stack), len(stack), ctypes.addressof(batch), hidden.data_ptr(),
-        tokens, dim, heads, kv_heads, head_dim, inter, eps, scale, scratch.data_ptr(),
+        tokens, dim, heads, kv_heads, head_dim, inter, eps, scale, buffer.data_ptr(),
         torch.get_num_threads(), *tail,
     )  # fmt: skip
     if status != 0:

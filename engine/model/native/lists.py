@@ -59,8 +59,8 @@ def forward_lists(
         and max(query_lens) <= MAX_KERNEL_QUERY
     ):
         return None
-    key_cache = runner.kv_caches[0][0]
-    bs = key_cache.shape[1]
+    stack = native.layer_stack(runner.kv_caches)  # the pass's constants, kept
+    bs = stack.block_size
     slots = cache_slots(query_lens, context_lens, tables, bs)
     rows = kernel_tables(tables, context_lens, bs)
     width, n, seqs = len(rows[0]), len(token_ids), len(query_lens)
@@ -70,16 +70,14 @@ def forward_lists(
     ints = np.array(positions + slots + starts + query_lens + context_lens + padded, np.int64)
     at = ints.ctypes.data
     batch = cpu_kernels.Batch(
-        at, at + 8 * n, native.cos.data_ptr(), native.sin.data_ptr(),
-        at + 8 * (2 * n + 3 * seqs), width,
+        at, at + 8 * n, stack.cos, stack.sin, at + 8 * (2 * n + 3 * seqs), width,
         at + 8 * 2 * n, at + 8 * (2 * n + seqs), at + 8 * (2 * n + 2 * seqs),
-        seqs, bs, None, None, cpu_kernels.kv_type(key_cache.dtype),
+        seqs, bs, None, None, stack.kv_type,
     )  # fmt: skip
-    embed = native.embed_tokens
-    if type(embed) is torch.nn.Embedding:  # a plain lookup: the rows, copied
-        hidden = torch.from_numpy(embed.weight.detach().numpy()[token_ids])
+    if stack.embed_rows is not None:  # a plain lookup: the rows, copied
+        hidden = torch.from_numpy(stack.embed_rows[token_ids])
     else:  # an input layer of its own (a feature draft's: engine/spec/proposers/eagle.py)
-        hidden = embed(torch.tensor(token_ids)).contiguous()
+        hidden = native.embed_tokens(torch.tensor(token_ids)).contiguous()
     runner.last_hidden = hidden
     if len(logit_index) == n:  # every row's logits: the final norm and the head in the call
         return native.run_stack(hidden, batch, runner.kv_caches, with_logits=True)

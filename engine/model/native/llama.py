@@ -17,8 +17,6 @@ layer as about nine kernels (engine/model/native/triton_ops.py) instead of about
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +24,7 @@ from torch import nn
 from engine.attention.paged import AttentionMetadata
 from engine.cpu import kernels as cpu_kernels
 from engine.cpu.linear import PackedLinear, pack_linears
+from engine.model.native.stack import LayerStack, build_stack, stack_key
 
 # Rotary types whose inverse frequencies do not depend on the sequence length; "dynamic" and
 # "longrope" recompute them as the context grows, which this forward does not follow.
@@ -210,8 +209,8 @@ class LlamaForward(nn.Module):
         self.register_buffer("cos", (emb.cos() * scaling).to(device, dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(device, dtype), persistent=False)
         self.cpu_kernels = self.triton_ops = self.one_call = False
-        self._stack: tuple[tuple, ctypes.Array, cpu_kernels.Weight] | None = None
-        """(key, the layers, the LM head) for `cpu_kernels.layers`; see `_layer_stack`."""
+        self._stack: LayerStack | None = None
+        """What `cpu_kernels.layers` needs; see `layer_stack`."""
 
     def use_cpu_kernels(self) -> bool:
         """Pack the linears and run each layer through `_Layer.forward_cpu` (float32 on the
@@ -298,41 +297,20 @@ class LlamaForward(nn.Module):
         (from the metadata here, or from the runner's lists: engine/model/native/lists.py).
         `with_logits`: the final norm and the LM head follow in the same call, and every
         row's logits are returned (what `logits(hidden)` gives); else None."""
-        first = self.layers[0]
-        shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.intermediate)
-        eps = first.input_norm.variance_epsilon
-        stack, lm_head = self._layer_stack(kv_caches)
-        head = None
-        if with_logits:
-            width = self.lm_head.out_features
-            head = (lm_head, self.norm.weight, self.norm.variance_epsilon, width)
-        return cpu_kernels.layers(stack, batch, hidden, shape, eps, first.scaling, head)
+        stack = self.layer_stack(kv_caches)
+        head = (stack.head, stack.final_norm, stack.final_eps, stack.width) if with_logits else None
+        return cpu_kernels.layers(
+            stack.layers, batch, hidden, stack.shape, stack.eps, stack.scale, head,
+            scratch=stack.scratch_for,
+        )  # fmt: skip
 
-    def _layer_stack(self, kv_caches: list) -> tuple[ctypes.Array, cpu_kernels.Weight]:
-        """The layers' weights and caches as `cpu_kernels.Layer`s, and the LM head's `Weight`,
-        rebuilt when the caches or any packed panels changed. The key: PackedLinear.changes,
-        and the caches' list (a runner makes a new one whenever it allocates them) by
-        identity, length and its first and last tensors' addresses (all ~60 addresses cost
-        ~30 us a pass to read)."""
-        ends = (kv_caches[0][0].data_ptr(), kv_caches[-1][-1].data_ptr())
-        key = (PackedLinear.changes, id(kv_caches), len(kv_caches), ends)
-        if self._stack is None or self._stack[0] != key:
-            stack = (cpu_kernels.Layer * len(self.layers))()
-            for entry, layer in zip(stack, self.layers, strict=True):
-                key_cache, value_cache = kv_caches[layer.layer_idx]
-                for name, linear in (
-                    ("qkv", layer.qkv), ("o", layer.o_proj),
-                    ("gate_up", layer.gate_up), ("down", layer.down_proj),
-                ):  # fmt: skip
-                    packed: PackedLinear = linear
-                    weight = cpu_kernels.weight(packed.panels, packed.packed_bias, packed.quant)
-                    setattr(entry, name, weight)
-                entry.input_norm = layer.input_norm.weight.data_ptr()
-                entry.post_norm = layer.post_norm.weight.data_ptr()
-                entry.key_cache, entry.value_cache = key_cache.data_ptr(), value_cache.data_ptr()
-            lm: PackedLinear = self.lm_head
-            self._stack = (key, stack, cpu_kernels.weight(lm.panels, lm.packed_bias, lm.quant))
-        return self._stack[1], self._stack[2]
+    def layer_stack(self, kv_caches: list) -> LayerStack:
+        """What `run_stack`'s call needs (engine/model/native/stack.py), built again when the
+        caches or any packed panels changed."""
+        key = stack_key(kv_caches)
+        if self._stack is None or self._stack.key != key:
+            self._stack = build_stack(self, kv_caches, key)
+        return self._stack
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] body output -> [rows, vocab]; rows are normalised independently, so
