@@ -31,9 +31,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.cpu import kernels as cpu_kernels
 from engine.cpu import sampling as cpu_sampling
-from engine.sample.sampler import sample_from
+from engine.sample.sampler import kernel_rows, sample_from
 
 PAD = -1
 
@@ -178,12 +177,8 @@ def verify_sampled(
 
 def _kernel_takes(target_probs: torch.Tensor, draft_probs: torch.Tensor | None) -> bool:
     """Whether engine/cpu/csrc/sample.c draws the final tokens (float32 rows in memory)."""
-    on_cpu = [
-        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-        for t in (target_probs, draft_probs)
-        if t is not None
-    ]
-    return all(on_cpu) and cpu_kernels.available()
+    rows = [t for t in (target_probs, draft_probs) if t is not None]
+    return all(kernel_rows(t) and t.is_contiguous() for t in rows)
 
 
 def _final_tokens(

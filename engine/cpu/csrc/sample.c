@@ -250,6 +250,14 @@ NO_CONTRACT static void fill_residual(const void *ctx, int64_t at, int64_t n, fl
   }
 }
 
+/* The final token with draw u: from the residual r (NULL: none, the bonus), or from p where
+ * the residual has no mass (vocab for a row without mass). sums: blocks of the vocabulary. */
+static int64_t final_token(const struct residual_row *r, const float *p, int64_t vocab,
+                           double u, double *sums) {
+  const int64_t token = r ? sample_filled(fill_residual, r, vocab, u, sums) : vocab;
+  return token < vocab ? token : sample_row(p, vocab, u, sums);
+}
+
 /* For each of n requests: p is row rows[i] of probs [*, vocab]; q_rows[i] < 0 asks for the
  * bonus (a token from p), else the residual of q row q_rows[i] (of q [*, vocab], or NULL for
  * one-hot at tokens[i]) with weight w[i]; uniform[i] is the draw. out[i] = the token (vocab
@@ -263,12 +271,9 @@ void tandem_sample_final(const float *probs, const int64_t *rows, const float *q
   for (int64_t i = 0; i < n; i++) {
     double sums[blocks];
     const float *p = probs + rows[i] * vocab;
-    int64_t token = vocab;
-    if (q_rows[i] >= 0) {
-      const struct residual_row r = {p, q ? q + q_rows[i] * vocab : 0, w[i], tokens[i]};
-      token = sample_filled(fill_residual, &r, vocab, uniform[i], sums);
-    }
-    out[i] = token < vocab ? token : sample_row(p, vocab, uniform[i], sums);
+    const struct residual_row r = {p, q && q_rows[i] >= 0 ? q + q_rows[i] * vocab : 0, w[i],
+                                   tokens[i]};
+    out[i] = final_token(q_rows[i] >= 0 ? &r : 0, p, vocab, uniform[i], sums);
   }
 }
 
@@ -378,13 +383,11 @@ void tandem_verify_sampled(const float *logits, const float *inv_temperature, fl
                               : token_keep(p, qi, ids + d, u, k, vocab);
     double sums[blocks];
     const float *row = p + tau * vocab;
-    int64_t token = vocab;
-    if (tau < k) { /* the rejected draft's residual */
-      const struct residual_row r = {row, qi ? qi + tau * vocab : 0, w, ids[d + tau]};
-      token = sample_filled(fill_residual, &r, vocab, u[k], sums);
-    }
+    /* a rejected draft's residual, or (all kept) the bonus */
+    const struct residual_row r = {row, qi && tau < k ? qi + tau * vocab : 0, w,
+                                   tau < k ? ids[d + tau] : -1};
     kept[i] = tau;
-    out[i] = token < vocab ? token : sample_row(row, vocab, u[k], sums);
+    out[i] = final_token(tau < k ? &r : 0, row, vocab, u[k], sums);
   }
 }
 

@@ -80,6 +80,6 @@ def forward_lists(
         hidden = native.embed_tokens(torch.tensor(token_ids)).contiguous()
     runner.last_hidden = hidden
     if len(logit_index) == n:  # every row's logits: the final norm and the head in the call
-        return native.run_stack(hidden, batch, runner.kv_caches, with_logits=True)
-    native.run_stack(hidden, batch, runner.kv_caches)
+        return native.run_stack(hidden, batch, stack, with_logits=True)
+    native.run_stack(hidden, batch, stack)
     return native.logits(hidden[logit_index]).float()

@@ -271,33 +271,30 @@ class LlamaForward(nn.Module):
     ) -> torch.Tensor:
         """`forward` on the C kernels as one call (cpu_kernels.layers): the steps of
         `_Layer.forward_cpu`, same kernels in the same order, without Python between them."""
-        seqs = metadata.kernel_seqs
-        key_cache = metadata.kv_caches[0][0]
+        seqs, stack = metadata.kernel_seqs, self.layer_stack(metadata.kv_caches)
         batch = cpu_kernels.Batch(
-            positions.data_ptr(), metadata.slot_mapping.data_ptr(),
-            self.cos.data_ptr(), self.sin.data_ptr(),
+            positions.data_ptr(), metadata.slot_mapping.data_ptr(), stack.cos, stack.sin,
             seqs.tables.data_ptr(), seqs.tables.shape[1],
             seqs.q_starts.data_ptr(), seqs.q_lens.data_ptr(), seqs.ctx_lens.data_ptr(),
-            seqs.tables.shape[0], key_cache.shape[1],
+            seqs.tables.shape[0], stack.block_size,
             None if seqs.tree is None else seqs.tree.data_ptr(),
             None if seqs.tree_base is None else seqs.tree_base.data_ptr(),
-            cpu_kernels.kv_type(key_cache.dtype),
+            stack.kv_type,
         )  # fmt: skip
-        self.run_stack(hidden := hidden.contiguous(), batch, metadata.kv_caches)
+        self.run_stack(hidden := hidden.contiguous(), batch, stack)
         return hidden
 
     def run_stack(
         self,
         hidden: torch.Tensor,  # [tokens, hidden] float32, contiguous: updated in place
         batch: cpu_kernels.Batch,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        stack: LayerStack,  # `layer_stack` of the caches the batch's slots and tables index
         with_logits: bool = False,
     ) -> torch.Tensor | None:
         """Every layer over `hidden` in one C call (cpu_kernels.layers), for `batch`'s layout
         (from the metadata here, or from the runner's lists: engine/model/native/lists.py).
         `with_logits`: the final norm and the LM head follow in the same call, and every
         row's logits are returned (what `logits(hidden)` gives); else None."""
-        stack = self.layer_stack(kv_caches)
         head = (stack.head, stack.final_norm, stack.final_eps, stack.width) if with_logits else None
         return cpu_kernels.layers(
             stack.layers, batch, hidden, stack.shape, stack.eps, stack.scale, head,
