@@ -4,8 +4,8 @@
 
 Three stages; each one's result is kept in --work, so a re-run continues where it stopped:
 1. answers: the target (served by Tandem's own engine, speculation off) answers every
-   training instruction of bench/chat_prompts.py, greedily and once more at temperature 0.8,
-   and its top-8 logprobs at every answer token are kept. The answers are the contexts the
+   training instruction of bench/chat_prompts.py, greedily and --samples times at temperature
+   0.8, and its top-8 logprobs at every answer token are kept. The answers are the contexts the
    draft will meet; the logprobs are what the target would say next at each of them.
 2. train: a small Llama (the target's tokenizer; hidden 256, 6 layers, grouped-query
    attention) whose tied embedding starts as the target's embedding projected on its top 256
@@ -17,6 +17,9 @@ Three stages; each one's result is kept in --work, so a re-run continues where i
    cross-entropy on windows of the Python standard library's docstrings (text every machine
    has).
 3. save: bfloat16 safetensors, head_tokens.json and the target's tokenizer files into --out.
+
+--resume trains the checkpoint a previous run left in --work further, on the answers there
+(delete answers.jsonl first to regenerate them, e.g. with more --samples).
 
 The held-out instructions (bench/chat_prompts.py `split`) are never trained on; the
 benchmarks use them. models/README.md records the run and the measured acceptance.
