@@ -7,6 +7,7 @@ Every process is started with a deadline and stopped by the fixture that started
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -30,7 +31,22 @@ STARTUP_SECONDS = 90  # two replicas importing torch on two busy cores
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A free loopback port below the kernel's ephemeral range (and above Ray's worker ports,
+    10002-19999). A port-0 pick comes from the ephemeral range, where any outgoing connection or
+    port-0 listener can take it before the server binds it; Ray's processes open dozens of those,
+    and once took the port a test had picked for Ray Serve's proxy."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    for port in random.sample(range(20000, low), min(256, max(low - 20000, 0))):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # an unusual range: the kernel's pick
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

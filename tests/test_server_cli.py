@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 
 import httpx
 import pytest
 
+from tests.deploy_helpers import free_port
 from tests.server_helpers import wait_healthy
 
 REQUIRED_FLAGS = (
@@ -55,9 +55,7 @@ def test_bad_flag_values_exit_with_a_clear_message(tiny_dirs, args, message):
 
 
 def test_serve_starts_answers_and_stops_cleanly(tiny_dirs):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     args = [
         "serve", "--model", str(tiny_dirs["llama"]), "--speculative-method", "ngram",
         "--block-size", "4", "--kv-cache-blocks", "64", "--port", str(port),
