@@ -18,8 +18,9 @@ Three stages; each one's result is kept in --work, so a re-run continues where i
    has).
 3. save: bfloat16 safetensors, head_tokens.json and the target's tokenizer files into --out.
 
---resume trains the checkpoint a previous run left in --work further, on the answers there
-(delete answers.jsonl first to regenerate them, e.g. with more --samples).
+--resume trains the checkpoint a previous run left in --work further, on the answers there.
+A larger --samples than the answers in --work have adds the missing samples to them (the
+answers kept are not regenerated; delete answers.jsonl to start them afresh).
 
 The held-out instructions (bench/chat_prompts.py `split`) are never trained on; the
 benchmarks use them. models/README.md records the run and the measured acceptance.
@@ -70,8 +71,6 @@ def generate_answers(
     target_dir: str, work: Path, max_tokens: int, batch: int, samples: int, top: int
 ) -> Path:
     out = work / "answers.jsonl"
-    if out.exists():
-        return out
     from transformers import AutoTokenizer
 
     from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
@@ -80,10 +79,24 @@ def generate_answers(
 
     tok = AutoTokenizer.from_pretrained(target_dir)
     train, _ = split()
+    # Answers already there are kept: only the ones missing for `samples` are generated and
+    # appended (a row's seed is its line number in the file, new or extended).
+    have: dict[tuple[int, float], int] = {}
+    kept = 0
+    if out.exists():
+        with open(out) as f:
+            for line in f:
+                row = json.loads(line)
+                key = (row["instruction"], row["temperature"])
+                have[key] = have.get(key, 0) + 1
+                kept += 1
     jobs = []  # (instruction index, temperature)
     for i in range(len(train)):
-        jobs.append((i, 0.0))
-        jobs.extend([(i, 0.8)] * samples)
+        jobs.extend([(i, 0.0)] * (1 - have.get((i, 0.0), 0)))
+        jobs.extend([(i, 0.8)] * (samples - have.get((i, 0.8), 0)))
+    if not jobs:
+        return out
+    log(f"answers: {kept} kept, {len(jobs)} to generate")
     engine = LLMEngine(
         EngineConfig(
             model=ModelConfig(model=target_dir),
@@ -100,7 +113,9 @@ def generate_answers(
     reasons: dict[str, str] = {}
     started = time.perf_counter()
     for n, (i, temp) in enumerate(jobs):
-        params = SamplingParams(max_tokens=max_tokens, temperature=temp, seed=n, logprobs=top)
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temp, seed=kept + n, logprobs=top
+        )
         engine.add_request(f"{n}", prompts[i], params)
     done = 0
     tokens = 0
@@ -118,14 +133,17 @@ def generate_answers(
                 if done % 200 == 0:
                     rate = tokens / (time.perf_counter() - started)
                     log(f"answers: {done}/{len(jobs)} ({tokens} tokens, {rate:.0f} tok/s)")
-    with open(out.with_suffix(".tmp"), "w") as f:
+    tmp = out.with_suffix(".tmp")
+    if out.exists():
+        shutil.copyfile(out, tmp)
+    with open(tmp, "a") as f:
         for n, (i, temp) in enumerate(jobs):
             rid = f"{n}"
             row = {"instruction": i, "temperature": temp, "prompt": prompts[i],
                    "answer": results.get(rid, []), "top": tops.get(rid, []),
                    "finish": reasons.get(rid, "")}  # fmt: skip
             f.write(json.dumps(row) + "\n")
-    out.with_suffix(".tmp").rename(out)
+    tmp.rename(out)
     log(f"answers: {len(jobs)} in {time.perf_counter() - started:.0f}s, {tokens} tokens")
     return out
 
