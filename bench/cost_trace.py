@@ -5,8 +5,9 @@ draft-length policy decides on are off, and by how much.
   python -m bench.cost_trace /tmp/trace.jsonl
 
 One row per kind of observation and size: target passes by token count (1..8 each, then
-powers of two), the draft's part of a step by its number of passes, and the step's cost
-outside the passes by batch size and whether it drafted. Each row: how many, the mean
+powers of two), the draft's part of a step by its number of passes and the tokens it ran
+(drafts, catch-ups and prompt chunks; sized alike), and the step's cost outside the passes
+by batch size and whether it drafted. Each row: how many, the mean
 measured and predicted milliseconds, and measured / predicted over the row (the sums' ratio,
 so long observations weigh more). `--skip N` leaves out each kind's first N observations
 (the start-up fit before its online scales have learned anything).
@@ -42,7 +43,11 @@ def _key(record: dict) -> tuple[int, int, int, str]:
     if kind == "target":
         size, label = _bucket(record["tokens"])
         return 0, size, branches, f"{label} tokens{tree}"
-    return 1, record["passes"], branches, f"{record['passes']} passes{tree}"
+    # By the tokens the draft ran (drafts, catch-ups, prompt chunks): each kind has its own
+    # price, and a misfit shows as a ratio that moves with the size.
+    size, label = _bucket(record["drafts"] + record.get("fed", 0))
+    passes = record["passes"]
+    return 1, 1000 * passes + size, branches, f"{passes} passes, {label} tokens{tree}"
 
 
 def summarise(lines: list[str], skip: int = 0) -> list[dict]:

@@ -45,13 +45,13 @@ def test_a_traced_model_records_what_it_predicted_and_learns_as_the_plain_one():
     assert abs(records[-1]["measured"] - 1e-3) < 1e-12
     # Tracing changes nothing the policy reads.
     assert traced.target_scale.value == plain.target_scale.value
-    assert traced.draft_scale.value == plain.draft_scale.value
+    assert traced.draft.coefs == plain.draft.coefs
     assert traced.step_overhead(1, True) == plain.step_overhead(1, True)
     rows = summarise(buffer.getvalue().splitlines())
     assert [(r["kind"], r["what"], r["count"]) for r in rows] == [
         ("target", "1 tokens", 1),
         ("target", "3 tokens", 2),
-        ("draft", "2 passes", 1),
+        ("draft", "2 passes, 5 tokens", 1),
         ("step", "batch 1, drafting", 9),
     ]
     assert abs(rows[1]["ratio"] - 9e-3 / sum(expected[:2])) < 1e-9

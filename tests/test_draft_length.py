@@ -479,8 +479,11 @@ def test_observing_a_step_predicts_what_target_time_predicts():
         fresh = CostModel.from_dict(cost.to_dict())
         fresh.observe_target(shape, 2 * float(cost.target_time(tokens, 300, tokens * 300)))
         assert fresh.target_scale.value == pytest.approx(2.0, rel=1e-12)  # measured / predicted
-        fresh.observe_draft(3, 3, 900, 0.5 * float(cost.draft_time(3, 3, 900)))
-        assert fresh.draft_scale.value == pytest.approx(0.5, rel=1e-12)
+        fresh.observe_draft(3, 3, 900, 0.5 * float(cost.draft_time(3, 3, 900, fed=7)), fed=7)
+        assert fresh.draft.at(3, 3, 900, 7) == pytest.approx(
+            float(fresh.draft_time(3, 3, 900, fed=7)), rel=1e-12
+        )
+        assert fresh.draft.at(3, 3, 900, 7) < 0.6 * float(cost.draft_time(3, 3, 900, fed=7))
 
 
 def test_small_passes_learn_what_one_more_token_costs():
@@ -532,9 +535,12 @@ def test_one_requests_draft_length_is_what_the_vectorised_search_gives():
     rng = np.random.default_rng(0)
     for trial in range(400):
         seconds = [0.006 + 0.0004 * n + rng.uniform(0, 0.001) for n in SIZES]
+        per_fed = rng.uniform(0.1, 1.0) * 3e-5
         cost = CostModel(SIZES, seconds, 0.0005, 0.00003, kv_coef=2e-7, qk_coef=3e-9,
-                         draft_per_pair=1e-9)  # fmt: skip
-        cost.target_scale.value, cost.draft_scale.value = rng.uniform(0.5, 2.0, size=2)
+                         draft_per_pair=1e-9, draft_per_fed=per_fed)  # fmt: skip
+        cost.target_scale.value = rng.uniform(0.5, 2.0)
+        factors = rng.uniform(0.5, 2.0, size=4).tolist()
+        cost.draft.coefs = [c * f for c, f in zip(cost.draft.calibrated, factors, strict=True)]
         for n in rng.choice(np.arange(1, 9), size=int(rng.integers(0, 5)), replace=False):
             small = cost.small_scales[n]  # passes of n tokens measured apart
             small.value, small.count = rng.uniform(0.5, 2.0), 8
@@ -626,6 +632,17 @@ def test_steps_that_draft_are_charged_their_own_overhead():
     assert policy._best_prefix(policy.gains(a), context, 0, lag)[0].tolist() == [0]
     assert policy._best_uniform(policy.gains(a), context, 0, lag)[0].tolist() == [0]
     assert policy._best_alone(policy.gains(a), context, lag).tolist() == [0]
+
+
+def test_batches_past_eight_share_their_step_overhead_by_range_of_sizes():
+    """At concurrency 16 the batch moves between 9 and 16 as requests finish and start: the
+    sizes 9-16 pool their steps' overhead (one step of each is enough), as 17-32 do."""
+    cost = memory_then_compute_bound()
+    for batch in range(9, 17):
+        cost.observe_step(batch, 0.003, 0.001)
+    assert cost.step_overhead(12) == pytest.approx(0.002)
+    assert cost.step_overhead(16, drafting=True) == pytest.approx(0.002)  # the plain steps'
+    assert cost.step_overhead(8) == 0.0 and cost.step_overhead(17) == 0.0
 
 
 def test_a_lagging_draft_is_charged_over_the_drafting_runs_the_policy_measures():

@@ -53,8 +53,9 @@ def main(argv: list[str] | None = None) -> None:
         table = dict(zip(cost.sizes.astype(int).tolist(), ms, strict=True))
         print(f"start {start + 1}: target table (ms) {table}")
         print(
-            f"  draft {cost.draft_fixed * 1e3:.3f} ms/pass + {cost.draft_per_token * 1e3:.3f} "
-            f"ms/token + {cost.draft_per_pair * 1e6:.3f} us/score"
+            f"  draft {cost.draft.fixed * 1e3:.3f} ms/pass + {cost.draft.per_token * 1e3:.3f} "
+            f"ms/draft + {cost.draft.per_pair * 1e6:.3f} us/score + "
+            f"{cost.draft.per_fed * 1e3:.3f} ms/token fed"
         )
         for k in range(spec.max_draft_tokens + 1):
             tokens = 16 * (1 + sum(0.8**d for d in range(1, k + 1)))
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
         result = run_closed_loop(engine, "c16", prompts, 16, 128, 48)
         print(
             f"  run: {result.tokens_per_s:.0f} tok/s, mean K {result.mean_k:.2f}, online scale "
-            f"target {cost.target_scale.value:.2f} draft {cost.draft_scale.value:.2f}"
+            f"target {cost.target_scale.value:.2f} draft "
+            f"{', '.join(f'{x:.2f}' for x in cost.draft.scales)}"
         )
         print(f"  mean K at >= 12 decodes (steps): {sorted(chosen.items())}")
         del engine

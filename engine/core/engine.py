@@ -277,12 +277,14 @@ class LLMEngine:
             query_lens.append(item.num_new_tokens + k)
             context_lens.append(item.request.num_computed_tokens + item.num_new_tokens + k)
         branches = max((item.branches for item in sched.scheduled), default=1)
-        if any(proposed) and drafts is not None:
-            # Charged for every token the draft model ran, prefill chunks included: counting
-            # only the drafts would read a step with a prefill chunk as a slow draft.
+        if drafts is not None and (any(proposed) or drafts.fed_tokens):
+            # Every token the draft model ran counts, prompt chunks included (a step that only
+            # fed the draft prompts is one pass): each kind is priced apart (DraftCost).
+            num_proposed = sum(proposed)
             self.cost_model.observe_draft(
-                max(proposed), drafts.fed_tokens, drafts.fed_pairs, draft_seconds, branches
-            )
+                max(max(proposed), 1), num_proposed, drafts.fed_pairs, draft_seconds, branches,
+                max(drafts.fed_tokens - num_proposed, 0),
+            )  # fmt: skip
         shape = PassShape.of(query_lens, context_lens)
         self.cost_model.observe_target(shape, target_seconds, branches)
 

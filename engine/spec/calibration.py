@@ -21,6 +21,7 @@ from engine.model.inputs import SeqInput
 from engine.model.runner import ModelRunner
 from engine.spec.cost_model import CostModel, PassShape
 from engine.spec.cost_trace import traced_if_asked
+from engine.spec.draft_cost import DraftCost
 
 logger = logging.getLogger(__name__)
 
@@ -179,22 +180,31 @@ def calibrate_runners(
     cost.kv_coef, cost.qk_coef = _nonneg_lstsq(np.array(rows), np.array(residuals))
 
     if draft is not None:
+        # Draft passes as steps run them: decode batches (a draft token and its logits per
+        # row) and prompt chunks (tokens fed without logits, as catch-ups are), fitted to
+        # passes, drafts, query x key pairs and fed tokens; each row weighted by its time, so
+        # the small passes of concurrency 1 are fitted as closely as the batches.
         rows, times = [], []
-        for b in sorted({1, min(8, max_batch), max_batch}):
+        for b in sorted({1, 2, 4, min(8, max_batch), min(16, max_batch), max_batch}):
             for ctx in contexts:
-                rows.append([1.0, b, b * ctx])
+                rows.append([1.0, b, b * ctx, 0.0])
                 times.append(timed(draft, batch(b, 1, ctx)))
-        fixed, per_token, per_pair = _nonneg_lstsq(np.array(rows), np.array(times))
-        cost.draft_fixed, cost.draft_per_token, cost.draft_per_pair = fixed, per_token, per_pair
+        for ctx in contexts:
+            for n in sorted({min(16, ctx), min(64, ctx)}):
+                rows.append([1.0, 1.0, n * ctx, n - 1.0])
+                times.append(timed(draft, sequences([n], [ctx])))
+        weights = 1.0 / np.array(times)
+        fit = _nonneg_lstsq(np.array(rows) * weights[:, None], np.ones(len(times)))
+        cost.draft = DraftCost(*fit)
 
     logger.info(
         "cost model calibrated in %.1fs: target pass %.2f ms (1 token) .. %.2f ms (%d) "
-        "+ %.2f us/key + %.4f us/score; draft pass %.2f ms + %.3f ms/token + %.4f us/score; "
-        "verifier capacity P=%d",
+        "+ %.2f us/key + %.4f us/score; draft pass %.2f ms + %.3f ms/draft + %.4f us/score "
+        "+ %.3f ms/token fed; verifier capacity P=%d",
         time.perf_counter() - started, cost.target_seconds[0] * 1e3,
         cost.target_seconds[-1] * 1e3, int(cost.sizes[-1]), cost.kv_coef * 1e6,
-        cost.qk_coef * 1e6, cost.draft_fixed * 1e3, cost.draft_per_token * 1e3,
-        cost.draft_per_pair * 1e6, cost.capacity(),
+        cost.qk_coef * 1e6, cost.draft.fixed * 1e3, cost.draft.per_token * 1e3,
+        cost.draft.per_pair * 1e6, cost.draft.per_fed * 1e3, cost.capacity(),
     )  # fmt: skip
     return cost
 

@@ -38,7 +38,7 @@ class ChainChoice:
             self.cost.target_time(
                 base_tokens + drafts, decode_pairs, decode_pairs + draft_pairs, branches
             )
-            + self.cost.draft_time(passes, drafts + fed, draft_pairs + fed_pairs, branches)
+            + self.cost.draft_time(passes, drafts, draft_pairs + fed_pairs, branches, fed)
             + self._overhead(rows, drafts)
         )
 
@@ -102,10 +102,10 @@ class ChainChoice:
         drafts = np.arange(0, k_max + 1)[None, :]  # K = 0..k_max for each request
         tokens = 1 + np.concatenate([np.zeros((rows, 1)), np.cumsum(gains, 1)], axis=1)
         ctx = context[:, None]
-        fed = drafts + (drafts > 0) * catch_up[:, None]
+        fed = (drafts > 0) * catch_up[:, None]
         seconds = (
             self.cost.target_time(1 + drafts, ctx, (1 + drafts) * ctx)
-            + self.cost.draft_time(drafts, fed, fed * ctx)
+            + self.cost.draft_time(drafts, drafts, (drafts + fed) * ctx, 1, fed)
             + self._overhead(1, drafts)
         )
         return np.argmax(tokens / seconds, axis=1)

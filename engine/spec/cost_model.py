@@ -8,15 +8,17 @@ see both: speculation adds tokens to a pass but no sequences.
   cost: flat while they are memory-bound, then rising), `kv_tokens` is the sum of the context
   lengths of the pass's sequences (keys read) and `qk_pairs` the sum of query x context
   (scores computed). The two coefficients are fitted at start-up from decode batches.
-- draft pass: `fixed * passes + per_token * drafts + per_pair * pairs`, fitted at start-up
-  over batch sizes and context lengths.
+- draft part: `fixed * passes + per_token * drafts + per_pair * pairs + per_fed * fed`
+  (engine/spec/draft_cost.py), fitted at start-up over batch sizes, context lengths and
+  prompt chunks; `fed` are tokens fed without a draft (catch-ups, prompt chunks).
 
 The start-up fit (engine/spec/calibration.py) is cached per machine, models and settings, so
 later starts skip it; `--recalibrate on` forces a fresh one. Every real step then rescales its
 prediction by the measured/predicted ratio (a running mean at first, an EMA after that,
 one step's ratio clipped to [0.5, 2] so a pause on a shared machine moves the model a little,
-not a lot); target passes of up to `SMALL_PASS` tokens also learn a factor per token count,
-and bigger ones a factor per power-of-two range of sizes (9-16, 17-32, ...).
+not a lot; each of the draft's four parts gets a ratio of its own). Target passes of up to
+`SMALL_PASS` tokens also learn a factor per token count, and bigger ones a factor per
+power-of-two range of sizes (9-16, 17-32, ...).
 Steps with draft trees of N branches learn one more factor each for target and
 draft: what they cost beyond that prediction (walking a tree's nodes on the host, a draft
 pass of N rows per level), so `--draft-branches auto` stops choosing trees on a machine
@@ -42,6 +44,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.spec.draft_cost import DraftCost
+
 CAPACITY_SLACK = 1.25
 _EMA = 0.05
 SMALL_PASS = 8
@@ -60,6 +64,13 @@ _OVERHEAD_MIN_OBSERVED = 8
 def size_bucket(num_tokens: int) -> int:
     """The size range of a pass of more than SMALL_PASS tokens: 2^(b-1) < num_tokens <= 2^b."""
     return min((int(num_tokens) - 1).bit_length(), _BUCKETS - 1)
+
+
+def overhead_key(batch: int) -> int:
+    """Batches of up to SMALL_PASS requests measure their step overhead apart, bigger ones
+    per range of sizes: at concurrency 16 each size of 9-16 saw too few steps to average a
+    time that a server's streaming makes 0.4 ms one step and 4 ms the next."""
+    return batch if batch <= SMALL_PASS else -size_bucket(batch)
 
 
 @dataclass(frozen=True)
@@ -86,8 +97,7 @@ class _Scale:
     unlucky calibration is replaced outright), an EMA after that (so drift is followed)."""
 
     def __init__(self) -> None:
-        self.value = 1.0
-        self.count = 0
+        self.value, self.count = 1.0, 0
 
     def observe(self, measured: float, calibrated: float) -> None:
         """`calibrated`: the start-up fit's prediction for what took `measured` seconds."""
@@ -125,6 +135,7 @@ class CostModel:
         kv_coef: float = 0.0,
         qk_coef: float = 0.0,
         draft_per_pair: float = 0.0,
+        draft_per_fed: float | None = None,
     ) -> None:
         self.sizes = np.asarray(sizes, dtype=np.float64)
         # A bigger pass never costs less: timing noise must not make it look that way.
@@ -136,21 +147,18 @@ class CostModel:
         self._capacity = int(max(fits, default=1))
         self.kv_coef = kv_coef
         self.qk_coef = qk_coef
-        self.draft_fixed = draft_fixed
-        self.draft_per_token = draft_per_token
-        self.draft_per_pair = draft_per_pair
+        self.draft = DraftCost(draft_fixed, draft_per_token, draft_per_pair, draft_per_fed)
         self.target_scale = _Scale()
         self.small_scales = [_Scale() for _ in range(SMALL_PASS + 1)]
         """Index n: the scale of target passes of n tokens, used once observed
         `_SMALL_MIN_OBSERVED` times (before that, `target_scale`)."""
         self.size_scales = [_Scale() for _ in range(_BUCKETS)]
         """Index `size_bucket(n)`: as `small_scales`, for the bigger passes in that range."""
-        self.draft_scale = _Scale()
         self.tree_scales: dict[int, tuple[_Scale, _Scale]] = {}
         """Per tree width N > 1: (target, draft) cost beyond the two scales above."""
         self.overheads: dict[tuple[int, bool], _Seconds] = {}
-        """Per decoding batch size and whether the step drafted: what a step costs outside both
-        models' passes."""
+        """Per decoding batch size (`overhead_key`) and whether the step drafted: what a step
+        costs outside both models' passes."""
 
     def target_time(
         self,
@@ -187,18 +195,21 @@ class CostModel:
         num_drafts: np.ndarray | float,
         qk_pairs: np.ndarray | float = 0.0,
         branches: int = 1,
+        fed: np.ndarray | float = 0.0,
     ) -> np.ndarray:
-        """Seconds for `num_passes` draft passes proposing `num_drafts` tokens in total whose
-        queries attend `qk_pairs` keys in total (as trees of `branches` when > 1)."""
-        scale = self.draft_scale.value * self._tree_scale(branches, 1)
-        return scale * self._draft_calibrated(num_passes, num_drafts, qk_pairs)
+        """Seconds for `num_passes` draft passes proposing `num_drafts` tokens in total and
+        fed `fed` tokens more (catch-ups, prompt chunks), whose queries attend `qk_pairs` keys
+        in total (as trees of `branches` when > 1)."""
+        return self._tree_scale(branches, 1) * self.draft.time(
+            num_passes, num_drafts, qk_pairs, fed
+        )
 
     def step_overhead(self, batch: int, drafting: bool = False) -> float:
         """Seconds a decode step of `batch` requests costs outside both models' passes, as
         measured (`observe_step`) for steps that drafted (`drafting`) or did not; until
         `_OVERHEAD_MIN_OBSERVED` such steps were, the other kind's, else 0."""
         for kind in (drafting, not drafting):
-            seen = self.overheads.get((batch, kind))
+            seen = self.overheads.get((overhead_key(batch), kind))
             if seen is not None and seen.count >= _OVERHEAD_MIN_OBSERVED:
                 return seen.value
         return 0.0
@@ -218,18 +229,6 @@ class CostModel:
             self._table(num_tokens)
             + self.kv_coef * np.asarray(kv_tokens, dtype=np.float64)
             + self.qk_coef * np.asarray(qk_pairs, dtype=np.float64)
-        )
-
-    def _draft_calibrated(
-        self,
-        num_passes: np.ndarray | float,
-        num_drafts: np.ndarray | float,
-        qk_pairs: np.ndarray | float,
-    ) -> np.ndarray:
-        return (
-            self.draft_fixed * np.asarray(num_passes, dtype=np.float64)
-            + self.draft_per_token * np.asarray(num_drafts, dtype=np.float64)
-            + self.draft_per_pair * np.asarray(qk_pairs, dtype=np.float64)
         )
 
     def _table(self, num_tokens: np.ndarray | float) -> np.ndarray:
@@ -268,24 +267,17 @@ class CostModel:
         for k in range(max_drafts + 1):
             tokens += gains[k - 1] if k else 0.0
             target = self._target_at(base_tokens + k, context, context * (1 + k))
-            fed = k + catch_up if k else 0.0
-            draft = 0.0 if free_drafts else self._draft_at(k, fed, fed * context)
+            fed = catch_up if k else 0.0
+            draft = 0.0 if free_drafts else self.draft.at(k, k, (k + fed) * context, fed)
             target_scale = self.target_scale_at(base_tokens + k)
-            seconds = target_scale * target + self.draft_scale.value * draft + overhead[k > 0]
+            seconds = target_scale * target + draft + overhead[k > 0]
             rates.append(tokens / seconds)
         return rates.index(max(rates))
 
     # observe_* and best_chain_length take plain numbers: Python arithmetic, not numpy's
-    # per-call cost on scalars (the formulas of _target_calibrated and _draft_calibrated).
+    # per-call cost on scalars (the formula of _target_calibrated; DraftCost.at).
     def _target_at(self, num_tokens: float, kv_tokens: float, qk_pairs: float) -> float:
         return self._table_at(num_tokens) + self.kv_coef * kv_tokens + self.qk_coef * qk_pairs
-
-    def _draft_at(self, num_passes: float, num_drafts: float, qk_pairs: float) -> float:
-        return (
-            self.draft_fixed * num_passes
-            + self.draft_per_token * num_drafts
-            + self.draft_per_pair * qk_pairs
-        )
 
     def observe_target(self, shape: PassShape, seconds: float, branches: int = 1) -> None:
         calibrated = self._target_at(shape.num_tokens, shape.kv_tokens, shape.qk_pairs)
@@ -305,18 +297,25 @@ class CostModel:
         """A decode step of `batch` requests (that drafted, or not): `interval` seconds from its
         start to the next step's start, `passes` of them in the target's and the draft's
         passes."""
-        seen = self.overheads.setdefault((batch, drafting), _Seconds())
+        seen = self.overheads.setdefault((overhead_key(batch), drafting), _Seconds())
         seen.observe(max(interval - passes, 0.0))
 
     def observe_draft(
-        self, num_passes: int, num_drafts: int, qk_pairs: int, seconds: float, branches: int = 1
+        self,
+        num_passes: int,
+        num_drafts: int,
+        qk_pairs: int,
+        seconds: float,
+        branches: int = 1,
+        fed: int = 0,
     ) -> None:
-        calibrated = self._draft_at(num_passes, num_drafts, qk_pairs)
-        if branches > 1:  # a tree's cost beyond the chains' scale
+        """The draft's part of a step took `seconds`: `num_passes` passes proposing
+        `num_drafts` tokens, fed `fed` more (catch-ups, prompt chunks), `qk_pairs` in all."""
+        if branches > 1:  # a tree's cost beyond what chains of as many drafts cost
             tree = self.tree_scales.setdefault(branches, (_Scale(), _Scale()))
-            tree[1].observe(seconds, self.draft_scale.value * calibrated)
+            tree[1].observe(seconds, self.draft.at(num_passes, num_drafts, qk_pairs, fed))
             return
-        self.draft_scale.observe(seconds, calibrated)
+        self.draft.observe(num_passes, num_drafts, qk_pairs, fed, seconds)
 
     def _table_at(self, num_tokens: int) -> float:
         """`_table` at one token count."""
@@ -337,8 +336,9 @@ class CostModel:
         return {
             "sizes": [int(s) for s in self.sizes],
             "target_seconds": [float(t) for t in self.target_seconds],
-            "kv_coef": self.kv_coef, "qk_coef": self.qk_coef, "draft_fixed": self.draft_fixed,
-            "draft_per_token": self.draft_per_token, "draft_per_pair": self.draft_per_pair,
+            "kv_coef": self.kv_coef, "qk_coef": self.qk_coef, "draft_fixed": self.draft.fixed,
+            "draft_per_token": self.draft.per_token, "draft_per_pair": self.draft.per_pair,
+            "draft_per_fed": self.draft.per_fed,
         }  # fmt: skip
 
     @classmethod
@@ -346,5 +346,5 @@ class CostModel:
         return cls(
             data["sizes"], data["target_seconds"], data["draft_fixed"], data["draft_per_token"],
             kv_coef=data["kv_coef"], qk_coef=data["qk_coef"],
-            draft_per_pair=data["draft_per_pair"],
+            draft_per_pair=data["draft_per_pair"], draft_per_fed=data.get("draft_per_fed"),
         )  # fmt: skip

@@ -7,8 +7,9 @@ fit alone, the later ones the fit with its online scales):
 
 - `{"kind": "target", "tokens", "kv", "qk", "branches", "measured", "predicted"}`: a target
   pass (the verifier's whole run: the pass, sampling and verification);
-- `{"kind": "draft", "passes", "drafts", "qk", "branches", "measured", "predicted"}`: the
-  draft's part of a step (its passes and the proposer's host work);
+- `{"kind": "draft", "passes", "drafts", "fed", "qk", "branches", "measured", "predicted"}`:
+  the draft's part of a step (its passes and the proposer's host work; `fed`: tokens it was
+  fed beyond its drafts, catch-ups and prompt chunks);
 - `{"kind": "step", "batch", "drafting", "measured", "predicted"}`: what a decode step cost
   outside both models' passes (scheduling, bookkeeping, the caller's work until the next step).
 
@@ -61,15 +62,21 @@ class TracedCostModel(CostModel):
         super().observe_target(shape, seconds, branches)
 
     def observe_draft(
-        self, num_passes: int, num_drafts: int, qk_pairs: int, seconds: float, branches: int = 1
+        self,
+        num_passes: int,
+        num_drafts: int,
+        qk_pairs: int,
+        seconds: float,
+        branches: int = 1,
+        fed: int = 0,
     ) -> None:
-        scale = self.draft_scale.value * self._tree_scale(branches, 1)  # draft_time's formula
-        predicted = scale * self._draft_at(num_passes, num_drafts, qk_pairs)
+        scale = self._tree_scale(branches, 1)  # draft_time's formula
+        predicted = scale * self.draft.at(num_passes, num_drafts, qk_pairs, fed)
         self._write(
-            {"kind": "draft", "passes": num_passes, "drafts": num_drafts, "qk": qk_pairs,
-             "branches": branches, "measured": seconds, "predicted": predicted}
+            {"kind": "draft", "passes": num_passes, "drafts": num_drafts, "fed": fed,
+             "qk": qk_pairs, "branches": branches, "measured": seconds, "predicted": predicted}
         )  # fmt: skip
-        super().observe_draft(num_passes, num_drafts, qk_pairs, seconds, branches)
+        super().observe_draft(num_passes, num_drafts, qk_pairs, seconds, branches, fed)
 
     def observe_step(
         self, batch: int, interval: float, passes: float, drafting: bool = False

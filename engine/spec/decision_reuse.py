@@ -74,7 +74,7 @@ class DecisionReuse:
         decision; inputs that close predict rates within a few percent."""
         cost = self.cost
         widths = sorted(cost.tree_scales)
-        scales = [cost.target_scale, *cost.small_scales, *cost.size_scales, cost.draft_scale]
+        scales = [cost.target_scale, *cost.small_scales, *cost.size_scales]
         scales += [s for n in widths for s in cost.tree_scales[n]]
         trees: tuple = ()
         if self.max_branches > 1:
@@ -86,6 +86,7 @@ class DecisionReuse:
             tuple(n // 32 for n in context),
             tuple(widths),
             tuple(round(25 * s.value) for s in scales),
+            tuple(round(25 * s) for s in cost.draft.scales.tolist()),
             tuple(
                 round(20 * cost.step_overhead(len(a), kind) / max(cost.target_seconds[0], 1e-9))
                 for kind in (False, True)
