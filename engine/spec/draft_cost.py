@@ -5,10 +5,11 @@
 `drafts` are the tokens the draft proposes: each is a row its passes feed and a row of
 logits it samples from. `fed` are the tokens it is fed beyond those, without logits: a
 lagging request's catch-up (engine/spec/catch_up.py) and new requests' prompt chunks. A
-catch-up token costs less than a draft (no head, and it rides in a long pass), and a policy
-that priced catch-ups as drafts found resuming drafting about twice as dear as it was (the
-toy pair at concurrency 16 on a 2-core AMD EPYC, 2026-11-29: passes fed more than 128 tokens
-came in at 0.45-0.51 of their prediction, passes of up to 16 at 1.27-1.38).
+catch-up token costs less than a draft (no head, and it rides in a long pass): a third to a
+quarter of one on the toy pair. A policy that priced catch-ups as drafts found resuming
+drafting dearer than it was (the toy pair at concurrency 16 over HTTP on a 2-core AMD EPYC,
+2026-11-29: two-pass draft steps came in at 0.32 of their prediction feeding 65-128 tokens,
+at 1.2-2.1 feeding up to 16; docs/ADAPTIVE_K.md).
 
 The four coefficients are fitted at start-up (engine/spec/calibration.py); each step then
 corrects them by its measured time. One shared measured/predicted factor cannot correct a
