@@ -27,6 +27,7 @@ import numpy as np
 _EMA = 0.05
 _RIDGE = 0.002
 """The prior's weight (factors of 1) against the observations' (a total weight of 1)."""
+_RIDGE_MATRIX = _RIDGE * np.eye(4)
 _LIMITS = (0.1, 10.0)
 """What a part's factor may become: a misfit, not a different machine."""
 
@@ -100,7 +101,6 @@ class DraftCost:
         rate = max(_EMA, 1.0 / self.count)
         self._gram += rate * (np.outer(shares, shares) - self._gram)
         self._moment += rate * (shares * ratio - self._moment)
-        ridge = _RIDGE * np.eye(4)
-        solved = np.linalg.solve(self._gram + ridge, self._moment + _RIDGE)
+        solved = np.linalg.solve(self._gram + _RIDGE_MATRIX, self._moment + _RIDGE)
         self.scales = np.clip(solved, *_LIMITS)
         self.coefs = [c * s for c, s in zip(cal, self.scales.tolist(), strict=True)]
