@@ -20,7 +20,8 @@ its engine/cpu/csrc), one model's linears on each in turn, --repeats times (defa
 100 or so), the order alternating: on a shared machine whose speed drifts by 10-30% within
 minutes, the median of the rounds' ratios is steadier than two best-ofs taken apart. Each
 library runs what it would choose on this CPU in this environment (this checkout's: the float32
-vector kernel unless `TANDEM_VNNI=1`, AMX tiles from 6 rows where present).
+vector kernel unless `TANDEM_VNNI=1`, AMX tiles from 6 rows where present). "same outputs":
+whether the two gave the same bits, on the same inputs, for the last call of each output size.
 `gguf`: the default model's (SmolLM2-135M's) 30 layers' linears on Q4_1 blocks and its LM
 head on Q8_0, as its GGUF file has them (random weights, quantized by the `gguf` package):
 the float32 vector kernel (engine/cpu/csrc/gemm_quant.c), its calls on VNNI dot products
@@ -174,8 +175,9 @@ def bench_gguf_vs(args: argparse.Namespace) -> None:
             fn.restype = None
     shapes, panels = _gguf_weights()
     names = list(kernels)
-    print(f"| rows | {names[0]} (median, best) | {names[1]} (median, best) | median ratio |")
-    print("|---:|---:|---:|---:|")
+    header = f"| rows | {names[0]} (median, best) | {names[1]} (median, best) | median ratio"
+    print(header + " | same outputs |")
+    print("|---:|---:|---:|---:|---|")
     for rows in args.rows:
         xs = {inp: torch.randn(rows, inp) for _, inp, _ in shapes}
         ys = {out: torch.empty(rows, out) for out, _, _ in shapes}
@@ -188,13 +190,18 @@ def bench_gguf_vs(args: argparse.Namespace) -> None:
                 kernels[name][kind](x, w, None, None, y, rows, n, k, args.threads)
             return (time.perf_counter() - start) * 1e3
 
+        outputs = []
+        for name in names:  # each library's outputs of every linear, to compare bit for bit
+            one_model(name)
+            outputs.append([y.clone() for y in ys.values()])
+        same = all(torch.equal(a, b) for a, b in zip(*outputs, strict=True))
         times: dict[str, list[float]] = {name: [] for name in names}
         for i in range(args.repeats):
             for name in names if i % 2 else names[::-1]:
                 times[name].append(one_model(name))
         ratio = statistics.median(b / a for a, b in zip(*times.values(), strict=True))
         cells = [f"{statistics.median(t):.2f}, {min(t):.2f} ms" for t in times.values()]
-        print(f"| {rows} | {cells[0]} | {cells[1]} | {ratio:.3f} |")
+        print(f"| {rows} | {cells[0]} | {cells[1]} | {ratio:.3f} | {'yes' if same else 'no'} |")
 
 
 def bench_attention(args: argparse.Namespace) -> None:

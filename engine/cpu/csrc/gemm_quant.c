@@ -13,8 +13,9 @@
  * which is sum_k w_k x_k for the file's weights, rounded in another order than a float32
  * matrix of the dequantized weights would be (as close to the exact sum in
  * tests/test_cpu_kernels.py, from a few blocks on closer). No weight is dequantized: per 16
- * weights a shift and a permute widen the quants, and each row of x costs one multiply-add
- * (dequantizing w = d * q + m first was one more per 16 weights: 10-17% slower at 1-3 rows).
+ * weights a mask and a conversion (Q4_1) widen the quants, and each row of x costs one
+ * multiply-add (dequantizing w = d * q + m first was one more per 16 weights: 10-17% slower
+ * at 1-3 rows).
  * Every tile shape sums a row the same way, so a row's result does not depend on the others.
  * engine/cpu/panels.py repacks the blocks once into panels of QPANEL output rows, so a
  * vector lane is an output column (as in gemm.c) and one unpacked vector of weights serves
@@ -22,9 +23,9 @@
  *   Q8_0 panel block: d[16] float16, then for k = 0..31: q[16] int8 (column c at byte c);
  *   Q4_1 panel block: d[16], m[16] float16, then for k = 0..31: 8 bytes, even columns in
  *                     the low 32-bit word, odd ones in the high (column c's nibble at bits
- *                     32 * (c % 2) + 4 * (c / 2)), so one 64-bit broadcast and one shift
- *                     per lane unpack all 16 (and, with AVX-512, a permute of 0..15 makes
- *                     them floats).
+ *                     32 * (c % 2) + 4 * (c / 2)), so one 64-bit broadcast and one mask
+ *                     unpack all 16, each times a power of 2 that the scales undo
+ *                     (q4_quants).
  * The scales stay the file's float16 and are widened in registers (exact), so the kernel
  * reads the file's own 5 (Q4_1) or 8.5 (Q8_0) bits per weight instead of float32's 32: a
  * one-row pass is bound by memory bandwidth, and widened scales were a sixth more bytes.
@@ -119,23 +120,35 @@ INLINE v16 q8_quants_row(const uint8_t *quants, int k) {
 }
 #endif
 
-/* Q4_1: the 16 quants of quant row k (8 bytes: a nibble per column) as float32 (0..15). */
+/* Q4_1: the 16 quants of quant row k (8 bytes: a nibble per column) as float32, each left
+ * where it lies: column c's quant times 2^s, s = 4 * (c / 2) (Q4_SCALE undoes it, see below).
+ * A 64-bit broadcast puts row k's low 32-bit word (even columns) in the even lanes and its
+ * high word (odd columns) in the odd ones; one mask keeps each lane's nibble and one unsigned
+ * conversion makes it a float (q * 2^s < 2^32 has 4 significant bits: exact). The block's
+ * sums of q * 2^s * x are then 2^s times the sums of q * x, rounded alike (a power of 2
+ * scales each rounding exactly), and the block's scale d times 2^-s (exact) undoes it: the
+ * same bits as shifting each nibble down first (unless a block's sum of q * x passes 2^100,
+ * where 2^s times it overflows; as the AVX2 tile below). Shifting down took a shift and a
+ * permute per 16 weights (a permute of 0..15 by the shifted word); the mask is the same bits
+ * and cheaper: on a 2-core AMD EPYC (Zen 4), 2026-11-29, `python -m bench.cpu_kernels gguf-vs
+ * BASE --rows 1 2 3 5 8 16 --threads 2 --repeats 60` against the shift gave 0.98x the time at
+ * 1 row, 0.91-0.96x at 2-16 rows, and the same outputs. */
 INLINE v16 q4_quants(const uint8_t *quants, int k) {
   uint64_t bytes;
   memcpy(&bytes, quants + k * 8, 8);
   const v16u word = (v16u)(v8q){bytes, bytes, bytes, bytes, bytes, bytes, bytes, bytes};
-  const v16u shift = {0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28};
-#if defined(__AVX512F__)
-  /* The nibble as a float in one instruction: a permute of 0..15 by the shifted word reads
-   * only the index's low 4 bits, so no mask and no int -> float conversion. */
-  const v16 values = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return (v16)spread((v16u)values, word >> shift);
-#else /* without AVX-512 a 16-lane permute is two registers' worth: mask and convert instead
-       * (AVX2 has its own tile, quants_avx2) */
-  const v16i q = (v16i)((word >> shift) & 15);
-  return __builtin_convertvector(q, v16);
-#endif
+  const v16u nibble = {15,       15,       15 << 4,  15 << 4,  15 << 8,  15 << 8,
+                       15 << 12, 15 << 12, 15 << 16, 15 << 16, 15 << 20, 15 << 20,
+                       15 << 24, 15 << 24, 15u << 28, 15u << 28};
+  return __builtin_convertvector(word & nibble, v16);
 }
+
+/* Per column c, 2^-s: what turns a sum of q4_quants' scaled quants back into one of q. */
+#define Q4_SCALE                                                                       \
+  (v16) {                                                                              \
+    1.0f, 1.0f, 0x1p-4f, 0x1p-4f, 0x1p-8f, 0x1p-8f, 0x1p-12f, 0x1p-12f, 0x1p-16f, 0x1p-16f, \
+        0x1p-20f, 0x1p-20f, 0x1p-24f, 0x1p-24f, 0x1p-28f, 0x1p-28f                      \
+  }
 
 /* Before block b of np panels `pstride` bytes apart: ask for block b + QAHEAD of each, and on
  * the first block for blocks 0..QAHEAD as well. A tile reads its panels as np streams that
@@ -312,7 +325,7 @@ INLINE void quant_tile(const int type, const int np, const int rows, const float
     }
     for (int p = 0; p < np; p++) {
       const uint8_t *blk = panel + p * pstride + b * stride;
-      const v16 d = load_halves(blk);
+      const v16 d = type == Q4_1 ? load_halves(blk) * Q4_SCALE : load_halves(blk);
       for (int r = 0; r < rows; r++) acc[p][r] = madd16(acc[p][r], d, sum[p][r]);
       if (type == Q4_1) {
         const v16 m = load_halves(blk + 2 * QPANEL);
