@@ -200,7 +200,7 @@ def speed(
     quantization: str,
     temperature: float = 0.0,
     verification: str = "block",
-    branches: int | None = None,
+    branches: int | None = 1,
     tree_drafts: str = "top",
     draft: str = DRAFT,
     kv_cache_dtype: str = "auto",
@@ -403,8 +403,9 @@ def main(argv: list[str] | None = None) -> None:
         "--branches",
         type=lambda v: None if v == "auto" else int(v),
         nargs="+",
-        default=[None],
-        help="--draft-branches values to run (N or auto, the default)",
+        default=[1],
+        help="--draft-branches values to run: N or auto (default 1, as configs/default.yaml;"
+        " auto until 2026-11-29, whose rows say xauto)",
     )
     p.add_argument("--tree-drafts", default="top", choices=["top", "sampled"])
     p.add_argument("--draft", default=DRAFT, help="the draft directory of the draft configs")
