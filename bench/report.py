@@ -369,6 +369,7 @@ def main() -> None:
         "attention_cpu.md",
         "gemm_schedule_cpu.md",
         "vnni_default_cpu.md",
+        "gguf_mask_cpu.md",
         "draft_int4_cpu.md",
         "gguf_avx2_cpu.md",
         "kv_cache_cpu.md",

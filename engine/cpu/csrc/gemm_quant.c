@@ -131,8 +131,9 @@ INLINE v16 q8_quants_row(const uint8_t *quants, int k) {
  * where 2^s times it overflows; as the AVX2 tile below). Shifting down took a shift and a
  * permute per 16 weights (a permute of 0..15 by the shifted word); the mask is the same bits
  * and cheaper: on a 2-core AMD EPYC (Zen 4), 2026-11-29, `python -m bench.cpu_kernels gguf-vs
- * BASE --rows 1 2 3 5 8 16 --threads 2 --repeats 60` against the shift gave 0.98x the time at
- * 1 row, 0.91-0.96x at 2-16 rows, and the same outputs. */
+ * BASE --rows 1 2 3 5 16 --threads 2 --repeats 60` against the shift (four runs, 1 and 2
+ * threads) gave 0.95-0.98x the time at 1 row, 0.91-0.96x at 2-16 rows, and the same outputs
+ * (docs/BENCHMARKS.md, "The Q4_1 quants widened by a mask"). */
 INLINE v16 q4_quants(const uint8_t *quants, int k) {
   uint64_t bytes;
   memcpy(&bytes, quants + k * 8, 8);
