@@ -29,8 +29,12 @@ REASON_LENGTH = "max_tokens"
 REASON_MEMORY = "kv_memory"
 
 ACCEPTANCE_DECAY = 0.995
-"""Per verified chain, the weight left to the acceptance counts before it (the draft's and
-the prompt lookup's)."""
+"""Per verified chain, the weight left to the acceptance counts before it (draft, lookup)."""
+
+PRIOR_DECAY, REQUEST_WEIGHT = 0.999, 32
+"""The engine-wide rate every request starts from is a mean over ~1,000 chains, weighing 32
+trials in each request's estimate: its own few chains say little of its next ones
+(`python -m bench.acceptance_weight`; docs/ADAPTIVE_K.md, "Acceptance estimates")."""
 
 PROBE_STEPS = 8
 """Consecutive steps a probe drafts (K = 1) for its request: its first step pays the draft's
@@ -137,8 +141,7 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice, DecisionReuse):
     up on all of them), and while probes keep confirming K = 0 the interval doubles, up to
     `max_probe_interval`; the policy choosing drafts on its own resets it.
 
-    A seeded request needs nothing special: its tokens are fixed by (seed, position), not by
-    K (engine/sample/sampler.py), so any K gives it the same text.
+    A seeded request's tokens are fixed by (seed, position), not by K (engine/sample/sampler.py).
     """
 
     def __init__(
@@ -147,6 +150,7 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice, DecisionReuse):
         cost: CostModel,
         prior: float = 0.6,
         prior_weight: float = 8,
+        request_weight: float = REQUEST_WEIGHT,
         probe_interval: int = 32,
         uniform_margin: float = 0.03,
         max_probe_interval: int = 1024,
@@ -164,6 +168,7 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice, DecisionReuse):
         self._steps_without_drafts = 0
         self._probing = ("", 0)  # the request a probe drafts for, and its steps left
         self.prior_weight = prior_weight
+        self.request_weight = request_weight
         self._accepted = prior * prior_weight  # decayed engine-wide counts
         self._trials = prior_weight
         self._root_hits: dict[int, float] = {}  # TreeChoice's counts
@@ -186,12 +191,12 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice, DecisionReuse):
         return self._accepted / self._trials
 
     def acceptance(self, req: Request) -> float:
-        """Per-token acceptance: the engine-wide rate as a prior, updated by the request's own
-        verified drafts (a rejection ends a trial run, so trials = accepted + rejections)."""
+        """Per-token acceptance: the engine-wide rate (a prior of `request_weight` trials)
+        updated by the request's verified drafts (trials: accepted + the ending rejections)."""
         return self._estimate(req.spec.accepted, req.spec.trials)
 
     def _estimate(self, accepted: float, trials: float) -> float:
-        w = self.prior_weight
+        w = self.request_weight
         est = (accepted + w * self.global_acceptance) / (trials + w)
         return float(min(max(est, 0.0), 0.99))
 
@@ -241,8 +246,8 @@ class AdaptiveDraftLength(ChainChoice, TreeChoice, DecisionReuse):
             if not self._observe_root(branches, num_accepted > 0, decay) or num_drafted == 1:
                 return
             num_drafted, num_accepted = num_drafted - 1, num_accepted - 1
-        self._accepted = decay * self._accepted + num_accepted
-        self._trials = decay * self._trials + num_accepted + (num_accepted < num_drafted)
+        self._accepted = PRIOR_DECAY * self._accepted + num_accepted
+        self._trials = PRIOR_DECAY * self._trials + num_accepted + (num_accepted < num_drafted)
 
     def lookup_length(self, request: Request, k: int, found: int, batch: int) -> int:
         """Alone in its step, the cost model's best chain of the lookup's drafts at their own
