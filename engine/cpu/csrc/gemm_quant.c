@@ -27,8 +27,11 @@
  *                     unpack all 16, each times a power of 2 that the scales undo
  *                     (q4_quants).
  * The scales stay the file's float16 and are widened in registers (exact), so the kernel
- * reads the file's own 5 (Q4_1) or 8.5 (Q8_0) bits per weight instead of float32's 32: a
- * one-row pass is bound by memory bandwidth, and widened scales were a sixth more bytes.
+ * reads the file's own 5 (Q4_1) or 8.5 (Q8_0) bits per weight instead of float32's 32 (widened
+ * scales were a sixth more bytes). A one-row pass is then bound by the memory or by these
+ * instructions, by the machine: on a 2-core Zen 4 EPYC of 2026-11-29 the weights took about
+ * as long from the caches as from memory (docs/BENCHMARKS.md, "The Q4_1 quants widened by a
+ * mask").
  */
 #define QPANEL 16
 #define QBLOCK 32
