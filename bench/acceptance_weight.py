@@ -49,11 +49,11 @@ def fit(chains: list[list[int]]) -> list[tuple[int, int, list[float]]]:
     rows = []
     for cut in CUTS:
         scored = [c for c in chains if len(c) >= cut + 10]
+        own = np.array([sum(c[:cut]) for c in scored], dtype=np.float64)
+        ahead = np.array([np.mean(c[cut : cut + AHEAD]) for c in scored])
         errors = []
         for w in WEIGHTS:
-            own = np.array([sum(c[:cut]) for c in scored], dtype=np.float64)
             est = np.full(len(scored), m) if np.isinf(w) else (own + w * m) / (cut + w)
-            ahead = np.array([np.mean(c[cut : cut + AHEAD]) for c in scored])
             errors.append(float(np.mean((est - ahead) ** 2)))
         rows.append((cut, len(scored), errors))
     return rows

@@ -29,7 +29,7 @@ REASON_LENGTH = "max_tokens"
 REASON_MEMORY = "kv_memory"
 
 ACCEPTANCE_DECAY = 0.995
-"""Per verified chain, the weight left to the acceptance counts before it (draft, lookup)."""
+"""Per verified chain, the weight left to the depth, tree-root and lookup counts before it."""
 
 PRIOR_DECAY, REQUEST_WEIGHT = 0.999, 32
 """The engine-wide rate every request starts from is a mean over ~1,000 chains, weighing 32
