@@ -3,6 +3,7 @@
   python -m bench.cpu_kernels linear      # all the target's linears, per row count
   python -m bench.cpu_kernels attention   # one layer's attention, per batch shape
   python -m bench.cpu_kernels attention-pass  # the default model's 30 layers, caches in memory
+  python -m bench.cpu_kernels attention-vs BASE --threads 2 --repeats 40  # against commit BASE
   python -m bench.cpu_kernels gguf        # SmolLM2's linears on GGUF blocks: float32, VNNI, AMX
 
 `linear`: the 8 layers' q/k/v, o, gate/up and down projections plus the LM head, each with
@@ -15,6 +16,8 @@ then SDPA) against the C kernel on the same paged cache with scattered block tab
 30 layers, 9 query heads over 3 kv heads of 64, blocks of 16 tokens), each layer with its own
 cache scattered over its pool, so that keys and values come from memory as in a real pass (one
 layer's cache fits in the outer caches), and the rate it reads them at.
+`attention-vs BASE`: attention-pass's passes, at c=1 and c=16 and at longer contexts, on this
+checkout's kernel and on commit BASE's, alternated as `gguf-vs` does (below).
 `gguf-vs BASE`: the same linears on this checkout's kernels and on commit BASE's (built from
 its engine/cpu/csrc), one model's linears on each in turn, --repeats times (default 3; use
 100 or so), the order alternating: on a shared machine whose speed drifts by 10-30% within
@@ -41,6 +44,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -154,19 +158,39 @@ def _gguf_weights() -> tuple[list, list[torch.Tensor]]:
     return shapes, [made[shape].clone() for shape in shapes]
 
 
-def bench_gguf_vs(args: argparse.Namespace) -> None:
+def _libraries(base: str) -> dict[str, ctypes.CDLL]:
+    """The kernels of commit `base` (built from its engine/cpu/csrc) and of this checkout."""
     root = Path(__file__).resolve().parent.parent
     archive = subprocess.run(
-        ["git", "archive", args.base, "engine/cpu/csrc"], cwd=root, capture_output=True, check=True
+        ["git", "archive", base, "engine/cpu/csrc"], cwd=root, capture_output=True, check=True
     ).stdout
     with tempfile.TemporaryDirectory() as tmp:
         tarfile.open(fileobj=io.BytesIO(archive)).extractall(tmp, filter="data")
-        paths = {args.base: kernel_build.build(Path(tmp) / "engine/cpu/csrc")}
+        paths = {base: kernel_build.build(Path(tmp) / "engine/cpu/csrc")}
     paths["this checkout"] = kernel_build.build()
+    return {name: ctypes.CDLL(str(path)) for name, path in paths.items()}
+
+
+def _alternated(one: Callable[[str], float], names: list[str], repeats: int) -> dict:
+    """Each name's times of `one(name)` over `repeats` rounds, the order alternating."""
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeats):
+        for name in names if i % 2 else names[::-1]:
+            times[name].append(one(name))
+    return times
+
+
+def _vs_cells(times: dict[str, list[float]]) -> str:
+    """Each side's median and best, and the median of the rounds' ratios (second / first)."""
+    ratio = statistics.median(b / a for a, b in zip(*times.values(), strict=True))
+    cells = [f"{statistics.median(t):.2f}, {min(t):.2f} ms" for t in times.values()]
+    return f"{cells[0]} | {cells[1]} | {ratio:.3f}"
+
+
+def bench_gguf_vs(args: argparse.Namespace) -> None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     kernels = {}
-    for name, path in paths.items():
-        lib = ctypes.CDLL(str(path))
+    for name, lib in _libraries(args.base).items():
         kernels[name] = {
             kind: getattr(lib, f"tandem_linear_{kind.lower()}") for kind in ("Q4_1", "Q8_0")
         }
@@ -195,13 +219,59 @@ def bench_gguf_vs(args: argparse.Namespace) -> None:
             one_model(name)
             outputs.append([y.clone() for y in ys.values()])
         same = all(torch.equal(a, b) for a, b in zip(*outputs, strict=True))
-        times: dict[str, list[float]] = {name: [] for name in names}
-        for i in range(args.repeats):
-            for name in names if i % 2 else names[::-1]:
-                times[name].append(one_model(name))
-        ratio = statistics.median(b / a for a, b in zip(*times.values(), strict=True))
-        cells = [f"{statistics.median(t):.2f}, {min(t):.2f} ms" for t in times.values()]
-        print(f"| {rows} | {cells[0]} | {cells[1]} | {ratio:.3f} | {'yes' if same else 'no'} |")
+        times = _alternated(one_model, names, args.repeats)
+        print(f"| {rows} | {_vs_cells(times)} | {'yes' if same else 'no'} |")
+
+
+# (requests, queries each, keys each): decodes and verifications at c=1 and c=16.
+ATTENTION_CASES = [(1, 1, 150), (1, 2, 150), (1, 3, 150), (1, 5, 150), (1, 1, 600), (1, 2, 600),
+                   (1, 3, 600), (1, 1, 2000), (1, 2, 2000), (16, 1, 150), (16, 2, 150),
+                   (16, 5, 150)]  # fmt: skip
+
+
+def bench_attention_vs(args: argparse.Namespace) -> None:
+    """attention-pass's shapes on BASE's kernel and this checkout's, alternated."""
+    heads, kv_heads, head_dim, block = ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM, ATTN_BLOCK
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    kernels = {}
+    for name, lib in _libraries(args.base).items():
+        fn = kernels[name] = lib.tandem_paged_attention
+        fn.argtypes = [ptr] * 8 + [ptr, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float]
+        fn.argtypes += [ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    names = list(kernels)
+    gen = torch.Generator().manual_seed(0)
+    print(f"| requests | queries each | keys each | {names[0]} (median, best) | {names[1]} "
+          "(median, best) | median ratio | same outputs |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---|")
+    for seqs, q_len, ctx in ATTENTION_CASES:
+        caches, tables = _pass_caches(seqs, ctx, gen)
+        per_seq = tables.shape[1]
+        q_lens, ctx_lens = torch.full((seqs,), q_len), torch.full((seqs,), ctx)
+        q_starts = torch.arange(seqs) * q_len
+        query = torch.randn(seqs * q_len, heads, head_dim, generator=gen)
+        out = torch.empty_like(query)
+        table_args = (tables.data_ptr(), per_seq, q_starts.data_ptr(), q_lens.data_ptr(),
+                      ctx_lens.data_ptr(), None, None, seqs, out.data_ptr())  # fmt: skip
+
+        calls = [(query.data_ptr(), k.data_ptr(), v.data_ptr(), *table_args) for k, v in caches]
+
+        def one_pass(name: str, calls: list = calls) -> float:
+            start = time.perf_counter()
+            for call in calls:
+                status = kernels[name](
+                    *call, heads, kv_heads, head_dim, block, 0.125, 0, args.threads
+                )  # fmt: skip
+                assert status == 0, status
+            return (time.perf_counter() - start) * 1e3
+
+        outputs = []
+        for name in names:
+            one_pass(name)
+            outputs.append(out.clone())
+        same = torch.equal(*outputs)
+        times = _alternated(one_pass, names, args.repeats)
+        print(f"| {seqs} | {q_len} | {ctx} | {_vs_cells(times)} | {'yes' if same else 'no'} |")
 
 
 def bench_attention(args: argparse.Namespace) -> None:
@@ -229,20 +299,29 @@ def bench_attention(args: argparse.Namespace) -> None:
         print(f"| {seqs} | {q_len} | {ctx} | {times[0]:.3f} ms | {times[1]:.3f} ms |")
 
 
+# The default model's attention: 9 query heads over 3 kv heads of 64, blocks of 16, 30 layers.
+ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM, ATTN_BLOCK, ATTN_LAYERS = 9, 3, 64, 16, 30
+
+
+def _pass_caches(seqs: int, ctx: int, gen: torch.Generator) -> tuple[list, torch.Tensor]:
+    """Each layer's own caches for `seqs` requests of `ctx` keys, and their block tables
+    (scattered over the pool): a pass's keys and values come from memory, as in a real pass."""
+    per_seq = -(-ctx // ATTN_BLOCK)
+    shape = (seqs * per_seq, ATTN_BLOCK, ATTN_KV_HEADS, ATTN_HEAD_DIM)
+    caches = [(torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen))
+              for _ in range(ATTN_LAYERS)]  # fmt: skip
+    return caches, torch.randperm(seqs * per_seq, generator=gen).view(seqs, per_seq)
+
+
 def bench_attention_pass(args: argparse.Namespace) -> None:
-    heads, kv_heads, head_dim, block, layers = 9, 3, 64, 16, 30
+    heads, head_dim, block = ATTN_HEADS, ATTN_HEAD_DIM, ATTN_BLOCK
+    kv_heads, layers = ATTN_KV_HEADS, ATTN_LAYERS
     gen = torch.Generator().manual_seed(0)
     print("| requests | queries each | keys each | K/V read a pass | C kernel, a pass | rate |")
     print("|---:|---:|---:|---:|---:|---:|")
     for seqs, q_len, ctx in [(1, 1, 150), (1, 1, 400), (1, 5, 150), (16, 1, 150), (16, 1, 400),
                              (16, 5, 150)]:  # fmt: skip
-        per_seq = -(-ctx // block)
-        caches = [
-            (torch.randn(seqs * per_seq, block, kv_heads, head_dim, generator=gen),
-             torch.randn(seqs * per_seq, block, kv_heads, head_dim, generator=gen))
-            for _ in range(layers)
-        ]  # fmt: skip
-        tables = torch.randperm(seqs * per_seq, generator=gen).view(seqs, per_seq)
+        caches, tables = _pass_caches(seqs, ctx, gen)
         shape = ([q_len] * seqs, [ctx] * seqs, tables.tolist())
         query = torch.randn(seqs * q_len, heads, head_dim, generator=gen)
         md = build_metadata(caches[:1], block, *shape, torch.device("cpu"), CPU)
@@ -258,8 +337,9 @@ def bench_attention_pass(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("what", choices=["linear", "attention", "attention-pass", "gguf", "gguf-vs"])
-    p.add_argument("base", nargs="?", default="HEAD", help="gguf-vs: the commit to compare with")
+    whats = ["linear", "attention", "attention-pass", "attention-vs", "gguf", "gguf-vs"]
+    p.add_argument("what", choices=whats)
+    p.add_argument("base", nargs="?", default="HEAD", help="*-vs: the commit to compare with")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 5, 9, 16, 33, 64, 512])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--iters", type=int, default=10)
@@ -274,6 +354,7 @@ def main() -> None:
         "linear": bench_linear,
         "attention": bench_attention,
         "attention-pass": bench_attention_pass,
+        "attention-vs": bench_attention_vs,
         "gguf": bench_gguf,
         "gguf-vs": bench_gguf_vs,
     }

@@ -367,6 +367,7 @@ def main() -> None:
         "step_host_cpu.md",
         "lookup_assist_cpu.md",
         "attention_cpu.md",
+        "attention_spans_cpu.md",
         "gemm_schedule_cpu.md",
         "vnni_default_cpu.md",
         "gguf_mask_cpu.md",

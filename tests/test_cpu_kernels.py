@@ -283,19 +283,26 @@ def test_cpu_backend_matches_the_reference(heads, kv_heads, d, block):
 def test_attention_rows_do_not_depend_on_the_batch(heads, kv_heads, threads, monkeypatch):
     """Each query's output is bit-identical attended alone (a decode at its position) or as
     one query of a verification beside other requests: a tile's rows, and the pairs of rows
-    that share loads, differ between the two (9 heads over 3: odd groups of rows), and with
-    the thread count (tiles are halved while there are fewer than 4 tasks a thread)."""
+    that share loads, differ between the two (9 heads over 3: odd groups of rows), and so do
+    the threads' shares of the work. The verifications' queries sit on both sides of the
+    kernel's key spans' borders (multiples of 64 keys: 128, 256), where a row's spans are
+    merged."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     d, block = 64, 16
-    q_lens, ctx_lens = [5, 1], [40, 90]  # the verification's queries sit at 35..39
+    # The verifications' queries sit at 35..39, 125..129 and 254..256.
+    q_lens, ctx_lens = [5, 1, 5, 3], [40, 90, 130, 257]
     query, k_cache, v_cache, tables = _paged_case(q_lens, ctx_lens, heads, kv_heads, d, block, 3)
     caches = [(k_cache, v_cache)]
     both = build_metadata(caches, block, q_lens, ctx_lens, tables, "cpu", CPU)
     together = CPU.attend(query, k_cache, v_cache, both, 0.125)
-    for j in range(5):
-        alone = build_metadata(caches, block, [1], [36 + j], tables[:1], "cpu", CPU)
-        single = CPU.attend(query[j : j + 1], k_cache, v_cache, alone, 0.125)
-        assert torch.equal(together[j], single[0]), j
+    row = 0
+    for s, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
+        for j in range(q_len):
+            alone = build_metadata(caches, block, [1], [ctx - q_len + j + 1], tables[s : s + 1],
+                                   "cpu", CPU)  # fmt: skip
+            single = CPU.attend(query[row : row + 1], k_cache, v_cache, alone, 0.125)
+            assert torch.equal(together[row], single[0]), (s, j)
+            row += 1
     # The kernel scores 8 keys at a time past a request's last key (then masks them): NaN in
     # every slot that holds no key changes nothing.
     poisoned = poison_unread_slots(k_cache, v_cache, ctx_lens, tables)

@@ -172,6 +172,10 @@ def attention_supports(heads: int, kv_heads: int, head_dim: int, block_size: int
     return bool(require().tandem_attention_supports(heads, kv_heads, head_dim, block_size))
 
 
+OUT_OF_MEMORY = -2
+"""What the attention kernel (and the layer stack around it) returns when it cannot allocate."""
+
+
 def paged_attention(
     query: torch.Tensor,  # [tokens, heads, head_dim] float32, contiguous
     key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], a KV_TYPES dtype
@@ -193,6 +197,8 @@ def paged_attention(
         _ptr(tree), _ptr(tree_base), tables.shape[0], out.data_ptr(), query.shape[1], kv_heads,
         head_dim, block_size, scale, kv_type(key_cache.dtype), torch.get_num_threads(),
     )  # fmt: skip
+    if status == OUT_OF_MEMORY:
+        raise MemoryError("the CPU attention kernel could not allocate its partial results")
     if status != 0:
         raise ValueError(
             f"the CPU attention kernel does not take heads={query.shape[1]}, "
@@ -332,6 +338,8 @@ def layers(
         tokens, dim, heads, kv_heads, head_dim, inter, eps, scale, buffer.data_ptr(),
         torch.get_num_threads(), *tail,
     )  # fmt: skip
+    if status == OUT_OF_MEMORY:
+        raise MemoryError("the CPU attention kernel could not allocate its partial results")
     if status != 0:
         raise ValueError(
             f"the CPU attention kernel does not take heads={heads}, kv_heads={kv_heads}, "

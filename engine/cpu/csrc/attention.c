@@ -1,4 +1,8 @@
 #include "vec.h"
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* ---------------------------------------------------------------------------------------
  * Paged attention for the short queries of decoding and verification.
@@ -14,13 +18,25 @@
  * before tree_base[s] and, from there on, key tree_base[s] + i only when bit i of tree[row]
  * is set (its ancestors and itself); tree[row] = 0 keeps the causal rule.
  *
- * One task is (request, kv head, tile of up to QTILE query rows), a row being one query of
- * one of the kv head's query heads. With fewer than 4 tasks a thread, the tiles are halved
- * (down to a pair of rows) until there are that many: a decode at concurrency 1 of a model with
- * 3 kv heads was 3 tasks on 2 threads. Over a pass of the default model's 30 layers with each
- * layer's cache in memory (2 threads, 2-core AMD EPYC, 2026-11-27, four alternated runs), one
- * decode over 1,500 keys took 4.5-4.7 against 5.0-5.2 ms; over 150 and 400 keys it made no
- * difference beyond the noise (the halves read their keys twice).
+ * One task is (request, kv head, tile of up to QTILE query rows, span of keys), a row being
+ * one query of one of the kv head's query heads and a span the keys at positions
+ * [c * S, (c + 1) * S), S = SPLIT_KEYS rounded down to whole blocks (at least one block).
+ * A task leaves each row's partial result (m, l, acc: below), and merge_tile folds a row's
+ * spans in order into its output. The spans are fixed positions of the keys,
+ * not shares of a request's context, so a row is split the same way in a decode and in a
+ * verification. Every row of a kv head's tile reads the span's keys and values once: a
+ * verification's 1 + K queries read them as a decode's one does (before, a request's rows were
+ * split into smaller tiles to give each thread 4 tasks, each tile reading every key again).
+ * The threads take contiguous runs of tasks of about equal work (keys times rows), so a
+ * thread's next task is most often the next span of the same rows, whose first block it has
+ * already asked for.
+ * A group whose spans all fell to one thread is merged by it right after its last span; the
+ * others after a barrier (none when no group is split).
+ * `python -m bench.cpu_kernels attention-vs BASE --threads 2 --repeats 30` (the default
+ * model's 30 layers, caches in memory, 2-core AMD EPYC Zen 4, 2026-11-29) against the
+ * single-span kernel before: one decode over 600 and 2,000 keys 0.84x the time, one
+ * verification of 2 queries 0.74x and 0.69x, over 150 keys 0.92-0.98x at c=1 and
+ * 0.94-0.97x at c=16; docs/BENCHMARKS.md, "Attention in spans of keys", has the runs.
  *
  * Per cache block the task scores 8 keys at a time against every row (8 independent FMA
  * chains, summed across lanes by reduce8), then runs an online softmax (running max m,
@@ -31,6 +47,12 @@
  */
 #define QTILE 16
 #define MAX_BLOCK 256
+/* Keys a task attends at most (rounded down to whole blocks, at least one). Over 150 keys at
+ * c=1, spans of 128 split the work 278:172 between 2 threads (3 kv heads, spans of 128 and 22
+ * keys) and ran 1.01-1.08x the single-span kernel's time; spans of 64 0.92-0.98x. */
+#define SPLIT_KEYS 64
+/* Partial results up to this size live on the caller's stack. */
+#define STACK_BYTES 32768
 
 /* Ask the outer caches (prefetcht2) for one kv head's keys (or values) of `tokens` cached
  * tokens of a block (rows of D elements, `ks` elements apart). A task's blocks are scattered
@@ -119,7 +141,7 @@ INLINE void attend_tile(const int KV, const int NV, const float *q, const void *
                         const int64_t *tree, int64_t base, int64_t kv_head, int64_t row0,
                         int rows,
                         int64_t heads, int64_t kv_heads, int64_t block_size, float scale,
-                        float *out) {
+                        int64_t b_lo, int64_t b_hi, float *part) {
   if (rows < 1) return;
   const int64_t D = 8 * NV, group = heads / kv_heads, ks = kv_heads * D;
   v8 qv[QTILE][NV], acc[QTILE][NV], sc[QTILE][MAX_BLOCK / 8];
@@ -141,7 +163,7 @@ INLINE void attend_tile(const int KV, const int NV, const float *q, const void *
     l[i] = 0.0f;
   }
   const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
-  for (int64_t b = 0; b * block_size <= last; b++) {
+  for (int64_t b = b_lo; b < b_hi && b * block_size <= last; b++) {
     const int64_t first = b * block_size;
     const int64_t at = (table[b] * block_size * kv_heads + kv_head) * D; /* its first key */
     const int64_t n = last - first + 1 < block_size ? last - first + 1 : block_size;
@@ -152,11 +174,13 @@ INLINE void attend_tile(const int KV, const int NV, const float *q, const void *
      * whose size is not a multiple of 8 is scored key by key. */
     const int64_t groups = (n + 7) / 8;
     const int64_t full = groups < block_size / 8 ? groups : block_size / 8;
-    if (b == 0) {
+    if (b == b_lo) {
       prefetch_rows(KV, k_cache, at, n, ks, D);
       prefetch_rows(KV, v_cache, at, n, ks, D);
     }
-    int64_t next = 0, ahead = 0; /* the next block: where, and its tokens any row sees */
+    /* The next block: where, and its tokens any row sees. At a span's last block that is the
+     * next span's first, most often this thread's next task. */
+    int64_t next = 0, ahead = 0;
     if (first + block_size <= last) {
       next = (table[b + 1] * block_size * kv_heads + kv_head) * D;
       ahead = last - first - block_size + 1 < block_size ? last - first - block_size + 1
@@ -225,10 +249,42 @@ INLINE void attend_tile(const int KV, const int NV, const float *q, const void *
     }
   }
   for (int i = 0; i < rows; i++) {
+    float *o = part + i * (D + 2);
+    o[0] = m[i];
+    o[1] = l[i];
+    for (int c = 0; c < NV; c++) store(o + 2 + 8 * c, acc[i][c]);
+  }
+}
+
+/* The rows' outputs from their spans' partial results (m, l, acc), folded in span order: the
+ * first span a row sees is taken as it is, each later one rescaled to the larger maximum;
+ * then out = acc / l. A row that sees a single span gets acc * (1 / l) of that span: what
+ * one pass over its blocks gives. */
+INLINE void merge_tile(const int NV, const float *part, int64_t spans, int64_t stride,
+                       int64_t q_start, int64_t kv_head, int64_t row0, int rows, int64_t heads,
+                       int64_t kv_heads, float *out) {
+  const int64_t D = 8 * NV, group = heads / kv_heads;
+  for (int i = 0; i < rows; i++) {
+    v8 acc[NV];
+    float m = -INFINITY, l = 0.0f;
+    for (int64_t c = 0; c < spans; c++) {
+      const float *p = part + c * stride + i * (D + 2);
+      if (p[0] == -INFINITY) continue; /* nothing visible to this row in this span */
+      if (m == -INFINITY) {
+        m = p[0];
+        l = p[1];
+        for (int v = 0; v < NV; v++) acc[v] = load(p + 2 + 8 * v);
+        continue;
+      }
+      const float mx = fmaxf(m, p[0]), a = expf(m - mx), b = expf(p[0] - mx);
+      for (int v = 0; v < NV; v++) acc[v] = madd(acc[v] * a, load(p + 2 + 8 * v), splat(b));
+      l = fmaf(p[1], b, l * a);
+      m = mx;
+    }
     const int64_t j = (row0 + i) / group, h = kv_head * group + (row0 + i) % group;
     float *o = out + ((q_start + j) * heads + h) * D;
-    const v8 inv = splat(1.0f / l[i]);
-    for (int c = 0; c < NV; c++) store(o + 8 * c, acc[i][c] * inv);
+    const v8 inv = splat(1.0f / l);
+    for (int v = 0; v < NV; v++) store(o + 8 * v, acc[v] * inv);
   }
 }
 
@@ -248,8 +304,43 @@ int tandem_attention_supports(int64_t heads, int64_t kv_heads, int64_t head_dim,
          heads % kv_heads == 0;
 }
 
-/* Returns 0, or -1 for a shape tandem_attention_supports refuses or an unknown kv_type
- * (nothing is written). The caches hold kv_type elements (KV_F32, KV_F16, KV_BF16: vec.h). */
+/* merge_tile for the head size d. */
+static void merge_group(int64_t d, const float *part, int64_t spans, int64_t stride,
+                        int64_t q_start, int64_t kv_head, int64_t row0, int rows, int64_t heads,
+                        int64_t kv_heads, float *out) {
+  switch (d) {
+#define CASE(d)                                                                          \
+  case d:                                                                                \
+    merge_tile(d / 8, part, spans, stride, q_start, kv_head, row0, rows, heads, kv_heads, \
+               out);                                                                     \
+    break;
+    HEAD_DIMS(CASE)
+#undef CASE
+  }
+}
+
+INLINE int omp_thread(void) {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+/* A task's work (its request's keys in its span times its rows): what the threads split. */
+INLINE int64_t task_work(int64_t task, int64_t spans, int64_t tiles, int64_t tile,
+                         int64_t kv_heads, int64_t group, int64_t span_keys,
+                         const int64_t *q_lens, const int64_t *ctx_lens) {
+  const int64_t g = task / spans, c = task % spans, s = g / (kv_heads * tiles);
+  const int64_t rows = q_lens[s] * group - g % tiles * tile;
+  const int64_t keys = ctx_lens[s] - c * span_keys;
+  if (rows <= 0 || keys <= 0) return 0;
+  return (keys < span_keys ? keys : span_keys) * (rows < tile ? rows : tile);
+}
+
+/* Returns 0, -1 for a shape tandem_attention_supports refuses or an unknown kv_type, or -2
+ * when the partial results cannot be allocated (nothing is written either way). The caches
+ * hold kv_type elements (KV_F32, KV_F16, KV_BF16: vec.h). */
 int tandem_paged_attention(const float *q, const void *k_cache, const void *v_cache,
                            const int64_t *tables, int64_t table_width, const int64_t *q_starts,
                            const int64_t *q_lens, const int64_t *ctx_lens,
@@ -260,33 +351,96 @@ int tandem_paged_attention(const float *q, const void *k_cache, const void *v_ca
   if (!tandem_attention_supports(heads, kv_heads, head_dim, block_size)) return -1;
   if (kv_type != KV_F32 && kv_type != KV_F16 && kv_type != KV_BF16) return -1;
   const int64_t group = heads / kv_heads;
-  int64_t most = 1; /* query rows of the longest request */
-  for (int64_t s = 0; s < num_seqs; s++)
+  int64_t most = 1, longest = 1; /* query rows of the longest request; keys of the longest */
+  for (int64_t s = 0; s < num_seqs; s++) {
     if (q_lens[s] * group > most) most = q_lens[s] * group;
-  int64_t tile = QTILE; /* halved while there are fewer than 4 tasks a thread (see the top) */
-  while (tile > PAIR && num_seqs * kv_heads * ((most + tile - 1) / tile) < 4 * nthreads) tile /= 2;
+    if (ctx_lens[s] > longest) longest = ctx_lens[s];
+  }
+  const int64_t tile = most < QTILE ? most : QTILE;
   const int64_t tiles = (most + tile - 1) / tile;
-  const int64_t tasks = num_seqs * kv_heads * tiles;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic) if (nthreads > 1)
-  for (int64_t task = 0; task < tasks; task++) {
-    const int64_t s = task / (kv_heads * tiles), kv_head = task / tiles % kv_heads;
-    const int64_t row0 = task % tiles * tile, rows = q_lens[s] * group;
-    if (row0 >= rows) continue;
-    const int n = rows - row0 < tile ? (int)(rows - row0) : (int)tile;
-    const int64_t *table = tables + s * table_width;
+  const int64_t span_blocks = SPLIT_KEYS > block_size ? SPLIT_KEYS / block_size : 1;
+  const int64_t span_keys = span_blocks * block_size;
+  const int64_t spans = (longest + span_keys - 1) / span_keys;
+  const int64_t groups = num_seqs * kv_heads * tiles, stride = tile * (head_dim + 2);
+  const int64_t tasks = groups * spans;
+  /* The partial results, each task's thread and whether a group's spans are on two threads:
+   * on the stack when they are small (a decode or verification at c=1), else on the heap. */
+  const size_t bytes = (size_t)(tasks * stride) * sizeof(float) + (size_t)tasks * sizeof(int32_t)
+                       + (size_t)groups;
+  _Alignas(64) char small[STACK_BYTES];
+  char *buffer = bytes <= sizeof small ? small : malloc(bytes);
+  if (!buffer) return -2;
+  float *part = (float *)buffer;
+  int32_t *owner = (int32_t *)(part + tasks * stride);
+  uint8_t *split = (uint8_t *)(owner + tasks);
+  int64_t total = 0; /* the tasks' work: keys times rows */
+  for (int64_t task = 0; task < tasks; task++)
+    total += task_work(task, spans, tiles, tile, kv_heads, group, span_keys, q_lens, ctx_lens);
+  /* Thread t takes the tasks whose middle falls in the t-th of nthreads equal shares of the
+   * work, in order: contiguous runs. */
+  const int64_t team = nthreads > 1 ? nthreads : 1;
+  int any_split = 0;
+  for (int64_t task = 0, done = 0; task < tasks; task++) {
+    const int64_t work =
+        task_work(task, spans, tiles, tile, kv_heads, group, span_keys, q_lens, ctx_lens);
+    owner[task] = total > 0 ? (int32_t)((2 * done + work) * team / (2 * total + 1)) : 0;
+    done += work;
+    const int64_t g = task / spans;
+    if (task % spans == 0) split[g] = 0;
+    else if (owner[task] != owner[task - 1]) split[g] = 1, any_split = 1;
+  }
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+  {
+#ifdef _OPENMP
+    const int32_t me = omp_get_num_threads() == team ? omp_get_thread_num() : -1;
+#else
+    const int32_t me = 0;
+#endif
+    /* A team of another size than asked for (OMP_THREAD_LIMIT, nesting) runs every task on
+     * its first thread (me = -1 on all of them). */
+    for (int64_t task = 0; task < tasks; task++) {
+      if (me >= 0 ? owner[task] != me : omp_thread() != 0) continue;
+      const int64_t g = task / spans, c = task % spans;
+      const int64_t s = g / (kv_heads * tiles), kv_head = g / tiles % kv_heads;
+      const int64_t row0 = g % tiles * tile, rows = q_lens[s] * group;
+      if (row0 >= rows) continue;
+      const int n = rows - row0 < tile ? (int)(rows - row0) : (int)tile;
+      float *out_part = part + task * stride;
+      if (c * span_keys >= ctx_lens[s]) { /* past the request's keys: nothing seen */
+        for (int i = 0; i < n; i++) out_part[i * (head_dim + 2)] = -INFINITY;
+      } else {
+        const int64_t *table = tables + s * table_width;
 #define TILE(kv, d)                                                                        \
   attend_tile(kv, d / 8, q, k_cache, v_cache, table, q_starts[s], q_lens[s], ctx_lens[s],  \
               tree, tree ? tree_base[s] : 0, kv_head, row0, n, heads, kv_heads, block_size, \
-              scale, out)
+              scale, c * span_blocks, (c + 1) * span_blocks, out_part)
 #define CASE(d)                                                         \
   case d:                                                               \
     if (kv_type == KV_F16) TILE(KV_F16, d);                             \
     else if (kv_type == KV_BF16) TILE(KV_BF16, d);                      \
     else TILE(KV_F32, d);                                               \
     break;
-    switch (head_dim) { HEAD_DIMS(CASE) }
+        switch (head_dim) { HEAD_DIMS(CASE) }
 #undef CASE
 #undef TILE
+      }
+      if (c == spans - 1 && !split[g]) /* every span of the group was this thread's */
+        merge_group(head_dim, part + g * spans * stride, spans, stride, q_starts[s], kv_head,
+                    row0, n, heads, kv_heads, out);
+    }
+    if (any_split) {
+#pragma omp barrier
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < groups; g++) {
+        const int64_t s = g / (kv_heads * tiles), kv_head = g / tiles % kv_heads;
+        const int64_t row0 = g % tiles * tile, rows = q_lens[s] * group;
+        if (!split[g] || row0 >= rows) continue;
+        const int n = rows - row0 < tile ? (int)(rows - row0) : (int)tile;
+        merge_group(head_dim, part + g * spans * stride, spans, stride, q_starts[s], kv_head,
+                    row0, n, heads, kv_heads, out);
+      }
+    }
   }
+  if (buffer != small) free(buffer);
   return 0;
 }

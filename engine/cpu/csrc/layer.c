@@ -149,9 +149,9 @@ static void linear_any(const tandem_weight *w, const float *x, const float *resi
 /* hidden[tokens, dim] through num_layers layers, in place. scratch holds tokens x (dim +
  * (heads + 2 kv_heads) head_dim + 2 heads head_dim + 3 inter) floats. With `head` (else
  * NULL), the final norm (its weight final_norm, epsilon final_eps) and the LM head follow over
- * every row: logits[tokens, head_out], hidden left as the body's output. Returns 0, or -1 when
+ * every row: logits[tokens, head_out], hidden left as the body's output. Returns 0, -1 when
  * the attention kernel refuses the shapes or the caches' kv_type (checked before anything is
- * written). */
+ * written), or -2 when it cannot allocate its partial results (OUT_OF_MEMORY in kernels.py). */
 int tandem_layers(const tandem_layer *layers, int64_t num_layers, const tandem_batch *batch,
                   float *hidden, int64_t tokens, int64_t dim, int64_t heads, int64_t kv_heads,
                   int64_t head_dim, int64_t inter, float eps, float scale, float *scratch,
@@ -170,10 +170,11 @@ int tandem_layers(const tandem_layer *layers, int64_t num_layers, const tandem_b
     tandem_rotary_cache(qkv, batch->positions, batch->slots, batch->cos, batch->sin, tokens,
                         heads, kv_heads, head_dim, q, layer->key_cache, layer->value_cache,
                         (int)batch->kv_type);
-    tandem_paged_attention(q, layer->key_cache, layer->value_cache, batch->tables, batch->width,
-                           batch->q_starts, batch->q_lens, batch->ctx_lens, batch->tree,
-                           batch->tree_base, batch->num_seqs, attn, heads, kv_heads, head_dim,
-                           batch->block_size, scale, (int)batch->kv_type, nthreads);
+    const int status = tandem_paged_attention(
+        q, layer->key_cache, layer->value_cache, batch->tables, batch->width, batch->q_starts,
+        batch->q_lens, batch->ctx_lens, batch->tree, batch->tree_base, batch->num_seqs, attn,
+        heads, kv_heads, head_dim, batch->block_size, scale, (int)batch->kv_type, nthreads);
+    if (status != 0) return status; /* -2: out of memory (the shapes were checked above) */
     linear_any(&layer->o, attn, hidden, hidden, tokens, dim, q_width, nthreads);
     tandem_rms_norm(hidden, layer->post_norm, x, tokens, dim, eps);
     linear_any(&layer->gate_up, x, 0, gate_up, tokens, 2 * inter, dim, nthreads);
