@@ -327,15 +327,15 @@ INLINE int omp_thread(void) {
 #endif
 }
 
-/* A task's work (its request's keys in its span times its rows): what the threads split. */
-INLINE int64_t task_work(int64_t task, int64_t spans, int64_t tiles, int64_t tile,
-                         int64_t kv_heads, int64_t group, int64_t span_keys,
-                         const int64_t *q_lens, const int64_t *ctx_lens) {
-  const int64_t g = task / spans, c = task % spans, s = g / (kv_heads * tiles);
-  const int64_t rows = q_lens[s] * group - g % tiles * tile;
-  const int64_t keys = ctx_lens[s] - c * span_keys;
-  if (rows <= 0 || keys <= 0) return 0;
-  return (keys < span_keys ? keys : span_keys) * (rows < tile ? rows : tile);
+/* Group g's rows (g = (request * kv_heads + kv head) * tiles + tile): its request, kv head
+ * and first row; returns how many rows it has (0 when the request's are fewer than row0). */
+INLINE int group_rows(int64_t g, int64_t tiles, int64_t tile, int64_t kv_heads, int64_t group,
+                      const int64_t *q_lens, int64_t *s, int64_t *kv_head, int64_t *row0) {
+  *s = g / (kv_heads * tiles);
+  *kv_head = g / tiles % kv_heads;
+  *row0 = g % tiles * tile;
+  const int64_t left = q_lens[*s] * group - *row0;
+  return left <= 0 ? 0 : left < tile ? (int)left : (int)tile;
 }
 
 /* Returns 0, -1 for a shape tandem_attention_supports refuses or an unknown kv_type, or -2
@@ -373,16 +373,22 @@ int tandem_paged_attention(const float *q, const void *k_cache, const void *v_ca
   float *part = (float *)buffer;
   int32_t *owner = (int32_t *)(part + tasks * stride);
   uint8_t *split = (uint8_t *)(owner + tasks);
-  int64_t total = 0; /* the tasks' work: keys times rows */
-  for (int64_t task = 0; task < tasks; task++)
-    total += task_work(task, spans, tiles, tile, kv_heads, group, span_keys, q_lens, ctx_lens);
-  /* Thread t takes the tasks whose middle falls in the t-th of nthreads equal shares of the
-   * work, in order: contiguous runs. */
+  /* Each task's work (its request's keys in its span times its rows), kept in owner[] until
+   * the total is known; then thread t takes the tasks whose middle falls in the t-th of
+   * nthreads equal shares of the work, in order: contiguous runs. */
+  int64_t total = 0;
+  for (int64_t task = 0; task < tasks; task++) {
+    int64_t s, kv_head, row0;
+    const int n = group_rows(task / spans, tiles, tile, kv_heads, group, q_lens, &s, &kv_head,
+                             &row0);
+    const int64_t keys = ctx_lens[s] - task % spans * span_keys;
+    owner[task] = keys > 0 ? (int32_t)((keys < span_keys ? keys : span_keys) * n) : 0;
+    total += owner[task];
+  }
   const int64_t team = nthreads > 1 ? nthreads : 1;
   int any_split = 0;
   for (int64_t task = 0, done = 0; task < tasks; task++) {
-    const int64_t work =
-        task_work(task, spans, tiles, tile, kv_heads, group, span_keys, q_lens, ctx_lens);
+    const int64_t work = owner[task];
     owner[task] = total > 0 ? (int32_t)((2 * done + work) * team / (2 * total + 1)) : 0;
     done += work;
     const int64_t g = task / spans;
@@ -401,10 +407,9 @@ int tandem_paged_attention(const float *q, const void *k_cache, const void *v_ca
     for (int64_t task = 0; task < tasks; task++) {
       if (me >= 0 ? owner[task] != me : omp_thread() != 0) continue;
       const int64_t g = task / spans, c = task % spans;
-      const int64_t s = g / (kv_heads * tiles), kv_head = g / tiles % kv_heads;
-      const int64_t row0 = g % tiles * tile, rows = q_lens[s] * group;
-      if (row0 >= rows) continue;
-      const int n = rows - row0 < tile ? (int)(rows - row0) : (int)tile;
+      int64_t s, kv_head, row0;
+      const int n = group_rows(g, tiles, tile, kv_heads, group, q_lens, &s, &kv_head, &row0);
+      if (n == 0) continue;
       float *out_part = part + task * stride;
       if (c * span_keys >= ctx_lens[s]) { /* past the request's keys: nothing seen */
         for (int i = 0; i < n; i++) out_part[i * (head_dim + 2)] = -INFINITY;
@@ -432,10 +437,9 @@ int tandem_paged_attention(const float *q, const void *k_cache, const void *v_ca
 #pragma omp barrier
 #pragma omp for schedule(static)
       for (int64_t g = 0; g < groups; g++) {
-        const int64_t s = g / (kv_heads * tiles), kv_head = g / tiles % kv_heads;
-        const int64_t row0 = g % tiles * tile, rows = q_lens[s] * group;
-        if (!split[g] || row0 >= rows) continue;
-        const int n = rows - row0 < tile ? (int)(rows - row0) : (int)tile;
+        int64_t s, kv_head, row0;
+        const int n = group_rows(g, tiles, tile, kv_heads, group, q_lens, &s, &kv_head, &row0);
+        if (!split[g] || n == 0) continue;
         merge_group(head_dim, part + g * spans * stride, spans, stride, q_starts[s], kv_head,
                     row0, n, heads, kv_heads, out);
       }
