@@ -30,7 +30,9 @@ head on Q8_0, as its GGUF file has them (random weights, quantized by the `gguf`
 the float32 vector kernel (engine/cpu/csrc/gemm_quant.c), its calls on VNNI dot products
 (gemm_vnni.c), and with AMX tiles on (gemm_amx.c, from 6 rows on: fewer rows run on the
 vector kernel the engine would choose, float32 unless `TANDEM_VNNI=1`). "n/a" where the CPU
-lacks the unit.
+lacks the unit. The kernels take turns round by round (the order alternating), and the last
+column is the median of the rounds' VNNI / float32 ratios: on a machine whose speed drifts
+within minutes, each kernel's best round alone can come from different stretches.
 Milliseconds, best of --repeats rounds of --iters calls; one thread unless --threads.
 """
 
@@ -120,8 +122,14 @@ def bench_gguf(args: argparse.Namespace) -> None:
     isa = cpu_kernels.isa() or ""
     vnni_default, amx_default = "+vnni" in isa, "+amx" in isa  # what the engine would run
     has_vnni, has_tiles = cpu_kernels.set_vnni(True), cpu_kernels.set_amx(True)
-    print("| rows | float32 vector kernel | VNNI | AMX tiles (6+ rows) |")
-    print("|---:|---:|---:|---:|")
+    units = {  # column: (VNNI on, tiles on), where the CPU has what it needs
+        "float32": (False, False),
+        "VNNI": (True, False),
+        "AMX": (vnni_default, True),
+    }
+    present = ["float32"] + ["VNNI"] * has_vnni + ["AMX"] * has_tiles
+    print("| rows | float32 vector kernel | VNNI | AMX tiles (6+ rows) | VNNI / float32 |")
+    print("|---:|---:|---:|---:|---:|")
     for rows in args.rows:
         xs = {inp: torch.randn(rows, inp) for _, inp, _ in shapes}
 
@@ -129,18 +137,20 @@ def bench_gguf(args: argparse.Namespace) -> None:
             for (out, inp, kind), panel in zip(shapes, panels, strict=True):
                 cpu_kernels.linear(xs[inp], panel, None, out, None, kind)
 
-        cells = []
-        for vnni, tiles, present in ((False, False, True), (True, False, has_vnni),
-                                     (vnni_default, True, has_tiles)):  # fmt: skip
-            if not present:
-                cells.append("n/a")
-                continue
-            cpu_kernels.set_vnni(vnni)
-            cpu_kernels.set_amx(tiles)
-            cells.append(f"{best_ms(one_model, args.iters, args.repeats):.2f} ms")
-        cpu_kernels.set_vnni(vnni_default)
-        cpu_kernels.set_amx(amx_default)
-        print(f"| {rows} | " + " | ".join(cells) + " |")
+        def one_round(unit: str) -> float:
+            cpu_kernels.set_vnni(units[unit][0])
+            cpu_kernels.set_amx(units[unit][1])
+            return best_ms(one_model, args.iters, 1)
+
+        times = _alternated(one_round, present, args.repeats)
+        cells = [f"{min(times[u]):.2f} ms" if u in times else "n/a" for u in units]
+        ratio = "n/a"
+        if has_vnni:
+            pairs = zip(times["float32"], times["VNNI"], strict=True)
+            ratio = f"{statistics.median(v / f for f, v in pairs):.3f}"
+        print(f"| {rows} | " + " | ".join(cells) + f" | {ratio} |")
+    cpu_kernels.set_vnni(vnni_default)
+    cpu_kernels.set_amx(amx_default)
 
 
 def _gguf_weights() -> tuple[list, list[torch.Tensor]]:
