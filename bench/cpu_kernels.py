@@ -127,7 +127,7 @@ def bench_gguf(args: argparse.Namespace) -> None:
         "VNNI": (True, False),
         "AMX": (vnni_default, True),
     }
-    present = ["float32"] + ["VNNI"] * has_vnni + ["AMX"] * has_tiles
+    present = [u for u, ok in zip(units, (True, has_vnni, has_tiles), strict=True) if ok]
     print("| rows | float32 vector kernel | VNNI | AMX tiles (6+ rows) | VNNI / float32 |")
     print("|---:|---:|---:|---:|---:|")
     for rows in args.rows:
@@ -137,17 +137,14 @@ def bench_gguf(args: argparse.Namespace) -> None:
             for (out, inp, kind), panel in zip(shapes, panels, strict=True):
                 cpu_kernels.linear(xs[inp], panel, None, out, None, kind)
 
-        def one_round(unit: str) -> float:
+        def one_round(unit: str) -> float:  # a warm-up call after the switch, then --iters
             cpu_kernels.set_vnni(units[unit][0])
             cpu_kernels.set_amx(units[unit][1])
             return best_ms(one_model, args.iters, 1)
 
         times = _alternated(one_round, present, args.repeats)
         cells = [f"{min(times[u]):.2f} ms" if u in times else "n/a" for u in units]
-        ratio = "n/a"
-        if has_vnni:
-            pairs = zip(times["float32"], times["VNNI"], strict=True)
-            ratio = f"{statistics.median(v / f for f, v in pairs):.3f}"
+        ratio = f"{_median_ratio(times['float32'], times['VNNI']):.3f}" if has_vnni else "n/a"
         print(f"| {rows} | " + " | ".join(cells) + f" | {ratio} |")
     cpu_kernels.set_vnni(vnni_default)
     cpu_kernels.set_amx(amx_default)
@@ -192,9 +189,13 @@ def _alternated(one: Callable[[str], float], names: list[str], repeats: int) -> 
 
 def _vs_cells(times: dict[str, list[float]]) -> str:
     """Each side's median and best, and the median of the rounds' ratios (second / first)."""
-    ratio = statistics.median(b / a for a, b in zip(*times.values(), strict=True))
     cells = [f"{statistics.median(t):.2f}, {min(t):.2f} ms" for t in times.values()]
-    return f"{cells[0]} | {cells[1]} | {ratio:.3f}"
+    return f"{cells[0]} | {cells[1]} | {_median_ratio(*times.values()):.3f}"
+
+
+def _median_ratio(first: list[float], second: list[float]) -> float:
+    """The median over rounds of second / first (times of one round each)."""
+    return statistics.median(b / a for a, b in zip(first, second, strict=True))
 
 
 def bench_gguf_vs(args: argparse.Namespace) -> None:
