@@ -7,17 +7,40 @@ bytes read plus bytes written, which is what the memory system moves in that tim
 floor leaves out the KV cache a pass also reads (at a few hundred tokens of context, about
 2% of the weights of the GPU pair) and every kernel-launch and Python cost, which is the
 point: the ratio measured / floor says how far a pass is from the hardware's limit.
+
+Run as a program, it measures that ratio on random weights of real architectures (Llama
+3.x bodies with their own vocabulary, built straight on the GPU, never saved), because
+whether a batch-1 pass is bound by bytes or by kernel latency depends on the model's size:
+
+  python -m bench.gpu_floor --shapes 1b 3b 8b --out gpu_floor_shapes.json --kernels
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import platform
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+import transformers
+from transformers import AutoModelForCausalLM, LlamaConfig
 
+from engine.attention import paged as attention
 from engine.model.inputs import SeqInput
 from engine.model.runner import ModelRunner
+
+SHAPES = {
+    # name: (hidden, layers, heads, kv heads, MLP, tied embeddings), vocabulary 128,256, head 64
+    # or hidden / heads: the published configs of Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B.
+    "1b": (2048, 16, 32, 8, 8192, True),
+    "3b": (3072, 28, 24, 8, 8192, True),
+    "8b": (4096, 32, 32, 8, 14336, False),
+}
 
 
 def sync(device: torch.device) -> None:
@@ -43,8 +66,14 @@ def copy_bandwidth(device: torch.device, nbytes: int, copies: int = 10, repeats:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    # parameters() yields a tied embedding / lm_head matrix once, as a pass reads it once.
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """The bytes of weights one batch-1 pass reads: every parameter once (parameters() yields
+    a tied embedding / LM head matrix once, as a pass reads it once), less an input embedding
+    of its own, of which a pass reads one row."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    if embed is not model.get_output_embeddings().weight:
+        total -= embed.numel() * embed.element_size()
+    return total
 
 
 @torch.inference_mode()
@@ -119,3 +148,102 @@ def measure_floor(runner: ModelRunner, context: int, iters: int, copy_bytes: int
         "pass_min_us": 1e6 * min(passes),
         "pass_over_floor": median / floor_s,
     }
+
+
+def random_runner(shape: str, device: torch.device, context: int, workdir: Path) -> ModelRunner:
+    """A runner as the engine builds one on CUDA (bfloat16, native forward, Triton attention,
+    decode graphs for one request of one token) on random weights of `shape`."""
+    hidden, layers, heads, kv_heads, mlp, tied = SHAPES[shape]
+    config = LlamaConfig(
+        vocab_size=128_256,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=context + 64,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        tie_word_embeddings=tied,
+    )
+    config.save_pretrained(workdir)
+    # Built in float32 and cast, as a saved checkpoint is: the rotary inverse frequencies
+    # stay what float32 arithmetic makes them.
+    attention.register()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention.ATTN_IMPLEMENTATION
+        ).to(torch.bfloat16)
+    runner = ModelRunner(str(workdir), device, torch.bfloat16, "triton", model=model)
+    block = 16
+    runner.allocate_kv(context // block + 2, block)
+    if not runner.enable_decode_graphs(1, 1, context + 2 * block):
+        raise RuntimeError("decode graphs could not be enabled")
+    return runner
+
+
+def kernel_table(runner: ModelRunner, context: int, passes: int) -> str:
+    """torch.profiler's kernels over `passes` one-token passes, by total GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    table = list(range(context // runner.block_size + 1))
+    seq = [SeqInput([0], context, table, [0])]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(passes):
+            runner.forward(seq)
+        sync(runner.device)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
+    p.add_argument("--context", type=int, default=128, help="the pass's position")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--copy-mb", type=int, default=4096)
+    p.add_argument("--kernels", action="store_true", help="print each pass's top kernels")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    device = torch.device("cuda")
+    data = {
+        "kind": "gpu_floor_shapes",
+        "command": "python -m bench.gpu_floor " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": {
+            "gpu": torch.cuda.get_device_name(device),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
+        "shapes": {},
+    }
+    for shape in args.shapes:
+        with tempfile.TemporaryDirectory() as tmp:
+            began = time.perf_counter()
+            runner = random_runner(shape, device, args.context, Path(tmp))
+            built = time.perf_counter() - began
+            row = measure_floor(runner, args.context, args.iters, args.copy_mb * 2**20)
+            row |= {
+                "layers": SHAPES[shape][1],
+                "model_impl": runner.model_impl,
+                "kernels": runner.kernels,
+            }
+            row["build_s"] = built
+            data["shapes"][shape] = row
+            print(
+                f"{shape}: {row['target_weight_bytes'] / 1e9:.2f} GB, floor {row['floor_us']:.0f} us "
+                f"at {row['copy_bandwidth_gb_s']:,.0f} GB/s; pass {row['pass_median_us']:.0f} us "
+                f"({row['pass_over_floor']:.2f}x), graph replay {row['graph_replay_us']:.0f} us "
+                f"({row['graph_replay_us'] / row['floor_us']:.2f}x)",
+                flush=True,
+            )
+            if args.kernels:
+                print(kernel_table(runner, args.context, 10), flush=True)
+            del runner
+            torch.cuda.empty_cache()
+        if args.out:
+            args.out.write_text(json.dumps(data, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

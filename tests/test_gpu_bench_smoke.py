@@ -13,8 +13,10 @@ import math
 import shutil
 
 import pytest
+import torch
 
-from bench import gpu_bench, gpu_pair, report_gpu
+from bench import gpu_bench, gpu_floor, gpu_pair, report_gpu
+from engine.attention.backends import triton_available
 
 pytestmark = pytest.mark.bench
 
@@ -127,3 +129,22 @@ def test_greedy_match_when_drafts_are_accepted(smoke):
         assert data["greedy"][setting]["greedy_match"] is True
     row = next(r for r in data["results"] if r["setting"] == "draft K=4")
     assert row["acceptance"] > 0.5 and row["tokens_per_pass"] > 2
+
+
+@pytest.mark.skipif(not triton_available(), reason="the decode graphs' path needs triton")
+def test_floor_on_random_weights_of_an_architecture(tmp_path, monkeypatch):
+    """`python -m bench.gpu_floor`'s runner, at toy scale on the CPU: the native forward on
+    the Triton backend with decode graphs, and the weights a pass reads, which leave out an
+    input embedding that is not the LM head."""
+    monkeypatch.setitem(gpu_floor.SHAPES, "toy", (64, 2, 4, 2, 128, False))
+    runner = gpu_floor.random_runner("toy", torch.device("cpu"), 32, tmp_path)
+    assert (runner.model_impl, runner.decode_graphs is not None) == ("native", True)
+    model = runner.model
+    everything = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    read = everything - embedding.numel() * embedding.element_size()
+    assert gpu_floor.weight_bytes(model) == read
+    row = gpu_floor.measure_floor(runner, 32, 2, 1 << 20)
+    assert row["target_weight_bytes"] == read and row["pass_median_us"] > 0
+    assert row["graph_replay_us"] is None  # no CUDA graph on the CPU
+    assert runner.decode_graphs.steps > 0  # the passes took the fixed-shape path
