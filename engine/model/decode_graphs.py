@@ -9,6 +9,13 @@ body is captured once per (batch bucket, query bucket, tree or not) as a CUDA gr
 replayed, so a small step costs one launch instead of hundreds; elsewhere the same padded
 path runs eagerly, which is how the CPU tests check it.
 
+A step's inputs reach the device in three copies, made before the replay is launched: every
+int64 buffer of a shape is a view into one packed tensor (with the logit rows wanted, so the
+rows are picked after the replay with no copy of their own), every int32 one into another, and
+the block tables' used columns. When the rows wanted are all the real tokens in order (decodes
+and verifications), the output is a view of the static hidden states, valid until the shape's
+next replay.
+
 The real tokens are packed as an eager step packs them, the padding tokens after them. The
 attention metadata describes only the real requests (padding requests have no query tokens:
 their query_start_loc entries repeat the real total), so the Triton attention kernel skips
@@ -52,8 +59,14 @@ class StaticBatch:
 
     batch: int
     query_len: int
+    packed64: torch.Tensor
+    """input_ids, positions, slot_mapping, logit rows (and with trees, tree bits), each
+    batch * q long, in that order: the int64 buffers below are views into it."""
+    packed32: torch.Tensor
+    """context_lens [batch], query_start_loc [batch + 1] (and with trees, tree_base [batch])."""
     input_ids: torch.Tensor  # [1, batch * q]
     positions: torch.Tensor  # [1, batch * q]
+    rows: torch.Tensor  # [batch * q] the logit rows wanted, then zeros
     metadata: AttentionMetadata
     """slot_mapping [batch * q], block_tables [batch, width], context_lens [batch],
     query_start_loc [batch + 1], max_query_len q; with trees, tree [batch * q] int64 and
@@ -127,15 +140,16 @@ class DecodeGraphs:
         has_tree = trees is not None and any(t is not None for t in trees)
         static = self._batch(bucket, q, has_tree)
         layout = (context_lens, block_tables, query_lens, trees if has_tree else None)
-        self._fill(static, token_ids, positions, *layout)
+        self._fill(static, token_ids, positions, logit_rows, *layout)
         if static.graph is not None:
             static.graph.replay()
         else:
             static.hidden = self._body(static)
         self.steps += 1
         assert static.hidden is not None
-        rows = torch.tensor(logit_rows, dtype=torch.long).to(self.device, non_blocking=True)
-        return static.hidden[0, rows]
+        if logit_rows == list(range(len(token_ids))):
+            return static.hidden[0, : len(token_ids)]
+        return static.hidden[0, static.rows[: len(logit_rows)]]
 
     def _body(self, static: StaticBatch) -> torch.Tensor:
         return self.body(static.input_ids, static.positions, static.metadata)
@@ -149,25 +163,31 @@ class DecodeGraphs:
 
     def _new_batch(self, bucket: int, q: int, tree: bool) -> StaticBatch:
         tokens = bucket * q
-        scratch_slot = self.scratch_block * self.block_size
         device = self.device
+        packed64 = torch.zeros((5 if tree else 4) * tokens, dtype=torch.long, device=device)
+        packed32 = torch.zeros((3 if tree else 2) * bucket + 1, dtype=torch.int32, device=device)
+        ids, positions, slots, rows, *bits = packed64.split(tokens)
+        slots.fill_(self.scratch_block * self.block_size)
+        context_lens, starts, *bases = packed32.split([bucket, bucket + 1] + [bucket] * tree)
         metadata = AttentionMetadata(
             kv_caches=self.kv_caches,
-            slot_mapping=torch.full((tokens,), scratch_slot, dtype=torch.long, device=device),
+            slot_mapping=slots,
             backend=self.backend,
             block_tables=torch.zeros(bucket, self.width, dtype=torch.int32, device=device),
-            query_start_loc=torch.zeros(bucket + 1, dtype=torch.int32, device=device),
-            context_lens=torch.zeros(bucket, dtype=torch.int32, device=device),
+            query_start_loc=starts,
+            context_lens=context_lens,
             max_query_len=q,
         )
         if tree:  # all zeros: causal, which is what padding and chains get
-            metadata.tree = torch.zeros(tokens, dtype=torch.int64, device=device)
-            metadata.tree_base = torch.zeros(bucket, dtype=torch.int32, device=device)
+            metadata.tree, metadata.tree_base = bits[0], bases[0]
         static = StaticBatch(
             batch=bucket,
             query_len=q,
-            input_ids=torch.zeros(1, tokens, dtype=torch.long, device=device),
-            positions=torch.zeros(1, tokens, dtype=torch.long, device=device),
+            packed64=packed64,
+            packed32=packed32,
+            input_ids=ids.view(1, tokens),
+            positions=positions.view(1, tokens),
+            rows=rows,
             metadata=metadata,
         )
         if self.capture:
@@ -209,37 +229,37 @@ class DecodeGraphs:
         static: StaticBatch,
         token_ids: list[int],
         positions: list[int],
+        logit_rows: list[int],
         context_lens: list[int],
         block_tables: list[list[int]],
         query_lens: list[int],
         trees: list[Tree | None] | None,
     ) -> None:
         """Copy the batch into the static buffers; padding stays padding (the tree bits past
-        the real tokens too: no query reads them)."""
-        n, bucket = len(context_lens), static.batch
+        the real tokens too: no query reads them, so the copy stops there)."""
+        n, bucket, tokens = len(context_lens), static.batch, static.batch * static.query_len
         real = len(token_ids)
-        pad = bucket * static.query_len - real
+        pad = tokens - real
         bs = self.block_size
         slots = cache_slots(query_lens, context_lens, block_tables, bs)
         starts = [0, *itertools.accumulate(query_lens)]
         scratch = self.scratch_block * bs
         used = max(-(-ctx // bs) for ctx in context_lens)
         tables = [(table[:used] + [0] * used)[:used] for table in block_tables]
+        wide = [
+            *token_ids, *[0] * pad,
+            *positions, *[0] * pad,
+            *slots, *[scratch] * pad,
+            *logit_rows, *[0] * (tokens - len(logit_rows)),
+        ]  # fmt: skip
+        narrow = [*context_lens, *[0] * (bucket - n), *starts, *[real] * (bucket - n)]
+        if trees is not None:
+            bits, bases = tree_lists(query_lens, trees)
+            wide += bits
+            narrow += bases
+        for packed, values in ((static.packed64, wide), (static.packed32, narrow)):
+            packed[: len(values)].copy_(torch.tensor(values, dtype=packed.dtype), non_blocking=True)
         md = static.metadata
         assert md.block_tables is not None
-        assert md.context_lens is not None and md.query_start_loc is not None
-        host = [
-            (static.input_ids[0], token_ids + [0] * pad),
-            (static.positions[0], positions + [0] * pad),
-            (md.slot_mapping, slots + [scratch] * pad),
-            (md.context_lens, context_lens + [0] * (bucket - n)),
-            (md.query_start_loc, starts + [real] * (bucket - n)),
-        ]
-        if trees is not None:
-            assert md.tree is not None and md.tree_base is not None
-            bits, bases = tree_lists(query_lens, trees)
-            host += [(md.tree[:real], bits), (md.tree_base[:n], bases)]
-        for target, values in host:
-            target.copy_(torch.tensor(values, dtype=target.dtype), non_blocking=True)
         # Rows past n and columns past `used` keep stale ids: no query reads them.
         md.block_tables[:n, :used].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)

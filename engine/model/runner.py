@@ -119,7 +119,8 @@ class ModelRunner:
         """Set by a proposer that reads this model's hidden states: `last_hidden` then holds
         every fed token's row (a fixed-shape step only runs when every row is a logit row)."""
         self.last_hidden: torch.Tensor | None = None
-        """The native forward's body output (before the final norm) of the last pass."""
+        """The native forward's body output (before the final norm) of the last pass; from a
+        decode graph, a view of its buffers, valid until this runner's next pass."""
         self.lists_path = True
         """Whether batches the C layer stack takes whole skip the AttentionMetadata
         (engine/model/native/lists.py); off only to compare the two paths."""
