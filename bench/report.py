@@ -12,6 +12,7 @@ import json
 import math
 from pathlib import Path
 
+from bench.report_floor import floor_shapes_section
 from bench.report_gpu import gpu_sections
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -411,6 +412,8 @@ def main() -> None:
             ),
         ]
     sections += gpu_sections(RESULTS, DOCS)  # only results measured on a CUDA device
+    if floor := floor_shapes_section(RESULTS):
+        sections += ["", *floor]
     step = RESULTS / "gpu_step_h100.md"  # written by hand from bench.gpu_step_profile's output
     if step.exists():
         sections += ["", step.read_text().rstrip()]
