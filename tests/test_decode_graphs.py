@@ -74,16 +74,19 @@ TREE_DEPTH = [0, 1, 1, 2]
 
 
 def _check_padded_path(
-    runner: ModelRunner, query_lens: list[int], tol: float, tree: bool = False
+    runner: ModelRunner, query_lens: list[int], tol: float, tree: bool = False, last=False
 ) -> DecodeGraphs:
-    """Run one batch on the padded path, then again eagerly from the same cache."""
+    """Run one batch on the padded path, then again eagerly from the same cache; `last`: the
+    logits of each request's last token only (rows that are not every token, in order)."""
     assert runner.enable_decode_graphs(max_batch=8, max_query_len=5, max_model_len=128)
     graphs = runner.decode_graphs
     assert graphs is not None
     prompts, tables = _prefill(runner)
     assert graphs.steps == 0  # mixed query lengths past max_query_len ran eagerly
     seqs = [
-        SeqInput(list(range(7, 7 + q)), len(prompts[i]), tables[i], list(range(q)))
+        SeqInput(
+            list(range(7, 7 + q)), len(prompts[i]), tables[i], [q - 1] if last else [*range(q)]
+        )
         for i, q in enumerate(query_lens)
     ]
     if tree:
@@ -93,7 +96,7 @@ def _check_padded_path(
 
     padded = runner.forward(seqs)
     assert graphs.steps == 1
-    assert padded.shape == (sum(query_lens), runner.vocab_size)
+    assert padded.shape == (len(query_lens) if last else sum(query_lens), runner.vocab_size)
     new_slots = sorted(
         s.block_table[pos // BLOCK] * BLOCK + pos % BLOCK
         for s in seqs
@@ -124,6 +127,11 @@ def test_padded_path_gives_the_unpadded_logits(interpreted, tiny_dirs, query_len
     runner = _runner(tiny_dirs["qwen2"])  # GQA: 4 heads on 2
     graphs = _check_padded_path(runner, query_lens, 1e-4, tree)
     assert list(graphs.batches) == [(*shape, tree)]
+
+
+def test_padded_path_gives_the_logit_rows_asked_for(interpreted, tiny_dirs):
+    runner = _runner(tiny_dirs["qwen2"])
+    _check_padded_path(runner, [3, 1, 2], 1e-4, last=True)
 
 
 @pytest.mark.gpu
