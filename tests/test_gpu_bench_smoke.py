@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from bench import gpu_bench, gpu_floor, gpu_pair, report_gpu
+from bench import gpu_bench, gpu_floor, gpu_pair, report_floor, report_gpu
 from engine.attention.backends import triton_available
 
 pytestmark = pytest.mark.bench
@@ -148,3 +148,19 @@ def test_floor_on_random_weights_of_an_architecture(tmp_path, monkeypatch):
     assert row["target_weight_bytes"] == read and row["pass_median_us"] > 0
     assert row["graph_replay_us"] is None  # no CUDA graph on the CPU
     assert runner.decode_graphs.steps > 0  # the passes took the fixed-shape path
+
+
+def test_floor_report_renders_each_run_and_its_verdict(tmp_path):
+    row = {"layers": 2, "target_weight_bytes": 2e9, "copy_bandwidth_gb_s": 4000.0,
+           "floor_us": 500.0, "pass_median_us": 740.0, "pass_over_floor": 1.48,
+           "graph_replay_us": 600.0}  # fmt: skip
+    data = {"machine": {"gpu": "G", "torch": "t", "transformers": "x", "python": "p"},
+            "shapes": {"8b": row, "1b": row | {"pass_over_floor": 2.2}}}  # fmt: skip
+    (tmp_path / "floor-shapes-run-a.json").write_text(json.dumps(data))
+    (tmp_path / "floor_shapes_h200.md").write_text("the note")
+    lines = report_floor.floor_shapes_section(tmp_path)
+    rows = [line for line in lines if line.startswith("| run-a |")]
+    assert rows[0].startswith("| run-a | 8b (2 layers) | 2.00 GB |") and rows[0].endswith("| yes |")
+    assert rows[1].endswith("| no |") and "1.20x" in rows[0]  # replay / floor
+    assert lines[-1] == "the note"
+    assert report_floor.floor_shapes_section(tmp_path / "none") == []
