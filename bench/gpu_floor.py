@@ -76,6 +76,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def one_token(runner: ModelRunner, context: int) -> list[SeqInput]:
+    """A batch of one request feeding one token at position `context`, on blocks 0..n."""
+    return [SeqInput([0], context, list(range(context // runner.block_size + 1)), [0])]
+
+
 @torch.inference_mode()
 def decode_pass_seconds(runner: ModelRunner, context: int, iters: int) -> list[float]:
     """Seconds of each of `iters` one-token passes at position `context` (batch 1), timed
@@ -84,8 +89,7 @@ def decode_pass_seconds(runner: ModelRunner, context: int, iters: int) -> list[f
     Needs the runner's KV pool idle: it writes a garbage key/value into blocks 0..n, as the
     engine's own cost-model calibration does.
     """
-    table = list(range(context // runner.block_size + 1))
-    seq = [SeqInput([0], context, table, [0])]
+    seq = one_token(runner, context)
     device = runner.device
     for _ in range(5):
         runner.forward(seq)
@@ -186,8 +190,7 @@ def kernel_table(runner: ModelRunner, context: int, passes: int) -> str:
     """torch.profiler's kernels over `passes` one-token passes, by total GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    table = list(range(context // runner.block_size + 1))
-    seq = [SeqInput([0], context, table, [0])]
+    seq = one_token(runner, context)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(passes):
             runner.forward(seq)
@@ -227,8 +230,8 @@ def main(argv: list[str] | None = None) -> None:
                 "layers": SHAPES[shape][1],
                 "model_impl": runner.model_impl,
                 "kernels": runner.kernels,
+                "build_s": built,
             }
-            row["build_s"] = built
             data["shapes"][shape] = row
             print(
                 f"{shape}: {row['target_weight_bytes'] / 1e9:.2f} GB, floor {row['floor_us']:.0f} us "

@@ -147,7 +147,7 @@ class DecodeGraphs:
             static.hidden = self._body(static)
         self.steps += 1
         assert static.hidden is not None
-        if logit_rows == list(range(len(token_ids))):
+        if len(logit_rows) == len(token_ids):  # every token's row, in order (as in the runner)
             return static.hidden[0, : len(token_ids)]
         return static.hidden[0, static.rows[: len(logit_rows)]]
 
