@@ -20,7 +20,9 @@ Three stages; each one's result is kept in --work, so a re-run continues where i
 
 --resume trains the checkpoint a previous run left in --work further, on the answers there.
 A larger --samples than the answers in --work have adds the missing samples to them (the
-answers kept are not regenerated; delete answers.jsonl to start them afresh).
+answers kept are not regenerated; delete answers.jsonl to start them afresh). A sampled
+answer's seed is --answer-seed plus its line number in answers.jsonl, so with a work
+directory started afresh, another --answer-seed draws answers the earlier runs did not have.
 
 The held-out instructions (bench/chat_prompts.py `split`) are never trained on; the
 benchmarks use them. models/README.md records the run and the measured acceptance.
@@ -68,8 +70,9 @@ def chat_ids(tok, messages: list[dict]) -> list[int]:
 
 
 def generate_answers(
-    target_dir: str, work: Path, max_tokens: int, batch: int, samples: int, top: int
-) -> Path:
+    target_dir: str, work: Path, max_tokens: int, batch: int, samples: int, top: int,
+    seed: int = 0,
+) -> Path:  # fmt: skip
     out = work / "answers.jsonl"
     from transformers import AutoTokenizer
 
@@ -80,7 +83,7 @@ def generate_answers(
     tok = AutoTokenizer.from_pretrained(target_dir)
     train, _ = split()
     # Answers already there are kept: only the ones missing for `samples` are generated and
-    # appended (a row's seed is its line number in the file, new or extended).
+    # appended (a row's seed is `seed` plus its line number in the file, new or extended).
     have: dict[tuple[int, float], int] = {}
     kept = 0
     if out.exists():
@@ -114,7 +117,7 @@ def generate_answers(
     started = time.perf_counter()
     for n, (i, temp) in enumerate(jobs):
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=temp, seed=kept + n, logprobs=top
+            max_tokens=max_tokens, temperature=temp, seed=seed + kept + n, logprobs=top
         )
         engine.add_request(f"{n}", prompts[i], params)
     done = 0
@@ -424,6 +427,9 @@ def main() -> None:
     p.add_argument(
         "--samples", type=int, default=1, help="answers at temperature 0.8 per instruction"
     )
+    p.add_argument(
+        "--answer-seed", type=int, default=0, help="seed of the first sampled answer (see above)"
+    )
     p.add_argument("--top", type=int, default=8, help="target logprobs kept per answer token")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=1024)
@@ -447,8 +453,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     target_dir = prepare(args.target)
     answers = generate_answers(
-        target_dir, work, args.max_tokens, args.gen_batch, args.samples, args.top
-    )
+        target_dir, work, args.max_tokens, args.gen_batch, args.samples, args.top,
+        args.answer_seed,
+    )  # fmt: skip
     if args.stage == "answers":
         return
     ckpt = train(target_dir, answers, work, args)
