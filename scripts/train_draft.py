@@ -428,8 +428,9 @@ def main() -> None:
         "--samples", type=int, default=1, help="answers at temperature 0.8 per instruction"
     )
     p.add_argument(
-        "--answer-seed", type=int, default=0, help="seed of the first sampled answer (see above)"
-    )
+        "--answer-seed", type=int, default=0,
+        help="added to every answer's seed (its line number in answers.jsonl; see above)",
+    )  # fmt: skip
     p.add_argument("--top", type=int, default=8, help="target logprobs kept per answer token")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=1024)
