@@ -9,13 +9,13 @@
 
 Each side is the shipped speculation setting (the trained draft, adaptive K, one chain,
 prompt-lookup assist) with the given SpecConfig fields replaced (an optional number takes
-`auto` for None, a flag true or false). Both engines are built in this process; the held-out
-chat prompts run in chunks of --concurrency (one prompt at a time by default), each chunk on
-A and on B back to back, the order swapped every chunk and every round. On a shared machine
-whose speed drifts by 10-30% within minutes, the two sides then see the same drift, so the
-ratio per round is steadier than two runs minutes apart (`bench.paired` does the same over
-HTTP, one server at a time). Greedy output is the same on both sides (speculation is
-lossless), so at T=0 both make the same tokens; at T>0 they differ, and the ratio is of
+`auto` for None, a flag true or false, a float a number). Both engines are built in this
+process; the held-out chat prompts run in chunks of --concurrency (one prompt at a time by
+default), each chunk on A and on B back to back, the order swapped every chunk and every round.
+On a shared machine whose speed drifts by 10-30% within minutes, the two sides then see the
+same drift, so the ratio per round is steadier than two runs minutes apart (`bench.paired` does
+the same over HTTP, one server at a time). Greedy output is the same on both sides (speculation
+is lossless), so at T=0 both make the same tokens; at T>0 they differ, and the ratio is of
 tokens/s.
 """
 
@@ -44,6 +44,8 @@ def spec_with(assignments: list[str]) -> SpecConfig:
         kind = str(types[name])
         if kind.startswith("int"):  # int, or int | None (auto)
             changes[name] = None if value == "auto" and "None" in kind else int(value)
+        elif kind == "float":
+            changes[name] = float(value)
         elif kind == "bool":
             changes[name] = value.lower() in ("1", "true", "on", "yes")
         else:

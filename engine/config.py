@@ -179,6 +179,10 @@ class SpecConfig:
     """How a sampling request's tree candidates are drafted: sampled = N draws from q without
     replacement (recursive rejection sampling verifies them), top = the top N - 1 of q fixed
     and one draw from the rest (Hu et al.'s greedy draft sampler, verified optimally)."""
+    draft_min_prob: float = 0.0
+    """A draft model's chain stops at the first draft whose row gives the draft's most likely
+    token less than this probability (softmax at temperature 1): that draft and the deeper
+    ones are not verified. 0 = never; trees' roots are never cut (engine/spec/proposers)."""
     verification: str = "block"
     """How sampled drafts are verified: block = the block jointly (Sun et al.), token = token
     by token. Both are lossless; block keeps at least as many drafts in expectation."""
@@ -211,6 +215,14 @@ class SpecConfig:
         _check(
             self.method != "draft" or bool(self.draft_model),
             "--speculative-method draft needs --draft-model (or use ngram / off)",
+        )
+        _check(
+            0.0 <= self.draft_min_prob < 1.0,
+            f"--draft-min-prob must be at least 0 and below 1 (got {self.draft_min_prob})",
+        )
+        _check(
+            self.draft_min_prob == 0.0 or self.method == "draft",
+            "--draft-min-prob needs a draft model (--speculative-method draft)",
         )
         _check(
             0 <= self.ngram_assist <= 16,

@@ -6,10 +6,7 @@ so a flag cannot exist without a YAML key and documentation.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
 
 from engine import (
     ATTENTION_BACKENDS,
@@ -23,51 +20,12 @@ from engine import (
     TREE_DRAFTS,
     VERIFICATIONS,
 )
+from server.option import Option, optional, parse_bool
+
+__all__ = ["BY_KEY", "CONFIG_ENV", "LOG_LEVELS", "OPTIONS", "Option", "parse_bool"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-ENV_PREFIX = "TANDEM_"
 CONFIG_ENV = "TANDEM_CONFIG"
-
-
-def _optional(
-    convert: Callable[[str], Any], words: tuple[str, ...] = ("none", "null")
-) -> Callable[[str], Any]:
-    """A converter that also accepts `words` for None (the YAML null of a flag)."""
-
-    def parse(text: str) -> Any:
-        return None if text.lower() in words else convert(text)
-
-    parse.__name__ = convert.__name__  # argparse names the type in its error message
-    return parse
-
-
-def parse_bool(text: str) -> bool:
-    lowered = text.lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(text)
-
-
-@dataclass(frozen=True)
-class Option:
-    key: str
-    """section.name in the YAML file."""
-    flag: str | None
-    """None = YAML only."""
-    convert: Callable[[str], Any]
-    help: str
-    choices: tuple[str, ...] | None = None
-    metavar: str | None = None
-    is_path: bool = False
-
-    @property
-    def env(self) -> str | None:
-        """The environment variable for this flag: --draft-model -> TANDEM_DRAFT_MODEL."""
-        if self.flag is None:
-            return None
-        return ENV_PREFIX + self.flag.removeprefix("--").upper().replace("-", "_")
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -84,7 +42,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "model.cache_dir",
         "--model-cache-dir",
-        _optional(str),
+        optional(str),
         "where GGUF files are converted to and found again, keyed by content hash "
         "(default $XDG_CACHE_HOME/tandem/models, else ~/.cache/tandem/models)",
         metavar="DIR",
@@ -103,7 +61,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "model.max_model_len",
         "--max-model-len",
-        _optional(int, ("auto", "none", "null")),
+        optional(int, ("auto", "none", "null")),
         "longest prompt + output in tokens (auto = the model's max_position_embeddings)",
         metavar="N",
     ),
@@ -186,7 +144,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "speculative.draft_model",
         "--draft-model",
-        _optional(str),
+        optional(str),
         "draft model for --speculative-method draft, sharing the target's tokenizer: a "
         "Hugging Face directory, a .gguf file or pkg://PACKAGE/FILE, as for --model",
         metavar="PATH",
@@ -209,7 +167,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "speculative.draft_branches",
         "--draft-branches",
-        _optional(int, ("auto", "none", "null")),
+        optional(int, ("auto", "none", "null")),
         "draft trees: the most candidates drafted for a request's next token, each continued "
         "as a chain of K and verified in the same target pass; 1 = a single chain, auto = "
         "the adaptive policy chooses from the cost model (a fixed K gets a chain)",
@@ -223,6 +181,14 @@ OPTIONS: tuple[Option, ...] = (
         "(recursive rejection sampling), top = the draft's top N - 1 plus one draw from the "
         "rest (the optimal verifier for that sampler)",
         choices=TREE_DRAFTS,
+    ),
+    Option(
+        "speculative.draft_min_prob",
+        "--draft-min-prob",
+        float,
+        "a draft model's chain stops at the first draft the draft gives its most likely token "
+        "less than P for (softmax at temperature 1); 0 = never. The output is unchanged",
+        metavar="P",
     ),
     Option(
         "speculative.verification",
@@ -259,7 +225,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "cache.num_blocks",
         "--kv-cache-blocks",
-        _optional(int, ("auto", "none", "null")),
+        optional(int, ("auto", "none", "null")),
         "KV cache blocks in the pool (auto = size the pool from the memory budget)",
         metavar="N",
     ),
@@ -309,14 +275,14 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "server.served_model_name",
         "--served-model-name",
-        _optional(str),
+        optional(str),
         "model name clients use (default: the --model path as given)",
         metavar="NAME",
     ),
     Option(
         "server.api_key",
         "--api-key",
-        _optional(str),
+        optional(str),
         "require 'Authorization: Bearer KEY' on /v1 routes (default: no key)",
         metavar="KEY",
     ),
@@ -324,7 +290,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "server.max_request_tokens",
         "--max-request-tokens",
-        _optional(int, ("auto", "none", "null")),
+        optional(int, ("auto", "none", "null")),
         "most tokens one request may ask for: its prompts plus max_tokens x n for each; more "
         "get HTTP 400 (auto = 8 x --max-model-len)",
         metavar="N",
@@ -332,7 +298,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "server.request_timeout",
         "--request-timeout",
-        _optional(float, ("none", "null", "off")),
+        optional(float, ("none", "null", "off")),
         "seconds a request may take from arrival to its last token; past it the request is "
         "aborted and the client gets HTTP 504 (or an error event in a stream); off = no limit",
         metavar="SECONDS",

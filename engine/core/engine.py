@@ -35,7 +35,7 @@ from engine.spec.calibration import calibrate
 from engine.spec.cost_model import CostModel, PassShape
 from engine.spec.draft_length import policy_for
 from engine.spec.proposers import build_proposer
-from engine.spec.proposers.base import DraftBatch, with_forced_drafts
+from engine.spec.proposers.base import REASON_UNSURE, DraftBatch, with_forced_drafts
 from engine.spec.proposers.ngram import assist_lookup
 from engine.spec.speed_of_light import SpeedOfLight
 from engine.spec.verifier import Verifier
@@ -119,12 +119,9 @@ class LLMEngine:
             lookup=assist_lookup(config.spec, self.proposer),
         )
         self.verifier = Verifier(
-            self.vocab_size,
-            self.device,
-            self.speed_of_light,
-            config.spec.verification,
+            self.vocab_size, self.device, self.speed_of_light, config.spec.verification,
             config.spec.tree_drafts,
-        )
+        )  # fmt: skip
         self.grammars = Grammars(config.model.model, self.vocab_size, self.eos_token_ids)
         """Structured output's compiled grammars (engine/sample/grammar.py)."""
         self.totals = EngineStats()
@@ -194,6 +191,8 @@ class LLMEngine:
             start = time.perf_counter()
             drafts = self.proposer.propose(sched, tables) if self.proposer else None
             drafts = with_forced_drafts(sched, drafts)
+            if drafts is not None and drafts.cut:
+                self.scheduler.draft_length_reasons[REASON_UNSURE] += drafts.cut
             drafted = time.perf_counter()
             results = self.verifier.run(self.runner, sched, tables, drafts)
             verified = time.perf_counter()  # run() ends with a host copy, so the GPU is done
@@ -268,7 +267,8 @@ class LLMEngine:
         proposed = [0 if s.forced else k for s, k in zip(sched.scheduled, num_drafts, strict=True)]
         self.totals.draft_seconds += draft_seconds
         self.totals.target_seconds += target_seconds
-        self.totals.draft_passes += max(proposed, default=0)
+        passes = (drafts.passes if drafts else 0) or max(proposed, default=0)
+        self.totals.draft_passes += passes
         if self.cost_model is None or not representative:
             return
         # Called before the scheduler's update, so num_computed_tokens is still this step's start.
@@ -280,9 +280,9 @@ class LLMEngine:
         if drafts is not None and (any(proposed) or drafts.fed_tokens):
             # Every token the draft model ran counts, prompt chunks included (a step that only
             # fed the draft prompts is one pass): each kind is priced apart (DraftCost).
-            num_proposed = sum(proposed)
+            num_proposed = sum(proposed) + drafts.cut  # a cut chain's dropped draft was paid
             self.cost_model.observe_draft(
-                max(max(proposed), 1), num_proposed, drafts.fed_pairs, draft_seconds, branches,
+                max(passes, 1), num_proposed, drafts.fed_pairs, draft_seconds, branches,
                 max(drafts.fed_tokens - num_proposed, 0),
             )  # fmt: skip
         shape = PassShape.of(query_lens, context_lens)

@@ -15,6 +15,10 @@ if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
 
 
+REASON_UNSURE = "draft_unsure"
+"""The draft_length_reductions label of chains cut by --draft-min-prob (one per chain cut)."""
+
+
 @dataclass
 class DraftBatch:
     token_ids: list[list[int]]
@@ -30,6 +34,11 @@ class DraftBatch:
     """Per scheduled request, None for a chain, or a draft tree: parents[j] is the parent of
     draft j (0 = the request's last token, the root; d + 1 = draft d), drafts listed after
     their parents (engine/sample/tree_verifier.py)."""
+    passes: int = 0
+    """Draft passes that picked drafts this step; 0 = as many as the longest chain returned."""
+    cut: int = 0
+    """Chains cut by --draft-min-prob: each picked one more draft than it returned (the first
+    the draft was unsure of), which the passes above paid for."""
 
 
 def with_forced_drafts(sched: SchedulerOutput, drafts: DraftBatch | None) -> DraftBatch | None:
@@ -61,7 +70,9 @@ def with_forced_drafts(sched: SchedulerOutput, drafts: DraftBatch | None) -> Dra
         parents = [
             None if item.forced else p for item, p in zip(sched.scheduled, parents, strict=True)
         ]
-    return DraftBatch(token_ids, probs, drafts.fed_tokens, drafts.fed_pairs, parents)
+    return DraftBatch(
+        token_ids, probs, drafts.fed_tokens, drafts.fed_pairs, parents, drafts.passes, drafts.cut
+    )
 
 
 class Proposer(Protocol):

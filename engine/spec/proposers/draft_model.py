@@ -10,6 +10,12 @@ One step, for every request with K > 0 (others cost nothing here):
           draft of the previous step when all were accepted, plus anything missed while K was
           0) -> logits -> x_1;
   pass i: feed x_{i-1} -> x_i, for requests with K >= i (the others drop out).
+With --draft-min-prob P > 0 a chain also stops where the draft is unsure: the first draft
+whose row gives the draft's most likely token less than P (softmax of its logits at
+temperature 1, before masks and sampling settings) is dropped, with every deeper one. The
+test depends only on the draft's logits, never on the token drawn from them, so each draft
+kept is still a draw from the q it is verified with, and the output stays the target's
+(docs/VERIFICATION.md). A tree's root is never cut.
 Requests still in prefill feed the same chunk as the target in pass 1, so the draft's cache
 stays complete for prompts (and for prefix-cache hits).
 
@@ -20,6 +26,7 @@ exactly when both races pick the same token.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,7 +57,13 @@ if TYPE_CHECKING:
 class DraftModelProposer:
     keeps_kv = True
 
-    def __init__(self, runner: ModelRunner, target_vocab: int, tree_drafts: str = "top") -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        target_vocab: int,
+        tree_drafts: str = "top",
+        min_prob: float = 0.0,
+    ) -> None:
         if runner.vocab_size != target_vocab:
             raise ValueError(
                 f"--draft-model has a vocabulary of {runner.vocab_size} tokens but the target "
@@ -58,6 +71,7 @@ class DraftModelProposer:
             )
         self.runner = runner
         self.tree_drafts = tree_drafts
+        self.min_prob = min_prob
 
     @classmethod
     def from_config(
@@ -74,7 +88,7 @@ class DraftModelProposer:
         runner = ModelRunner(
             config.draft_model, device, dtype, attention_backend, model_impl, quantization
         )
-        return cls(runner, target.vocab_size, config.tree_drafts)
+        return cls(runner, target.vocab_size, config.tree_drafts, config.draft_min_prob)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.runner.kv_bytes_per_block(block_size)
@@ -123,19 +137,34 @@ class DraftModelProposer:
             i: [[] for _ in range(width[i])] for i, _, _ in drafting
         }
         root = {i: req.num_tokens - 1 for i, req, _ in drafting}  # the root's cache slot
-        picks = self._pick(forward(seqs), [(req, [], width[i]) for i, req, _ in drafting], want_q)
-        for (i, _, _), (tokens, q) in zip(drafting, picks, strict=True):
+        stopped: set[int] = set()  # chains cut by --draft-min-prob
+        passes = 1  # that picked drafts
+        logits = forward(seqs)
+        picks = self._pick(logits, [(req, [], width[i]) for i, req, _ in drafting], want_q)
+        unsure = self._unsure(logits)
+        for j, ((i, _, _), (tokens, q)) in enumerate(zip(drafting, picks, strict=True)):
+            if width[i] == 1 and unsure[j]:
+                stopped.add(i)
+                continue
             for b, token in enumerate(tokens):
                 lanes[i][b].append(token)
                 if q is not None:
                     lane_q[i][b].append(q)
         for depth in range(2, max((k for _, _, k in drafting), default=0) + 1):
-            active = [(i, req) for i, req, k in drafting if k >= depth]
+            active = [(i, req) for i, req, k in drafting if k >= depth and i not in stopped]
+            if not active:
+                break
             seqs = [self._next_pass(req, lanes[i], block_tables[i], root[i]) for i, req in active]
             entries = [(req, lane, 1) for i, req in active for lane in lanes[i]]
-            picks = self._pick(forward(seqs), entries, want_q)
+            logits = forward(seqs)
+            passes += 1
+            picks = self._pick(logits, entries, want_q)
+            unsure = self._unsure(logits)
             flat_lanes = [(i, b) for i, _ in active for b in range(width[i])]
-            for (i, b), (tokens, q) in zip(flat_lanes, picks, strict=True):
+            for j, ((i, b), (tokens, q)) in enumerate(zip(flat_lanes, picks, strict=True)):
+                if width[i] == 1 and unsure[j]:
+                    stopped.add(i)
+                    continue
                 lanes[i][b].extend(tokens)
                 if q is not None:
                     lane_q[i][b].append(q)
@@ -156,7 +185,15 @@ class DraftModelProposer:
         # (One row, as at concurrency 1 with K = 1: a view of it, not a copy.)
         probs = (flat_q[0][None] if len(flat_q) == 1 else torch.stack(flat_q)) if flat_q else None
         has_tree = any(p is not None for p in parents)
-        return DraftBatch(drafts, probs, *fed, parents=parents if has_tree else None)
+        return DraftBatch(drafts, probs, *fed, parents if has_tree else None, passes, len(stopped))
+
+    def _unsure(self, logits: torch.Tensor) -> list[bool]:
+        """Per row of a draft pass: whether the draft's most likely token has a probability
+        below --draft-min-prob (all False when it is 0: nothing computed)."""
+        if self.min_prob <= 0 or logits.shape[0] == 0:
+            return [False] * logits.shape[0]
+        x = logits.float()  # the top probability is exp(max - logsumexp)
+        return (torch.logsumexp(x, -1) - x.amax(-1) > -math.log(self.min_prob)).tolist()
 
     def _next_pass(
         self, req: Request, lanes: list[list[int]], table: list[int], root: int

@@ -138,8 +138,8 @@ class _Features:
 class EagleProposer(DraftModelProposer):
     keeps_kv = True
 
-    def __init__(self, runner: ModelRunner, target: ModelRunner) -> None:
-        super().__init__(runner, target.vocab_size)
+    def __init__(self, runner: ModelRunner, target: ModelRunner, min_prob: float = 0.0) -> None:
+        super().__init__(runner, target.vocab_size, min_prob=min_prob)
         if target.native is None or runner.native is None:
             raise ValueError(
                 "a feature draft (EAGLE) needs Tandem's native forward for the target and the "
@@ -177,7 +177,7 @@ class EagleProposer(DraftModelProposer):
             with torch.no_grad():  # (a full head is the target's own tensor, left as it is)
                 head = runner.model.get_output_embeddings().weight
                 head.copy_(head.to(torch.bfloat16).to(head.dtype))
-        return cls(runner, target)
+        return cls(runner, target, config.draft_min_prob)
 
     def _norm(self, hidden: torch.Tensor, model: ModelRunner) -> torch.Tensor:
         """Body output -> the feature the LM head reads (float32, on the model's device)."""
@@ -219,9 +219,12 @@ class EagleProposer(DraftModelProposer):
         lanes: dict[int, list[int]] = {i: [] for i, _, _ in drafting}
         lane_q: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in drafting}
         active, out = drafting, torch.empty(0)  # out: the last pass's features, per active row
+        stopped: set[int] = set()  # chains cut by --draft-min-prob
         for depth in range(1, max(k for _, _, k in drafting) + 1):
             if depth > 1:
-                keep = [j for j, (_, _, k) in enumerate(active) if k >= depth]
+                keep = [j for j, (i, _, k) in enumerate(active) if k >= depth and i not in stopped]
+                if not keep:
+                    break
                 out = out[keep]
                 active = [active[j] for j in keep]
                 seqs = [
@@ -244,7 +247,11 @@ class EagleProposer(DraftModelProposer):
                 rows = torch.arange(len(seqs))
             out = self._norm(hidden[rows.to(hidden.device)], self.runner)
             picks = self._pick(logits, [(req, lanes[i], 1) for i, req, _ in active], want_q)
-            for (i, _, _), (tokens, q) in zip(active, picks, strict=True):
+            unsure = self._unsure(logits)
+            for (i, _, _), (tokens, q), cut in zip(active, picks, unsure, strict=True):
+                if cut:
+                    stopped.add(i)
+                    continue
                 lanes[i].extend(tokens)
                 if q is not None:
                     lane_q[i].append(q)
@@ -255,4 +262,4 @@ class EagleProposer(DraftModelProposer):
             # Keys from predicted features are not kept: the verified tokens are fed again.
             req.num_draft_computed_tokens = req.num_tokens
         probs = torch.stack(flat_q) if flat_q else None
-        return DraftBatch(drafts, probs, *fed)
+        return DraftBatch(drafts, probs, *fed, None, depth, len(stopped))
