@@ -182,7 +182,7 @@ class SpecConfig:
     draft_min_prob: float = 0.0
     """A draft model's chain stops at the first draft whose row gives the draft's most likely
     token less than this probability (softmax at temperature 1): that draft and the deeper
-    ones are not verified. 0 = never; trees' roots are never cut (engine/spec/proposers)."""
+    ones are not verified. 0 = never; trees are never cut (engine/spec/proposers)."""
     verification: str = "block"
     """How sampled drafts are verified: block = the block jointly (Sun et al.), token = token
     by token. Both are lossless; block keeps at least as many drafts in expectation."""

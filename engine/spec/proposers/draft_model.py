@@ -15,7 +15,7 @@ whose row gives the draft's most likely token less than P (softmax of its logits
 temperature 1, before masks and sampling settings) is dropped, with every deeper one. The
 test depends only on the draft's logits, never on the token drawn from them, so each draft
 kept is still a draw from the q it is verified with, and the output stays the target's
-(docs/VERIFICATION.md). A tree's root is never cut.
+(docs/VERIFICATION.md). Trees are never cut.
 Requests still in prefill feed the same chunk as the target in pass 1, so the draft's cache
 stays complete for prompts (and for prefix-cache hits).
 
@@ -138,7 +138,7 @@ class DraftModelProposer:
         }
         root = {i: req.num_tokens - 1 for i, req, _ in drafting}  # the root's cache slot
         stopped: set[int] = set()  # chains cut by --draft-min-prob
-        passes = 1  # that picked drafts
+        passes = 1 if drafting else 0  # that picked drafts
         logits = forward(seqs)
         picks = self._pick(logits, [(req, [], width[i]) for i, req, _ in drafting], want_q)
         unsure = self._unsure(logits)

@@ -220,6 +220,7 @@ class EagleProposer(DraftModelProposer):
         lane_q: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in drafting}
         active, out = drafting, torch.empty(0)  # out: the last pass's features, per active row
         stopped: set[int] = set()  # chains cut by --draft-min-prob
+        passes = 0
         for depth in range(1, max(k for _, _, k in drafting) + 1):
             if depth > 1:
                 keep = [j for j, (i, _, k) in enumerate(active) if k >= depth and i not in stopped]
@@ -246,6 +247,7 @@ class EagleProposer(DraftModelProposer):
             if hidden.shape[0] != int(rows[-1]) + 1:
                 rows = torch.arange(len(seqs))
             out = self._norm(hidden[rows.to(hidden.device)], self.runner)
+            passes += 1
             picks = self._pick(logits, [(req, lanes[i], 1) for i, req, _ in active], want_q)
             unsure = self._unsure(logits)
             for (i, _, _), (tokens, q), cut in zip(active, picks, unsure, strict=True):
@@ -262,4 +264,4 @@ class EagleProposer(DraftModelProposer):
             # Keys from predicted features are not kept: the verified tokens are fed again.
             req.num_draft_computed_tokens = req.num_tokens
         probs = torch.stack(flat_q) if flat_q else None
-        return DraftBatch(drafts, probs, *fed, None, depth, len(stopped))
+        return DraftBatch(drafts, probs, *fed, None, passes, len(stopped))
