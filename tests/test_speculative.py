@@ -127,9 +127,10 @@ def _top_probs(model_dir: Path, sequences: list[list[int]]) -> torch.Tensor:
 
 
 def test_chains_cut_where_the_draft_is_unsure_keep_greedy_output(tiny_dirs, prompts_and_reference):
-    """--draft-min-prob at the draft's median top probability over these texts: about half the
-    drafts are dropped, chains stop at various depths (K = 1..8 per request) and the draft's
-    cache holds one token past a cut chain; the output is still the target's own."""
+    """--draft-min-prob at the median of the draft's top probabilities over these texts (as
+    transformers computes them): chains are cut at various depths (K = 1..8 per request), a
+    cut below a chain's first draft leaves the draft's cache one token past the chain, and
+    the output is still the target's own."""
     prompts, expected = prompts_and_reference
     draft = tiny_dirs["llama_draft"]
     top = _top_probs(draft, [p + e for p, e in zip(prompts, expected, strict=True)])
