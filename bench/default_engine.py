@@ -215,8 +215,10 @@ def speed(
         spec = replace(spec, draft_branches=branches, tree_drafts=tree_drafts)
     if spec.method == "draft":
         chains = branches is None and is_feature_draft(draft)  # a feature draft drafts chains
-        spec = replace(spec, draft_model=draft, draft_branches=1 if chains else branches)
-        spec = replace(spec, draft_min_prob=draft_min_prob)
+        spec = replace(
+            spec, draft_model=draft, draft_branches=1 if chains else branches,
+            draft_min_prob=draft_min_prob,
+        )  # fmt: skip
     eng = engine(spec, model, quantization, kv_cache_dtype)
     # Warm-up requests (other prompts, same concurrency) first: they capture the CUDA graphs
     # of the shapes the run will use, which a long-running server has done long before.
