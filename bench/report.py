@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 from bench.report_floor import floor_shapes_section
@@ -187,7 +188,7 @@ def chat_section(
         f"(`bench/chat_prompts.py`), natural stops up to {data['max_tokens']} tokens, output "
         "tokens from usage; sampling requests carry no seed (with one, a request takes the "
         "coupled sampler of docs/VERIFICATION.md; the command says `--seeded` when they "
-        "did). Median of "
+        f"did){_how_run(data)}. Median of "
         f"{data.get('median_of', 1)} round(s). `x off` is the speed-up over Tandem with "
         "speculation off at the same concurrency and temperature; `acc` the share of drafted "
         "tokens accepted.",
@@ -209,6 +210,7 @@ def chat_section(
                         f"- c={c}, T={t:g}: {ours['tokens_per_s']:.1f} against "
                         f"{best['tokens_per_s']:.1f} tok/s "
                         f"(**{ours['tokens_per_s'] / best['tokens_per_s']:.2f}x**)"
+                        + _round_ratios(data, rows, ours, peers, c, t)
                     )
         lines.append("")
     head = ["configuration"]
@@ -274,6 +276,39 @@ PEER_TEXTS = [
     ),
 ]
 """Per kind of peer row (a test on its config name): what the report says of it."""
+
+
+def _how_run(data: dict) -> str:
+    """The client and the schedule of a chat run, where its JSON records them (runs before
+    2026-11-30 read their streams with httpx and ran one server at a time)."""
+    client = next((r.get("client") for r in data["rows"] if r.get("client")), "httpx")
+    text = (
+        "; streams read by the lean client of `bench/sse_client.py`"
+        if client == "lean"
+        else "; streams read by httpx"
+    )
+    if data.get("interleaved"):
+        text += (
+            "; every system started at once and each round took them in turn, the order "
+            "reversed every other round (`--interleave`)"
+        )
+    return text
+
+
+def _round_ratios(data: dict, rows: dict, ours: dict, peers: list[str], c: int, t: float) -> str:
+    """With --interleave, each round's ratio of the default to that round's fastest peer (the
+    systems of one round ran minutes apart, so the machine's drift falls on them alike)."""
+    if not data.get("interleaved"):
+        return ""
+    mine = ours.get("tokens_per_s_runs", [])
+    theirs = [rows[(p, c, t)].get("tokens_per_s_runs", []) for p in peers if (p, c, t) in rows]
+    ratios = [
+        m / max(r[i] for r in theirs) for i, m in enumerate(mine) if all(len(r) > i for r in theirs)
+    ]
+    if not ratios:
+        return ""
+    text = ", ".join(f"{r:.2f}x" for r in ratios)
+    return f"; round by round {text} (median {statistics.median(ratios):.2f}x)"
 
 
 def _peers_paragraph(peers: list[str]) -> str:

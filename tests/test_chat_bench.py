@@ -3,6 +3,7 @@ speculation), the counters read from a server's /metrics, and the report's peer 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,50 @@ def test_report_takes_the_new_peers_as_peers_and_says_how_they_ran(tmp_path):
     assert f"| {CHAT_CONFIGS['hf-generate']} | 40.0 | 0.40x |" in text
 
 
+def test_interleave_starts_every_system_once_and_reverses_the_order_every_other_round(
+    monkeypatch, tmp_path
+):
+    started, ran, stopped = [], [], []
+
+    class Server(chat_bench.RunningServer):
+        def __init__(self, name):  # no process: a stand-in the loop can call and stop
+            self.name, self.url = name, f"http://127.0.0.1/{name}"
+
+        def stop(self):
+            stopped.append(self.name)
+
+    def start(name, args):
+        started.append(name)
+        return Server(name), 1.0
+
+    async def run_level(url, prompts, level, count, args, temperature):
+        if len(prompts) > 1:  # not the warm-up
+            ran.append(url.rsplit("/", 1)[1])
+        tps = {"off": 100.0, "draft-adaptive": 150.0}.get(url.rsplit("/", 1)[1], 50.0 + len(ran))
+        return {"tokens_per_s": tps, "itl_p50_ms": 1.0, "acceptance": None, "errors": [],
+                "time_split": {}, "client_cpu_ms_per_token": 0.1, "concurrency": level,
+                "temperature": temperature, "client": args.client}  # fmt: skip
+
+    monkeypatch.setattr(chat_bench, "start", start)
+    monkeypatch.setattr(chat_bench, "run_level", run_level)
+    out = tmp_path / "chat.json"
+    chat_bench.main(
+        ["--configs", "off", "draft-adaptive", "--llama-server", "/bin/ls", "--interleave",
+         "--rounds", "3", "--levels", "1", "--requests", "2", "--temperatures", "0",
+         "--out", str(out)]
+    )  # fmt: skip
+    names = ["off", "draft-adaptive", "llama-server-np1", "llama-server-np16"]
+    assert started == names and sorted(stopped) == sorted(names)
+    assert ran == names + names[::-1] + names
+    data = json.loads(out.read_text())
+    assert data["interleaved"] is True
+    text = "\n".join(chat_section(data, tmp_path / "p.png"))
+    # A peer makes 50 + its place in the run: the fastest peer of each round is the one that
+    # ran last in it (np16 at 54, np1 at 56, np16 at 62), against the default's 150.
+    assert "round by round 2.78x, 2.68x, 2.42x (median 2.68x)" in text
+    assert "every system started at once" in text and "bench/sse_client.py" in text
+
+
 def test_hf_generate_runs_the_chat_prompts_to_their_natural_stops(tiny_dirs):
     import argparse
 
@@ -165,3 +210,55 @@ def test_llama_cpp_python_serves_the_gguf_under_the_benchmarks_model_name(monkey
     # by default a new request ends the one streaming: under load, answers would be cut short
     assert case.argv[case.argv.index("--interrupt_requests") + 1] == "False"
     assert case.config in CHAT_CONFIGS
+
+
+def test_the_lean_client_reads_what_httpx_reads_from_a_real_server(tiny_dirs):
+    """bench/sse_client.py against a real uvicorn server: the same deltas, usage and events
+    as httpx for a streamed chat (chunked SSE), and a 400's error body (Content-Length)."""
+    import asyncio
+
+    import httpx
+
+    from bench.sse_client import post_events
+    from tests.server_helpers import serve
+
+    body = {
+        "model": "tiny", "messages": [{"role": "user", "content": "Say hi."}],
+        "max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    server = serve(tiny_dirs, server__api_key=None)
+    served = next(server)
+    try:
+
+        async def read():
+            lean = await chat_bench.chat_one(None, served.url, body)
+            async with httpx.AsyncClient(timeout=30) as client:
+                plain = await chat_bench.chat_one(client, served.url, body)
+            events = [e async for e in post_events(served.url, "/v1/chat/completions", body)]
+            bad = [
+                e async for e in post_events(served.url, "/v1/chat/completions", body | {"n": 0})
+            ]
+            return lean, plain, events, bad
+
+        (lean, lean_usage), (plain, plain_usage), events, bad = asyncio.run(read())
+        unstreamed = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        reference = httpx.post(served.url + "/v1/chat/completions", json=unstreamed).json()
+        reference = reference["choices"][0]["message"]["content"]
+    finally:
+        next(server, None)
+    assert lean.error is None and plain.error is None
+    for key in ("completion_tokens", "prompt_tokens", "speculative"):
+        assert lean_usage[key] == plain_usage[key]
+    assert lean.output_tokens == plain.output_tokens == 12
+    assert len(lean.chunks) == len(plain.chunks) > 0
+    assert [status for status, _ in events] == [200] * len(events)
+    assert events[-1][1] == "[DONE]"
+    streamed = "".join(
+        c["delta"].get("content") or ""
+        for _, data in events[:-1]
+        for c in json.loads(data)["choices"]
+    )
+    assert streamed == reference
+    ((status, error),) = bad
+    assert status == 400 and json.loads(error)["error"]["param"] == "n"
