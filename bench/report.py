@@ -399,6 +399,7 @@ def main() -> None:
     # Sections written by hand from their commands' printed output, after the chat tables.
     for fragment in (
         "chat_runs_cpu.md",
+        "two_speeds_cpu.md",
         "server_overhead_cpu.md",
         "step_host_cpu.md",
         "lookup_assist_cpu.md",

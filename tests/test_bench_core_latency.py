@@ -1,0 +1,30 @@
+"""bench.core_latency: the compiled probe hands a cache line between two pinned cores."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench import core_latency
+
+pytestmark = pytest.mark.bench
+
+
+def test_the_probe_reads_a_round_trip_between_two_cores():
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    trips = list(core_latency.readings((cores[0], cores[1]), 2, 0.0, trips=20_000))
+    assert len(trips) == 2
+    # A round trip is two cache-line transfers: tens to hundreds of ns (under a millisecond
+    # even where another process shares a core and each hand-over waits for its turn).
+    assert all(5.0 < ns < 1e6 for ns in trips)
+
+
+def test_a_core_outside_the_process_is_refused(capsys):
+    outside = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(SystemExit, match="two different cores"):
+        core_latency.main(["--cores", "0", str(outside), "--seconds", "1"])
+    with pytest.raises(SystemExit, match="two different cores"):
+        core_latency.main(["--cores", "0", "0", "--seconds", "1"])
