@@ -57,9 +57,14 @@ static int pin(int core) {
   return pthread_setaffinity_np(pthread_self(), sizeof set, &set);
 }
 
+/* The other core's side: says whether it could be pinned (-1 yes, -2 no), then answers. */
 static void *answer(void *unused) {
   (void)unused;
-  if (pin(core_b)) return (void *)1;
+  if (pin(core_b)) {
+    atomic_store(&line, -2);
+    return (void *)1;
+  }
+  atomic_store(&line, -1);
   for (long i = 0; i < TRIPS; i++) {
     while (atomic_load_explicit(&line, memory_order_acquire) != 2 * i + 1) {
     }
@@ -81,6 +86,13 @@ int main(int argc, char **argv) {
     atomic_store(&line, 0);
     pthread_t other;
     if (pthread_create(&other, 0, answer, 0)) return 1;
+    long ready;
+    while ((ready = atomic_load(&line)) == 0) {
+    }
+    if (ready == -2) {
+      pthread_join(other, 0);
+      return 2;
+    }
     const double start = now();
     for (long i = 0; i < TRIPS; i++) {
       atomic_store_explicit(&line, 2 * i + 1, memory_order_release);
@@ -88,9 +100,7 @@ int main(int argc, char **argv) {
       }
     }
     const double took = now() - start;
-    void *failed;
-    pthread_join(other, &failed);
-    if (failed) return 2;
+    pthread_join(other, 0);
     printf("%.1f\n", took / TRIPS * 1e9);
     fflush(stdout);
     struct timespec wait = {(time_t)pause, (long)((pause - (time_t)pause) * 1e9)};
@@ -114,16 +124,40 @@ def readings(cores: tuple[int, int], count: int, interval: float, trips: int = 2
     """Yield `count` mean round trips in ns between the two cores (`trips` each), `interval`
     seconds apart."""
     with tempfile.TemporaryDirectory() as tmp:
-        binary = build(Path(tmp))
-        args = [str(binary), *map(str, cores), str(count), str(interval), str(trips)]
-        with subprocess.Popen(args, stdout=subprocess.PIPE, text=True) as proc:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                yield float(line)
-        if proc.returncode == 2:
-            raise RuntimeError(f"cores {cores} cannot both be pinned here")
-        if proc.returncode:
-            raise RuntimeError(f"the probe failed ({proc.returncode})")
+        yield from run(build(Path(tmp)), cores, count, interval, trips)
+
+
+def run(binary: Path, cores: tuple[int, int], count: int, interval: float, trips: int):
+    """`readings` with a probe `build` made already."""
+    args = [str(binary), *map(str, cores), str(count), str(interval), str(trips)]
+    with subprocess.Popen(args, stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            yield float(line)
+    if proc.returncode == 2:
+        raise RuntimeError(f"cores {cores} cannot both be pinned here")
+    if proc.returncode:
+        raise RuntimeError(f"the probe failed ({proc.returncode})")
+
+
+class Probe:
+    """One reading at a time between the first two cores this process may use, the probe
+    built once (for a benchmark to read beside each of its measurements)."""
+
+    def __init__(self) -> None:
+        cores = sorted(os.sched_getaffinity(0))
+        self.cores = (cores[0], cores[1]) if len(cores) >= 2 else None
+        self._tmp = tempfile.TemporaryDirectory()  # removed with this object or at exit
+        self.binary = build(Path(self._tmp.name)) if self.cores else None
+
+    def reading(self, trips: int = 200_000) -> float | None:
+        """A mean round trip in ns, or None on one core or where the cores cannot be pinned."""
+        if self.binary is None or self.cores is None:
+            return None
+        try:
+            return list(run(self.binary, self.cores, 1, 0.0, trips))[0]
+        except RuntimeError:
+            return None
 
 
 def main(argv: list[str] | None = None) -> None:

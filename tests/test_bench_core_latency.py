@@ -22,6 +22,16 @@ def test_the_probe_reads_a_round_trip_between_two_cores():
     assert all(5.0 < ns < 1e6 for ns in trips)
 
 
+def test_the_benchmarks_probe_reads_once_per_call_or_says_none(monkeypatch):
+    probe = core_latency.Probe()
+    if probe.cores is None:
+        assert probe.reading() is None
+        return
+    assert 5.0 < probe.reading(trips=20_000) < 1e6
+    probe.cores = (probe.cores[0], max(os.sched_getaffinity(0)) + 1)  # cannot be pinned
+    assert probe.reading(trips=20_000) is None
+
+
 def test_a_core_outside_the_process_is_refused(capsys):
     outside = max(os.sched_getaffinity(0)) + 1
     with pytest.raises(SystemExit, match="two different cores"):

@@ -128,6 +128,8 @@ def test_interleave_starts_every_system_once_and_reverses_the_order_every_other_
     assert ran == names + names[::-1] + names
     data = json.loads(out.read_text())
     assert data["interleaved"] is True
+    for row in data["rows"]:  # the probe's readings around each level (None on one core)
+        assert len(row["core_round_trip_ns"]) == 2
     text = "\n".join(chat_section(data, tmp_path / "p.png"))
     # A peer makes 50 + its place in the run: the fastest peer of each round is the one that
     # ran last in it (np16 at 54, np1 at 56, np16 at 62), against the default's 150.
