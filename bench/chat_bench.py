@@ -453,15 +453,16 @@ def main(argv: list[str] | None = None) -> None:
         for temp in args.temperatures:
             for level, count in zip(args.levels, args.requests, strict=True):
                 if name == HF_CONFIG:
+                    before = probe.reading()
                     row = hf_level(target, prompts, level, count, args, temp)
                 else:
                     warm = [{"role": "user", "content": "Say hi."}]
                     asyncio.run(run_level(target.url, [warm], level, level, args, 0.0))
                     before = probe.reading()
                     row = asyncio.run(run_level(target.url, prompts, level, count, args, temp))
-                    # The machine's state around the level (bench/core_latency.py): a round
-                    # trip of a cache line between two cores, just before and just after.
-                    row["core_round_trip_ns"] = [before, probe.reading()]
+                # The machine's state around the level (bench/core_latency.py): a round trip
+                # of a cache line between two cores, just before and just after.
+                row["core_round_trip_ns"] = [before, probe.reading()]
                 row.update(config=name, round=rnd, ready_s=ready_s)
                 runs.setdefault(f"{name}|{level}|{temp}", []).append(row)
                 print(f"[{rnd}] {name:>15} {row_text(row)}", flush=True)

@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from engine.cpu.build import _compiler
+from engine.cpu.build import compiler
 
 SOURCE = r"""
 #define _GNU_SOURCE
@@ -115,7 +115,7 @@ def build(directory: Path) -> Path:
     """Compile the probe into `directory`; return the executable's path."""
     source, binary = directory / "core_latency.c", directory / "core_latency"
     source.write_text(SOURCE)
-    cmd = [_compiler(), "-O2", "-pthread", str(source), "-o", str(binary)]
+    cmd = [compiler(), "-O2", "-pthread", str(source), "-o", str(binary)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return binary
 
@@ -148,10 +148,16 @@ class Probe:
         cores = sorted(os.sched_getaffinity(0))
         self.cores = (cores[0], cores[1]) if len(cores) >= 2 else None
         self._tmp = tempfile.TemporaryDirectory()  # removed with this object or at exit
-        self.binary = build(Path(self._tmp.name)) if self.cores else None
+        self.binary = None
+        if self.cores:
+            try:
+                self.binary = build(Path(self._tmp.name))
+            except (RuntimeError, OSError, subprocess.CalledProcessError):
+                pass  # no C compiler, or it refused: every reading is None
 
     def reading(self, trips: int = 200_000) -> float | None:
-        """A mean round trip in ns, or None on one core or where the cores cannot be pinned."""
+        """A mean round trip in ns, or None on one core, without a C compiler, or where the
+        cores cannot be pinned."""
         if self.binary is None or self.cores is None:
             return None
         try:

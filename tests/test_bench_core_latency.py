@@ -32,6 +32,17 @@ def test_the_benchmarks_probe_reads_once_per_call_or_says_none(monkeypatch):
     assert probe.reading(trips=20_000) is None
 
 
+def test_without_a_compiler_the_probe_reads_none(monkeypatch):
+    import engine.cpu.build
+
+    def missing() -> str:
+        raise RuntimeError("no C compiler found")
+
+    monkeypatch.setattr(core_latency, "compiler", missing)
+    assert core_latency.Probe().reading() is None
+    assert engine.cpu.build.compiler is not missing  # the engine's own lookup is untouched
+
+
 def test_a_core_outside_the_process_is_refused(capsys):
     outside = max(os.sched_getaffinity(0)) + 1
     with pytest.raises(SystemExit, match="two different cores"):

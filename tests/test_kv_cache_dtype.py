@@ -59,7 +59,7 @@ def test_rotary_cache_rounds_keys_and_values_as_torch_does(dtype):
 def test_the_portable_conversions_round_as_torch_does(tmp_path):
     """vec.h's conversions without F16C and AVX2 (as on a CPU without them, or not x86):
     float32 -> float16 / bfloat16 -> float32, against torch, for the hard cases and a sweep."""
-    cc = kernel_build._compiler()
+    cc = kernel_build.compiler()
     gen = torch.Generator().manual_seed(0)
     sweep = torch.randn(3000, generator=gen) * 10.0 ** torch.randint(-9, 6, (3000,), generator=gen)
     values = torch.cat([torch.tensor(SPECIAL), sweep])

@@ -37,7 +37,7 @@ def build(csrc: Path = CSRC) -> Path:
     """The library's path, compiled first if this machine has no copy yet; raises
     RuntimeError saying why when it cannot be built. `csrc`: another copy of the sources
     (`python -m bench.cpu_kernels gguf-vs` builds a commit's)."""
-    cc = _compiler()
+    cc = compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     sources = sorted(csrc.glob("*.c"))
     contents = b"\0".join(p.read_bytes() for p in sorted(csrc.glob("*.[ch]")))
@@ -64,7 +64,8 @@ def build(csrc: Path = CSRC) -> Path:
     raise RuntimeError(f"{cc} could not build {csrc}: " + " | ".join(errors))
 
 
-def _compiler() -> str:
+def compiler() -> str:
+    """The system's C compiler: `$CC`, else the first of cc, gcc and clang on PATH."""
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return name
