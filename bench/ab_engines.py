@@ -28,7 +28,7 @@ from dataclasses import fields, replace
 from bench.default_engine import CONFIGS, _prompts, engine
 from engine.config import SpecConfig
 from engine.core.engine import LLMEngine
-from engine.core.request import SamplingParams
+from engine.types.request import SamplingParams
 
 
 def spec_with(assignments: list[str]) -> SpecConfig:

@@ -21,8 +21,8 @@ from dataclasses import replace
 import numpy as np
 
 from bench.default_engine import CONFIGS, TARGET, _closed_loop, _prompts, engine
-from engine.core.request import Request, SamplingParams
 from engine.spec.draft_length import FixedDraftLength
+from engine.types.request import Request, SamplingParams
 
 WEIGHTS = [0.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, float("inf")]
 CUTS = [5, 10, 20, 40]

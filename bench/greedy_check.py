@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from engine.core.engine import LLMEngine
-from engine.core.request import SamplingParams
+from engine.types.request import SamplingParams
 
 
 @torch.inference_mode()

@@ -54,7 +54,7 @@ class PacedEngine:
     """Enough of LLMEngine for AsyncEngine: each step sleeps, then one token per request."""
 
     def __init__(self, tokens: list[int], step_seconds: float, max_model_len: int) -> None:
-        from engine.core.stats import EngineStats
+        from engine.types.stats import EngineStats
 
         self.tokens = tokens
         self.step_seconds = step_seconds
@@ -76,7 +76,7 @@ class PacedEngine:
         self.running[request_id] = [len(prompt_token_ids), 0, params.max_tokens]
 
     def abort(self, request_id):
-        from engine.core.outputs import RequestOutput
+        from engine.types.outputs import RequestOutput
 
         if self.running.pop(request_id, None) is None:
             return None
@@ -86,7 +86,7 @@ class PacedEngine:
         return bool(self.running)
 
     def step(self):
-        from engine.core.outputs import RequestOutput
+        from engine.types.outputs import RequestOutput
 
         self.thread_id = threading.get_native_id()  # the engine thread's, for the parent
         time.sleep(self.step_seconds)
@@ -156,7 +156,7 @@ def serve_raw(port: int, step_ms: float) -> None:
     import uvicorn
 
     from engine.core.async_engine import AsyncEngine
-    from engine.core.request import SamplingParams
+    from engine.types.request import SamplingParams
 
     paced = PacedEngine(list(range(100, 164)), step_ms / 1000, 8192)
     engine, ids = AsyncEngine(paced), itertools.count()

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from bench.chat_prompts import COUNTRIES
 from bench.default_engine import CONFIGS, engine
 from engine.config import SpecConfig
-from engine.core.request import GrammarSpec, SamplingParams
+from engine.types.request import GrammarSpec, SamplingParams
 
 SCHEMA = {
     "type": "object",

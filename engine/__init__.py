@@ -21,14 +21,14 @@ _EXPORTS = {
     "EngineClient": "engine.core.client",
     "LLMEngine": "engine.core.engine",
     "QueueFullError": "engine.core.engine",
-    "InvalidRequest": "engine.core.request",
-    "check_request": "engine.core.validation",
-    "SamplingParams": "engine.core.request",
-    "GrammarSpec": "engine.core.request",
-    "JSON_STYLE": "engine.core.request",
-    "RequestOutput": "engine.core.outputs",
-    "TokenLogprob": "engine.core.outputs",
-    "EngineStats": "engine.core.stats",
+    "InvalidRequest": "engine.types.request",
+    "check_request": "engine.types.validation",
+    "SamplingParams": "engine.types.request",
+    "GrammarSpec": "engine.types.request",
+    "JSON_STYLE": "engine.types.request",
+    "RequestOutput": "engine.types.outputs",
+    "TokenLogprob": "engine.types.outputs",
+    "EngineStats": "engine.types.stats",
     "EngineConfig": "engine.config",
     "ModelConfig": "engine.config",
     "CacheConfig": "engine.config",
@@ -72,16 +72,16 @@ if TYPE_CHECKING:
     from engine.core.async_engine import AsyncEngine
     from engine.core.client import EngineClient
     from engine.core.engine import LLMEngine, QueueFullError
-    from engine.core.outputs import RequestOutput, TokenLogprob
-    from engine.core.request import JSON_STYLE, GrammarSpec, InvalidRequest, SamplingParams
-    from engine.core.stats import EngineStats
-    from engine.core.validation import check_request
     from engine.model.files import (
         PACKAGE_SCHEME,
         check_model_path,
         default_served_name,
         prepare_config,
     )
+    from engine.types.outputs import RequestOutput, TokenLogprob
+    from engine.types.request import JSON_STYLE, GrammarSpec, InvalidRequest, SamplingParams
+    from engine.types.stats import EngineStats
+    from engine.types.validation import check_request
 
 
 def __getattr__(name: str) -> Any:

@@ -78,7 +78,7 @@ def generate_answers(
 
     from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
     from engine.core.engine import LLMEngine
-    from engine.core.request import SamplingParams
+    from engine.types.request import SamplingParams
 
     tok = AutoTokenizer.from_pretrained(target_dir)
     train, _ = split()

@@ -1,7 +1,7 @@
 """Prometheus export: latency histograms measured here, engine numbers read at scrape time.
 
 Each app owns its `CollectorRegistry` (two apps in one process, as in tests, never share or
-collide). Engine statistics stay plain dataclasses in `engine.core.stats`; `EngineCollector`
+collide). Engine statistics stay plain dataclasses in `engine.types.stats`; `EngineCollector`
 turns the latest `EngineStats` into metric families when Prometheus scrapes.
 """
 

@@ -151,7 +151,7 @@ def sampling_params(
     grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
     """The engine's parameters for one choice, checked with the prompt by the engine's own
-    validation (engine/core/validation.py): what it refuses is a 400 naming the field, the
+    validation (engine/types/validation.py): what it refuses is a 400 naming the field, the
     prompt's field being `prompt_param`."""
     stop_ids = tuple(req.stop_token_ids or ())
     if not req.ignore_eos:

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from engine.core.engine import LLMEngine
-from engine.core.request import SamplingParams
 from engine.model.quantization import round_weights
+from engine.types.request import SamplingParams
 
 
 def make_engine(

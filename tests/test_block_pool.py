@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.request import Request, SamplingParams
 from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
+from engine.types.request import Request, SamplingParams
 
 
 def test_allocate_release_roundtrip():

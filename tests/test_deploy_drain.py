@@ -23,10 +23,10 @@ import pytest
 import uvicorn
 
 from engine.core.client import EngineClient
-from engine.core.outputs import RequestOutput
-from engine.core.request import GrammarSpec, InvalidRequest, SamplingParams
-from engine.core.stats import EngineStats
-from engine.core.validation import check_request
+from engine.types.outputs import RequestOutput
+from engine.types.request import GrammarSpec, InvalidRequest, SamplingParams
+from engine.types.stats import EngineStats
+from engine.types.validation import check_request
 from server.app import create_app
 from server.drain import DrainingServer
 from server.settings import load_settings

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from engine.config import SpecConfig
-from engine.core.request import Request, SamplingParams
 from engine.spec.calibration import (
     _TABLE_CHUNK,
     _log_sizes,
@@ -25,6 +24,7 @@ from engine.spec.draft_length import (
     REASON_BATCH,
     AdaptiveDraftLength,
 )
+from engine.types.request import Request, SamplingParams
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]

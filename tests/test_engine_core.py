@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.config import SpecConfig
-from engine.core.request import SamplingParams
-from engine.core.stats import EngineStats
+from engine.types.request import SamplingParams
+from engine.types.stats import EngineStats
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 
 LENGTHS = [1, 3, 5, 7, 9, 12, 15, 17, 20, 24, 31, 33, 40, 47, 55, 64]

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from engine.core.request import Request, SamplingParams
 from engine.cpu import kernels as cpu_kernels
 from engine.cpu import sampling as cpu_sampling
 from engine.sample.sampler import (
@@ -20,6 +19,7 @@ from engine.sample.sampler import (
     sample_from,
     sample_logits,
 )
+from engine.types.request import Request, SamplingParams
 
 
 def _rows(temperatures: list[float]) -> list[RowSpec]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import SpecConfig
-from engine.core.request import SamplingParams
+from engine.types.request import SamplingParams
 from tests.engine_utils import drain, greedy, make_engine, random_prompts
 
 MAX_TOKENS = 20

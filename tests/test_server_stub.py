@@ -16,10 +16,10 @@ from transformers import AutoTokenizer
 import server.app as app_module
 from engine.core.client import EngineClient
 from engine.core.engine import QueueFullError
-from engine.core.outputs import RequestOutput, TokenLogprob
-from engine.core.request import GrammarSpec, InvalidRequest, SamplingParams
-from engine.core.stats import EngineStats
-from engine.core.validation import check_request
+from engine.types.outputs import RequestOutput, TokenLogprob
+from engine.types.request import GrammarSpec, InvalidRequest, SamplingParams
+from engine.types.stats import EngineStats
+from engine.types.validation import check_request
 from server.app import create_app
 from server.settings import load_settings
 

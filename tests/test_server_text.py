@@ -7,7 +7,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from engine.core.outputs import TokenLogprob
+from engine.types.outputs import TokenLogprob
 from server.detokenizer import IncrementalDetokenizer, Piece, StopStringFilter
 from server.logprobs import LOGPROB_FLOOR, TokenTexts, chat_logprobs, completion_logprobs
 

@@ -13,11 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.config import SpecConfig
-from engine.core.request import Request, SamplingParams
 from engine.model.head import HEAD_TOKENS_FILE, restrict_head
 from engine.model.runner import ModelRunner
 from engine.spec.draft_length import DraftLengths
 from engine.spec.proposers.draft_model import DraftModelProposer
+from engine.types.request import Request, SamplingParams
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 
 MAX_TOKENS = 24

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from engine.core.engine import LLMEngine
-from engine.core.request import GrammarSpec, SamplingParams
+from engine.types.request import GrammarSpec, SamplingParams
 from server.settings import load_settings
 from tests.server_helpers import running
 from tests.test_default_model import DEFAULT_MODEL, DRAFT

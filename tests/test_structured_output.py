@@ -18,8 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.config import SpecConfig
-from engine.core.request import JSON_STYLE, GrammarSpec, InvalidRequest, SamplingParams
 from engine.sample.grammar import grammar_text
+from engine.types.request import JSON_STYLE, GrammarSpec, InvalidRequest, SamplingParams
 from tests.engine_utils import drain, make_engine, random_prompts
 from tests.test_speculative import _chi_square_test
 

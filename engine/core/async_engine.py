@@ -29,11 +29,11 @@ import torch
 from engine.config import EngineConfig
 from engine.core.client import EngineClient
 from engine.core.engine import LLMEngine, QueueFullError
-from engine.core.outputs import RequestOutput
-from engine.core.request import GrammarSpec, SamplingParams
-from engine.core.stats import EngineStats
 from engine.cpu import affinity as cpu_affinity
 from engine.model.runner import resolve_device
+from engine.types.outputs import RequestOutput
+from engine.types.request import GrammarSpec, SamplingParams
+from engine.types.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from engine.core.outputs import RequestOutput
-from engine.core.request import GrammarSpec, SamplingParams
-from engine.core.stats import EngineStats
+from engine.types.outputs import RequestOutput
+from engine.types.request import GrammarSpec, SamplingParams
+from engine.types.stats import EngineStats
 
 
 class EngineClient(Protocol):
@@ -36,7 +36,7 @@ class EngineClient(Protocol):
         ...
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequest (engine/core/validation.py) unless the request can be served;
+        """Raise InvalidRequest (engine/types/validation.py) unless the request can be served;
         `generate` runs the same check."""
         ...
 

@@ -17,11 +17,7 @@ import torch
 from engine.attention.backends import select_backend
 from engine.config import EngineConfig
 from engine.core.kv_budget import kv_cache_dtype, num_kv_blocks
-from engine.core.outputs import RequestOutput
-from engine.core.request import Request, SamplingParams
-from engine.core.scheduler import FORCED_MAX, Scheduler, SchedulerOutput, make_output
-from engine.core.stats import EngineStats
-from engine.core.validation import check_request
+from engine.core.scheduler import FORCED_MAX, Scheduler, make_output
 from engine.cpu import kernels as cpu_kernels
 from engine.cpu import memory as cpu_memory
 from engine.kv.manager import KVCacheManager
@@ -39,6 +35,11 @@ from engine.spec.proposers.base import REASON_UNSURE, DraftBatch, with_forced_dr
 from engine.spec.proposers.ngram import assist_lookup
 from engine.spec.speed_of_light import SpeedOfLight
 from engine.spec.verifier import Verifier
+from engine.types.batch import SchedulerOutput
+from engine.types.outputs import RequestOutput
+from engine.types.request import Request, SamplingParams
+from engine.types.stats import EngineStats
+from engine.types.validation import check_request
 
 logger = logging.getLogger(__name__)
 

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
-from engine.core.outputs import RequestOutput, StepTokens
-from engine.core.request import Request, RequestStatus, SpecStats
 from engine.kv.manager import KVCacheManager
 from engine.spec.draft_length import (
     REASON_BUDGET,
@@ -22,52 +19,12 @@ from engine.spec.draft_length import (
     REASON_MEMORY,
     DraftLengthPolicy,
 )
+from engine.types.batch import ScheduledRequest, SchedulerOutput
+from engine.types.outputs import RequestOutput, StepTokens
+from engine.types.request import Request, RequestStatus, SpecStats
 
 FORCED_MAX = 4
 """The most grammar-forced drafts a step takes per request when K_max is smaller."""
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    """Tokens taken from all_token_ids this step (a prefill chunk, or 1 when decoding)."""
-    num_draft_tokens: int = 0
-    """K for this request and step; the proposer may fill fewer."""
-    branches: int = 1
-    """Draft-tree candidates for the next token, each continued to depth K: the request has
-    K x branches draft slots this step."""
-    forced: list[int] | None = None
-    """Drafts that replace the proposer's this step (the proposer skips the request): the
-    tokens a constrained request's grammar forces next (engine/sample/grammar.py), or, with
-    `looked_up`, what followed the context's suffix earlier in it (`speculative.ngram_assist`)."""
-    looked_up: bool = False
-
-    @property
-    def num_proposed_tokens(self) -> int:
-        """The drafts the proposer is asked for (none when the grammar supplies them)."""
-        return 0 if self.forced else self.num_draft_tokens
-
-    @property
-    def num_draft_slots(self) -> int:
-        return self.num_draft_tokens * self.branches
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the request's tokens and so samples."""
-        req = self.request
-        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and s.samples)
 
 
 class Scheduler:

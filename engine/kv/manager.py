@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from engine.core.request import Request
 from engine.kv.block_pool import BlockPool
+from engine.types.request import Request
 
 
 def _chain_hash(parent: bytes, tokens: list[int]) -> bytes:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.core.request import JSON_STYLE, GrammarSpec, InvalidRequest
+from engine.types.request import JSON_STYLE, GrammarSpec, InvalidRequest
 
 CACHE_SIZE = 256
 """Compiled grammars kept (distinct schemas, regexes...)."""

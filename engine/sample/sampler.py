@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.core.outputs import TokenLogprob
-from engine.core.request import Request, SamplingParams
 from engine.cpu import kernels as cpu_kernels
 from engine.cpu import sampling as cpu_sampling
+from engine.types.outputs import TokenLogprob
+from engine.types.request import Request, SamplingParams
 
 
 @dataclass

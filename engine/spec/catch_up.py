@@ -9,7 +9,7 @@ measured here, `CATCH_UP_STEPS` as the prior.
 
 from __future__ import annotations
 
-from engine.core.request import Request
+from engine.types.request import Request
 
 CATCH_UP_STEPS = 32
 """The prior of the drafting run's length, counting as its first measurement."""

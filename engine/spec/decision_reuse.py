@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.core.request import Request
 from engine.spec.catch_up import CatchUp
 from engine.spec.cost_model import CostModel
+from engine.types.request import Request
 
 Decision = tuple[list[int], list[str | None], int]
 """(K per request, why each is below K_max, tree branches)."""

@@ -14,12 +14,12 @@ from typing import Protocol
 import numpy as np
 
 from engine.config import SpecConfig
-from engine.core.request import Request
 from engine.spec.catch_up import CatchUp
 from engine.spec.chain_choice import ChainChoice
 from engine.spec.cost_model import CostModel
 from engine.spec.decision_reuse import DecisionReuse
 from engine.spec.tree_choice import TreeChoice
+from engine.types.request import Request
 
 # Reasons a request got fewer than K_max drafts (exported as a metric label).
 REASON_BATCH = "batch_cost"

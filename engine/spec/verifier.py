@@ -13,9 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.core.outputs import StepTokens, TokenLogprob
-from engine.core.request import Request
-from engine.core.scheduler import SchedulerOutput
 from engine.model.inputs import SeqInput
 from engine.model.runner import ModelRunner
 from engine.sample.rejection_sampler import emitted_tokens, greedy_verify, verify_sampled
@@ -34,6 +31,9 @@ from engine.sample.sampler import (
 from engine.sample.tree_verifier import DraftTree, verify_tree, verify_tree_greedy
 from engine.spec.proposers.base import DraftBatch
 from engine.spec.speed_of_light import SpeedOfLight
+from engine.types.batch import SchedulerOutput
+from engine.types.outputs import StepTokens, TokenLogprob
+from engine.types.request import Request
 
 
 @dataclass

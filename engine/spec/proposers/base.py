@@ -11,8 +11,8 @@ import torch
 from engine.config import SpecConfig
 
 if TYPE_CHECKING:
-    from engine.core.scheduler import SchedulerOutput
     from engine.model.runner import ModelRunner
+    from engine.types.batch import SchedulerOutput
 
 
 REASON_UNSURE = "draft_unsure"

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import SpecConfig
-from engine.core.request import Request
 from engine.cpu import sampling as cpu_sampling
 from engine.model.inputs import SeqInput
 from engine.model.runner import ModelRunner
@@ -49,9 +48,10 @@ from engine.sample.sampler import (
     sample_from,
 )
 from engine.spec.proposers.base import DraftBatch
+from engine.types.request import Request
 
 if TYPE_CHECKING:
-    from engine.core.scheduler import SchedulerOutput
+    from engine.types.batch import SchedulerOutput
 
 
 class DraftModelProposer:

@@ -39,14 +39,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.attention import paged as attention
 from engine.config import SpecConfig
-from engine.core.request import Request
 from engine.model.inputs import SeqInput
 from engine.model.runner import ModelRunner
 from engine.spec.proposers.base import DraftBatch
 from engine.spec.proposers.draft_model import DraftModelProposer
+from engine.types.request import Request
 
 if TYPE_CHECKING:
-    from engine.core.scheduler import SchedulerOutput
+    from engine.types.batch import SchedulerOutput
 
 MARKER = "tandem_draft"
 FC_WEIGHT = "model.embed_tokens.fc.weight"

@@ -11,8 +11,8 @@ from engine.config import SpecConfig
 from engine.spec.proposers.base import DraftBatch, Proposer
 
 if TYPE_CHECKING:
-    from engine.core.scheduler import SchedulerOutput
     from engine.model.runner import ModelRunner
+    from engine.types.batch import SchedulerOutput
 
 
 def prompt_lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:

@@ -10,7 +10,7 @@ wording where it has one; `param` names the field to change and `code` the error
 
 from __future__ import annotations
 
-from engine.core.request import InvalidRequest, SamplingParams
+from engine.types.request import InvalidRequest, SamplingParams
 
 __all__ = ["InvalidRequest", "check_request"]
 

@@ -72,7 +72,7 @@ class SamplingParams:
     """Structured output: every token is masked to what the grammar allows next."""
 
     def validate(self) -> None:
-        """Raise InvalidRequest naming the field (engine/core/validation.py runs this)."""
+        """Raise InvalidRequest naming the field (engine/types/validation.py runs this)."""
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
             raise InvalidRequest(
                 f"max_tokens must be at least 1 (got {self.max_tokens})", "max_tokens"

@@ -1,0 +1,51 @@
+"""What one engine step runs: the requests the scheduler picked, with each one's new tokens and
+draft slots. The scheduler builds it; the proposers, the verifier and the engine read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.types.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    """Tokens taken from all_token_ids this step (a prefill chunk, or 1 when decoding)."""
+    num_draft_tokens: int = 0
+    """K for this request and step; the proposer may fill fewer."""
+    branches: int = 1
+    """Draft-tree candidates for the next token, each continued to depth K: the request has
+    K x branches draft slots this step."""
+    forced: list[int] | None = None
+    """Drafts that replace the proposer's this step (the proposer skips the request): the
+    tokens a constrained request's grammar forces next (engine/sample/grammar.py), or, with
+    `looked_up`, what followed the context's suffix earlier in it (`speculative.ngram_assist`)."""
+    looked_up: bool = False
+
+    @property
+    def num_proposed_tokens(self) -> int:
+        """The drafts the proposer is asked for (none when the grammar supplies them)."""
+        return 0 if self.forced else self.num_draft_tokens
+
+    @property
+    def num_draft_slots(self) -> int:
+        return self.num_draft_tokens * self.branches
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the request's tokens and so samples."""
+        req = self.request
+        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and s.samples)
