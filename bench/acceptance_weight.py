@@ -1,6 +1,6 @@
 """How much a request's own verified drafts say about its next ones: the weight, in trials, of
 the engine-wide rate in each request's acceptance estimate (`REQUEST_WEIGHT` in
-engine/spec/draft_length.py), fitted on the default pair.
+engine/spec/policy/), fitted on the default pair.
 
   python -m bench.acceptance_weight --requests 48
   python -m bench.acceptance_weight --requests 48 --temperature 0.7
@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 
 from bench.default_engine import CONFIGS, TARGET, _closed_loop, _prompts, engine
-from engine.spec.draft_length import FixedDraftLength
+from engine.spec.policy import FixedDraftLength
 from engine.types.request import Request, SamplingParams
 
 WEIGHTS = [0.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, float("inf")]

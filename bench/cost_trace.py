@@ -1,4 +1,4 @@
-"""Summarise a cost-model trace (engine/spec/cost_trace.py): where the predictions the
+"""Summarise a cost-model trace (engine/spec/cost/trace.py): where the predictions the
 draft-length policy decides on are off, and by how much.
 
   TANDEM_COST_TRACE=/tmp/trace.jsonl python -m bench.default_engine speed --configs adaptive

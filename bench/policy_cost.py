@@ -19,8 +19,8 @@ import argparse
 import random
 import time
 
-from engine.spec.cost_model import CostModel
-from engine.spec.draft_length import AdaptiveDraftLength
+from engine.spec.cost.model import CostModel
+from engine.spec.policy import AdaptiveDraftLength
 from engine.types.request import Request, SamplingParams
 
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]

@@ -9,8 +9,8 @@ import pytest
 
 from bench.cost_trace import summarise
 from engine.config import SpecConfig
-from engine.spec.cost_model import CostModel, PassShape
-from engine.spec.cost_trace import ENV, TracedCostModel
+from engine.spec.cost.model import CostModel, PassShape
+from engine.spec.cost.trace import ENV, TracedCostModel
 from tests.engine_utils import drain, greedy, make_engine, random_prompts
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.spec.calibration import _nonneg_lstsq
-from engine.spec.cost_model import CostModel
-from engine.spec.draft_cost import DraftCost
-from engine.spec.draft_length import AdaptiveDraftLength
+from engine.spec.cost.calibration import _nonneg_lstsq
+from engine.spec.cost.draft import DraftCost
+from engine.spec.cost.model import CostModel
+from engine.spec.policy import AdaptiveDraftLength
 from tests.test_draft_length import SIZES, _requests
 
 # (passes, drafts, pairs, fed): steps as a batch of 1..16 requests drafting K = 1..2 runs

@@ -9,21 +9,17 @@ import pytest
 import torch
 
 from engine.config import SpecConfig
-from engine.spec.calibration import (
+from engine.spec.cost.calibration import (
     _TABLE_CHUNK,
     _log_sizes,
     _nonneg_lstsq,
     calibrate_runners,
     table_chunks,
 )
-from engine.spec.catch_up import CATCH_UP_STEPS
-from engine.spec.cost_model import CostModel, PassShape
-from engine.spec.draft_length import (
-    PROBE_STEPS,
-    REASON_ACCEPTANCE,
-    REASON_BATCH,
-    AdaptiveDraftLength,
-)
+from engine.spec.cost.model import CostModel, PassShape
+from engine.spec.policy import REASON_ACCEPTANCE, REASON_BATCH, AdaptiveDraftLength
+from engine.spec.policy.adaptive import PROBE_STEPS
+from engine.spec.policy.catch_up import CATCH_UP_STEPS
 from engine.types.request import Request, SamplingParams
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 
@@ -54,8 +50,8 @@ def test_high_acceptance_alone_drafts_k_max():
 def test_a_decision_is_reused_only_while_its_inputs_round_alike(monkeypatch):
     policy = AdaptiveDraftLength(4, memory_then_compute_bound(), max_branches=3, reuse_steps=1)
     decisions = []
-    decide = policy._decide
-    monkeypatch.setattr(policy, "_decide", lambda *a: decisions.append(1) or decide(*a))
+    decide = policy.decide
+    monkeypatch.setattr(policy, "decide", lambda *a: decisions.append(1) or decide(*a))
     fresh = AdaptiveDraftLength(4, memory_then_compute_bound(), max_branches=3)
 
     reqs = _requests(2, accepted=500, trials=1000, temperature=0)
@@ -80,8 +76,8 @@ def test_a_decision_holds_for_reuse_steps_of_the_same_requests(monkeypatch):
     stands even where its inputs moved; another batch or prefill tokens decide afresh."""
     policy = AdaptiveDraftLength(4, memory_then_compute_bound(), reuse_steps=3)
     calls = []
-    decision = policy._decision
-    monkeypatch.setattr(policy, "_decision", lambda *a: calls.append(1) or decision(*a))
+    decision = policy.decision_for
+    monkeypatch.setattr(policy, "decision_for", lambda *a: calls.append(1) or decision(*a))
     reqs = _requests(2, accepted=900, trials=1000, temperature=0)
     first = policy.choose(reqs)
     for req in reqs:  # a change the next two steps do not see
@@ -168,12 +164,12 @@ def test_seeded_sampling_gets_the_k_its_acceptance_earns():
 def test_acceptance_estimate_learns_from_observations():
     policy = AdaptiveDraftLength(4, memory_then_compute_bound())
     req = _requests(1, accepted=0, trials=0, temperature=0)[0]
-    prior = policy.acceptance(req)
+    prior = policy.estimates.acceptance(req)
     for _ in range(50):
         req.spec.record(4, 4)
         policy.observe(req, 4, 4)
-    assert policy.acceptance(req) > prior
-    assert policy.global_acceptance > 0.9
+    assert policy.estimates.acceptance(req) > prior
+    assert policy.estimates.global_acceptance > 0.9
 
 
 def test_a_few_unlucky_chains_do_not_outweigh_the_engine_wide_rate():
@@ -181,9 +177,9 @@ def test_a_few_unlucky_chains_do_not_outweigh_the_engine_wide_rate():
     about its next ones (bench/acceptance_weight.py), while a long record still rules."""
     policy = AdaptiveDraftLength(4, memory_then_compute_bound())  # engine-wide prior: 0.6
     unlucky = _requests(1, accepted=2, trials=10, temperature=0)[0]
-    assert policy.acceptance(unlucky) > 0.45  # weighted 8, 0.38
+    assert policy.estimates.acceptance(unlucky) > 0.45  # weighted 8, 0.38
     hopeless = _requests(1, accepted=20, trials=2000, temperature=0)[0]
-    assert policy.acceptance(hopeless) < 0.05
+    assert policy.estimates.acceptance(hopeless) < 0.05
 
 
 def test_cost_model_capacity_and_online_refinement():
@@ -281,7 +277,7 @@ def test_adaptive_engine_is_lossless_and_stops_drafting_for_a_hopeless_draft(tin
     expected = hf_greedy(target, prompts, 40)
     spec = SpecConfig("draft", str(tiny_dirs["llama_draft"]), max_draft_tokens=4)
     engine = make_engine(target, spec=spec)
-    assert isinstance(engine.policy, AdaptiveDraftLength)
+    assert isinstance(engine.planner.policy, AdaptiveDraftLength)
     fed = _count_draft_tokens(engine)
     for i, p in enumerate(prompts):
         engine.add_request(f"a{i}", p, greedy(40))
@@ -293,7 +289,7 @@ def test_adaptive_engine_is_lossless_and_stops_drafting_for_a_hopeless_draft(tin
     # nothing. Whether a cut is booked to acceptance or to the batch's cost depends on the
     # calibrated costs of this machine, so either reason counts.
     assert stats.acceptance_rate < 0.5
-    assert engine.policy.global_acceptance < 0.6
+    assert engine.planner.policy.estimates.global_acceptance < 0.6
     cuts = stats.draft_length_reasons
     assert cuts.get(REASON_ACCEPTANCE, 0) + cuts.get(REASON_BATCH, 0) > 0
     assert stats.spec_drafted_tokens < 4 * 40 * 4 / 2
@@ -309,8 +305,8 @@ def test_adaptive_engine_with_a_perfect_cheap_draft_keeps_drafting(tiny_dirs):
     prompts = random_prompts([7, 15], vocab=300, seed=32)
     spec = SpecConfig("draft", str(target), max_draft_tokens=4)
     engine = make_engine(target, spec=spec)
-    engine.cost_model = None  # no online refinement from the real (equal) costs
-    engine.policy = engine.scheduler.policy = AdaptiveDraftLength(4, memory_then_compute_bound())
+    engine.planner.cost_model = None  # no online refinement from the real (equal) costs
+    engine.planner.policy = AdaptiveDraftLength(4, memory_then_compute_bound())
     for i, p in enumerate(prompts):
         engine.add_request(f"p{i}", p, greedy(30))
     outputs = drain(engine)
@@ -354,7 +350,7 @@ def test_k_falls_as_the_batch_grows_and_reaches_zero_when_compute_bound():
 
 
 def test_calibration_is_cached_per_key_and_redone_on_request(tmp_path, monkeypatch):
-    from engine.spec.calibration import cached_calibration, calibration_cache_dir
+    from engine.spec.cost.calibration import cached_calibration, calibration_cache_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
@@ -384,7 +380,7 @@ def test_calibration_key_follows_what_the_cpu_kernels_run_on(monkeypatch, tmp_pa
     from types import SimpleNamespace
 
     from engine.cpu import kernels as cpu_kernels
-    from engine.spec.calibration import calibration_key
+    from engine.spec.cost.calibration import calibration_key
 
     def runner(kernels: str, kv_dtype: str, quantization: str) -> SimpleNamespace:
         return SimpleNamespace(
@@ -473,9 +469,11 @@ def test_trees_whose_candidates_miss_together_stop_being_drafted():
         if choice.branches == 1:
             break
     assert policy.choose(reqs).branches == 1
-    measured = [n for n in range(2, 5) if policy._root_trials.get(n)]
-    assert measured and all(policy.root_acceptance(a, n)[0] < 1 - 0.5**n for n in measured)
-    assert policy.root_acceptance(a, 3)[0] <= prior[0]
+    measured = [n for n in range(2, 5) if policy.estimates.root_trials.get(n)]
+    assert measured and all(
+        policy.estimates.root_acceptance(a, n)[0] < 1 - 0.5**n for n in measured
+    )
+    assert policy.estimates.root_acceptance(a, 3)[0] <= prior[0]
 
 
 def test_observing_a_step_predicts_what_target_time_predicts():
@@ -531,10 +529,10 @@ def test_depths_kept_less_often_than_predicted_are_drafted_less():
     for _ in range(300):
         req.spec.record(8, 1)
         policy.observe(req, 8, 1)
-    factors = policy.depth_factors()
+    factors = policy.estimates.depth_factors()
     assert factors[0] > 1.0 and factors[1] < 0.1  # first kept beyond a^1, second never
     assert policy.choose([req]).ks == [1]
-    gains = policy.gains(np.array([0.3, 0.9]))
+    gains = policy.estimates.gains(np.array([0.3, 0.9]))
     assert np.all(np.diff(gains, axis=1) <= 0) and gains.max() <= 0.99
 
 
@@ -559,10 +557,10 @@ def test_one_requests_draft_length_is_what_the_vectorised_search_gives():
         context = np.array([float(rng.integers(1, 3000))])
         other = int(rng.choice([0, 0, 5, 200]))
         lag = np.array([float(rng.choice([0, 0, 0.5, 3.0]))])
-        ks, reasons, branches = policy._decide(a, context, other, lag)
-        gains = policy.gains(a)
-        want = int(policy._best_prefix(gains, context, other, lag)[0][0])
-        solo = int(policy._best_alone(gains, context, lag)[0])
+        ks, reasons, branches = policy.decide(a, context, other, lag)
+        gains = policy.estimates.gains(a)
+        want = int(policy.search.best_prefix(gains, context, other, lag)[0][0])
+        solo = int(policy.search.best_alone(gains, context, lag)[0])
         reason = None if want >= 4 else REASON_BATCH if want < solo else REASON_ACCEPTANCE
         assert (ks, reasons, branches) == ([want], [reason], 1), trial
 
@@ -585,8 +583,8 @@ def test_a_steps_cost_outside_the_passes_makes_speculation_pay_sooner():
     assert cost.step_overhead(2) == 0.0  # measured per batch size
     assert AdaptiveDraftLength(1, cost).choose(reqs).ks == [1]
     policy = AdaptiveDraftLength(1, cost)  # the vectorised search agrees
-    a, context, lag = np.array([policy.acceptance(reqs[0])]), np.array([3.0]), np.zeros(1)
-    assert policy._best_prefix(policy.gains(a), context, 0, lag)[0].tolist() == [1]
+    a, context, lag = np.array([policy.estimates.acceptance(reqs[0])]), np.array([3.0]), np.zeros(1)
+    assert policy.search.best_prefix(policy.estimates.gains(a), context, 0, lag)[0].tolist() == [1]
     cost.observe_step(1, 1.0, 0.0040)  # a pause counts for at most twice the average
     assert cost.step_overhead(1) == pytest.approx(0.002 + 0.002 / 9)  # the 9th: a mean still
 
@@ -638,10 +636,10 @@ def test_steps_that_draft_are_charged_their_own_overhead():
     assert cost.step_overhead(1, drafting=False) == pytest.approx(0.002)
     assert AdaptiveDraftLength(1, cost).choose(reqs).ks == [0]
     policy = AdaptiveDraftLength(1, cost)  # the vectorised searches agree
-    a, context, lag = np.array([policy.acceptance(reqs[0])]), np.array([3.0]), np.zeros(1)
-    assert policy._best_prefix(policy.gains(a), context, 0, lag)[0].tolist() == [0]
-    assert policy._best_uniform(policy.gains(a), context, 0, lag)[0].tolist() == [0]
-    assert policy._best_alone(policy.gains(a), context, lag).tolist() == [0]
+    a, context, lag = np.array([policy.estimates.acceptance(reqs[0])]), np.array([3.0]), np.zeros(1)
+    assert policy.search.best_prefix(policy.estimates.gains(a), context, 0, lag)[0].tolist() == [0]
+    assert policy.search.best_uniform(policy.estimates.gains(a), context, 0, lag)[0].tolist() == [0]
+    assert policy.search.best_alone(policy.estimates.gains(a), context, lag).tolist() == [0]
 
 
 def test_batches_past_eight_share_their_step_overhead_by_range_of_sizes():
@@ -669,7 +667,7 @@ def test_a_lagging_draft_is_charged_over_the_drafting_runs_the_policy_measures()
     behind.num_draft_computed_tokens = behind.num_tokens - 13  # 12 tokens to catch up
     assert policy.catch_up.run_steps == CATCH_UP_STEPS
     assert policy.choose([behind]).ks == [1]  # 12 / 32 of a lag a step: cheap enough
-    policy.catch_up._open.clear()
+    policy.catch_up.count([], [], probe=True)  # no run open
     req.num_draft_computed_tokens = req.num_tokens  # caught up
     for _ in range(100):  # runs of two drafting steps, each ended by a plain one
         req.spec.accepted = 80
@@ -734,16 +732,18 @@ def test_depth_factors_follow_the_decayed_counts():
         drafted = int(rng.integers(1, 6))
         accepted = int(rng.integers(0, drafted + 1))
         n = min(drafted, 4)
-        a = policy.acceptance(req)
+        a = policy.estimates.acceptance(req)
         kept = 0.995 * kept
         kept[: min(accepted, n)] += 1
         predicted = 0.995 * predicted
         predicted[:n] += a ** np.arange(1, n + 1)
         req.spec.record(drafted, accepted)
         policy.observe(req, drafted, accepted)
-    w = policy.prior_weight
+    w = policy.estimates.prior_weight
     # a^d may differ in its last bit: numpy's power can take a vectorised path, not libm's.
-    np.testing.assert_allclose(policy.depth_factors(), (kept + w) / (predicted + w), rtol=1e-13)
+    np.testing.assert_allclose(
+        policy.estimates.depth_factors(), (kept + w) / (predicted + w), rtol=1e-13
+    )
 
 
 def test_policy_cost_bench_runs():

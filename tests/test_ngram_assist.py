@@ -29,17 +29,17 @@ def test_greedy_with_lookups_equals_target_only(tiny_dirs):
     engine = make_engine(tiny_dirs["llama"], spec=spec, max_num_batched_tokens=96)
     ids = [f"s{i}" for i in range(len(prompts))]
     ks = {rid: 0 if i == 0 else 1 + i % 4 for i, rid in enumerate(ids)}  # s0 never drafts
-    engine.scheduler.policy = PerRequestK(ks)
+    engine.planner.policy = PerRequestK(ks)
 
     asked: list[tuple[list[int], int]] = []  # (context, decoding requests)
-    lookup = engine.scheduler.lookup
+    lookup = engine.planner.lookup
     assert lookup is not None
 
     def recording_lookup(tokens: list[int], k: int) -> list[int]:
         asked.append((tokens, sum(not r.is_prefill for r in engine.scheduler.running)))
         return lookup(tokens, k)
 
-    engine.scheduler.lookup = recording_lookup
+    engine.planner.lookup = recording_lookup
     served: list[int] = []  # what the proposer was asked for the lookup's requests
     propose = engine.proposer.propose
 
@@ -70,7 +70,7 @@ def test_no_lookup_without_a_draft_model_or_with_it_off(tiny_dirs):
     ngram = SpecConfig("ngram", max_draft_tokens=4, draft_length="fixed", ngram_assist=2)
     draft = SpecConfig("draft", str(tiny_dirs["llama_draft"]), 4, "fixed")
     for spec in (ngram, draft):
-        assert make_engine(tiny_dirs["llama"], spec=spec).scheduler.lookup is None
+        assert make_engine(tiny_dirs["llama"], spec=spec).planner.lookup is None
 
 
 @pytest.mark.parametrize(

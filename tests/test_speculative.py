@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from engine.config import SpecConfig
 from engine.model.head import HEAD_TOKENS_FILE, restrict_head
 from engine.model.runner import ModelRunner
-from engine.spec.draft_length import DraftLengths
+from engine.spec.policy import DraftLengths
 from engine.spec.proposers.draft_model import DraftModelProposer
 from engine.types.request import Request, SamplingParams
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
@@ -48,7 +48,7 @@ class PerRequestK:
 
 def _run_with_ks(engine, prompts, max_tokens=MAX_TOKENS, params=None):
     ids = [f"s{i}" for i in range(len(prompts))]
-    engine.scheduler.policy = PerRequestK({rid: 1 + i % 8 for i, rid in enumerate(ids)})
+    engine.planner.policy = PerRequestK({rid: 1 + i % 8 for i, rid in enumerate(ids)})
     for rid, prompt in zip(ids, prompts, strict=True):
         engine.add_request(rid, prompt, params or greedy(max_tokens))
     outputs = drain(engine)

@@ -17,7 +17,7 @@ import torch
 from engine.attention.backends import select_backend
 from engine.config import EngineConfig
 from engine.core.kv_budget import kv_cache_dtype, num_kv_blocks
-from engine.core.scheduler import FORCED_MAX, Scheduler, make_output
+from engine.core.scheduler import Scheduler, make_output
 from engine.cpu import kernels as cpu_kernels
 from engine.cpu import memory as cpu_memory
 from engine.kv.manager import KVCacheManager
@@ -27,13 +27,13 @@ from engine.model.on_cpu import draft_beside_gguf_blocks, use_cpu_kernels
 from engine.model.quantization import check_runs_here
 from engine.model.runner import ModelRunner, resolve_device, resolve_dtype
 from engine.sample.grammar import Grammars
-from engine.spec.calibration import calibrate
-from engine.spec.cost_model import CostModel, PassShape
-from engine.spec.draft_length import policy_for
+from engine.spec.cost.calibration import calibrate
+from engine.spec.cost.model import CostModel
+from engine.spec.planner import FORCED_MAX, SpecPlanner
+from engine.spec.policy import policy_for
 from engine.spec.proposers import build_proposer
-from engine.spec.proposers.base import REASON_UNSURE, DraftBatch, with_forced_drafts
-from engine.spec.proposers.ngram import assist_lookup
 from engine.spec.speed_of_light import SpeedOfLight
+from engine.spec.step import StepResult
 from engine.spec.verifier import Verifier
 from engine.types.batch import SchedulerOutput
 from engine.types.outputs import RequestOutput
@@ -70,12 +70,17 @@ class LLMEngine:
         self.eos_token_ids = model_files.eos_token_ids(config.model.model, self.runner.hf_config)
         self.max_model_len = self._max_model_len()
         self.proposer = build_proposer(
-            config.spec, self.device, dtype, self.runner, self.attention_backend, impl,
+            config.spec,
+            self.device,
+            dtype,
+            self.runner,
+            self.attention_backend,
+            impl,
             draft_quantization,
-        )  # fmt: skip
+        )
 
         block_size = config.cache.block_size
-        draft = getattr(self.proposer, "runner", None)  # a proposer with a model of its own
+        draft = self.proposer.runner if self.proposer is not None else None
         self.runners = [self.runner] + ([draft] if draft is not None else [])
         kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.device, dtype)
         for runner in self.runners:  # what the KV cache holds (--kv-cache-dtype)
@@ -109,33 +114,36 @@ class LLMEngine:
                 max_batch=config.scheduler.max_num_seqs,
                 max_context=self.max_model_len,
             )
-        self.policy = policy_for(config.spec, self.cost_model)
+        policy = policy_for(config.spec, self.cost_model)
+        self.planner = SpecPlanner(config.spec, policy, self.proposer, self.cost_model)
         self.speed_of_light = SpeedOfLight()
-        self.scheduler = Scheduler(
-            config.scheduler,
-            self.kv,
-            self.max_model_len,
-            self.policy,
-            has_draft_model=self.proposer is not None and self.proposer.keeps_kv,
-            lookup=assist_lookup(config.spec, self.proposer),
-        )
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.planner)
         self.verifier = Verifier(
-            self.vocab_size, self.device, self.speed_of_light, config.spec.verification,
+            self.vocab_size,
+            self.device,
+            self.speed_of_light,
+            config.spec.verification,
             config.spec.tree_drafts,
-        )  # fmt: skip
+        )
         self.grammars = Grammars(config.model.model, self.vocab_size, self.eos_token_ids)
         """Structured output's compiled grammars (engine/sample/grammar.py)."""
         self.totals = EngineStats()
-        self._last_decode: tuple[float, int, float, bool] | None = None
-        """The last step, if it decoded only and left work: (start, requests, passes, drafted)."""
         self._seeds = itertools.count(config.model.seed)
         logger.info(
             "engine ready: %s on %s/%s (%s forward, %s attention, decode graphs %s), %d KV "
             "blocks of %d tokens (%s), max_model_len %d, spec %s",
-            config.model.model, self.device, dtype, self.runner.model_impl, self.attention_backend,
-            "on" if self.decode_graphs else "off", num_blocks, block_size, self.runner.kv_dtype,
-            self.max_model_len, config.spec.method if config.spec.enabled else "off",
-        )  # fmt: skip
+            config.model.model,
+            self.device,
+            dtype,
+            self.runner.model_impl,
+            self.attention_backend,
+            "on" if self.decode_graphs else "off",
+            num_blocks,
+            block_size,
+            self.runner.kv_dtype,
+            self.max_model_len,
+            config.spec.method if config.spec.enabled else "off",
+        )
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -179,9 +187,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         step_start = time.perf_counter()
-        last, self._last_decode = self._last_decode, None
-        if last is not None and self.cost_model is not None:  # what it cost beyond its passes
-            self.cost_model.observe_step(last[1], step_start - last[0], last[2], last[3])
+        self.planner.begin_step(step_start)
         sched = self.scheduler.schedule()
         self.totals.steps += 1
         if not sched.scheduled:
@@ -190,33 +196,22 @@ class LLMEngine:
             tables = [self.kv.block_table(s.request.request_id) for s in sched.scheduled]
             captures = self.graph_captures()
             start = time.perf_counter()
-            drafts = self.proposer.propose(sched, tables) if self.proposer else None
-            drafts = with_forced_drafts(sched, drafts)
-            if drafts is not None and drafts.cut:
-                self.scheduler.draft_length_reasons[REASON_UNSURE] += drafts.cut
+            drafts = self.planner.draft(sched, tables)
             drafted = time.perf_counter()
-            results = self.verifier.run(self.runner, sched, tables, drafts)
-            verified = time.perf_counter()  # run() ends with a host copy, so the GPU is done
-            if hasattr(self.proposer, "observe"):  # a feature draft reads the target's pass
-                self.proposer.observe(sched, drafts)
-            observed = time.perf_counter() - verified  # the draft's time, not the target's
+            verified = self.verifier.run(self.runner, sched, tables, drafts)
+            done = time.perf_counter()  # run() ends with a host copy, so the GPU is done
+            # A step that captured a CUDA graph says nothing about what steps cost.
+            timed = self.graph_captures() == captures
+            step = StepResult(sched, drafts, verified, drafted - start, done - drafted, timed)
+            self.planner.observe(step)
         except Exception as exc:  # a failed forward fails this step's requests, not the engine
             logger.exception("engine step failed")
             return self._fail(sched, f"internal error in the engine step: {exc}")
-        # A step that captured a CUDA graph says nothing about what steps cost.
-        timed = self.graph_captures() == captures
-        self._observe_timing(sched, drafts, drafted - start + observed, verified - drafted, timed)
-        self.totals.forward_seconds += results.forward_seconds
-        self._count(sched)
-        outputs = self.scheduler.update(sched, results.tokens, results.prompt_logprobs)
+        self._count(step)
+        outputs = self.scheduler.update(sched, verified.tokens, verified.prompt_logprobs)
         self.totals.generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         self.totals.step_seconds += time.perf_counter() - step_start
-        decode_only = sched.num_decodes == len(sched.scheduled)
-        if self.cost_model is not None and timed and decode_only and self.has_work():
-            # Until the next step starts: what the caller does between steps (streaming) too.
-            drafted_any = drafts is not None and any(drafts.token_ids)
-            passes = verified - start + observed
-            self._last_decode = (step_start, sched.num_decodes, passes, drafted_any)
+        self.planner.end_step(self.has_work(), step)
         return outputs
 
     def stats(self) -> EngineStats:
@@ -228,21 +223,22 @@ class LLMEngine:
         s.preemptions = self.scheduler.num_preemptions
         s.prefix_cache_hit_tokens = self.scheduler.num_prefix_hit_tokens
         s.spec_blocks_released = self.scheduler.num_blocks_released
-        s.spec_tree_steps = self.scheduler.num_tree_steps
-        s.grammar_forced_drafted = self.scheduler.num_forced_drafted
-        s.grammar_forced_accepted = self.scheduler.num_forced_accepted
-        s.spec_lookup_drafted = self.scheduler.num_lookup_drafted
-        s.spec_lookup_accepted = self.scheduler.num_lookup_accepted
+        spec_counts = self.planner.counters
+        s.spec_tree_steps = spec_counts.tree_steps
+        s.grammar_forced_drafted = spec_counts.forced_drafted
+        s.grammar_forced_accepted = spec_counts.forced_accepted
+        s.spec_lookup_drafted = spec_counts.lookup_drafted
+        s.spec_lookup_accepted = spec_counts.lookup_accepted
         s.grammar_seconds = self.grammars.seconds
-        spec = self.scheduler.spec_totals
+        spec = spec_counts.totals
         s.spec_verify_passes = spec.verify_passes
         s.spec_drafted_tokens = spec.drafted
         s.spec_accepted_tokens = spec.accepted
         s.spec_drafted_by_position = list(spec.drafted_by_position)
         s.spec_accepted_by_position = list(spec.accepted_by_position)
-        s.draft_length_reasons = dict(self.scheduler.draft_length_reasons)
+        s.draft_length_reasons = dict(spec_counts.reasons)
         capacity = (
-            self.cost_model.capacity() if self.cost_model else 1 + self.policy.max_draft_tokens
+            self.cost_model.capacity() if self.cost_model else 1 + self.planner.max_draft_tokens
         )
         s.speed_of_light = self.speed_of_light.snapshot(capacity)
         return s
@@ -255,43 +251,14 @@ class LLMEngine:
     def graph_captures(self) -> int:
         return sum(r.decode_graphs.captures for r in self.runners if r.decode_graphs is not None)
 
-    def _observe_timing(
-        self,
-        sched: SchedulerOutput,
-        drafts: DraftBatch | None,
-        draft_seconds: float,
-        target_seconds: float,
-        representative: bool = True,
-    ) -> None:
-        num_drafts = [len(d) for d in drafts.token_ids] if drafts else [0] * len(sched.scheduled)
-        # The proposer's drafts: a grammar's forced ones cost it nothing.
-        proposed = [0 if s.forced else k for s, k in zip(sched.scheduled, num_drafts, strict=True)]
-        self.totals.draft_seconds += draft_seconds
-        self.totals.target_seconds += target_seconds
-        passes = (drafts.passes if drafts else 0) or max(proposed, default=0)
-        self.totals.draft_passes += passes
-        if self.cost_model is None or not representative:
-            return
-        # Called before the scheduler's update, so num_computed_tokens is still this step's start.
-        query_lens, context_lens = [], []
-        for item, k in zip(sched.scheduled, num_drafts, strict=True):
-            query_lens.append(item.num_new_tokens + k)
-            context_lens.append(item.request.num_computed_tokens + item.num_new_tokens + k)
-        branches = max((item.branches for item in sched.scheduled), default=1)
-        if drafts is not None and (any(proposed) or drafts.fed_tokens):
-            # Every token the draft model ran counts, prompt chunks included (a step that only
-            # fed the draft prompts is one pass): each kind is priced apart (DraftCost).
-            num_proposed = sum(proposed) + drafts.cut  # a cut chain's dropped draft was paid
-            self.cost_model.observe_draft(
-                max(passes, 1), num_proposed, drafts.fed_pairs, draft_seconds, branches,
-                max(drafts.fed_tokens - num_proposed, 0),
-            )  # fmt: skip
-        shape = PassShape.of(query_lens, context_lens)
-        self.cost_model.observe_target(shape, target_seconds, branches)
-
-    def _count(self, sched: SchedulerOutput) -> None:
-        """The step's inputs, counted before the scheduler's update moves the requests on."""
-        t = self.totals
+    def _count(self, step: StepResult) -> None:
+        """The step's inputs and times, counted before the scheduler's update moves the
+        requests on."""
+        t, sched = self.totals, step.sched
+        t.forward_seconds += step.verified.forward_seconds
+        t.draft_seconds += step.draft_seconds
+        t.target_seconds += step.target_seconds
+        t.draft_passes += step.draft_passes
         for item in sched.scheduled:  # prompt tokens (recomputed ones after preemption count)
             left = item.request.num_prompt_tokens - item.request.num_computed_tokens
             t.prompt_tokens += max(0, min(item.num_new_tokens, left))

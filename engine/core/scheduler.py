@@ -1,30 +1,28 @@
 """Continuous batching under a per-step token budget.
 
 Each step every running request is given the tokens it is missing from the cache: a prefill
-chunk, or its last sampled token plus K draft tokens to verify. New requests join (FCFS)
-while budget, sequence slots and blocks last. When blocks run out the youngest running
-request is preempted: its blocks are freed and it is re-queued to be recomputed later.
+chunk, or its last sampled token plus the K drafts speculation planned for it
+(engine/spec/planner.py), cut to what the budget, the request's length and the KV blocks
+allow. New requests join (FCFS) while budget, sequence slots and blocks last. When blocks run
+out the youngest running request is preempted: its blocks are freed and it is re-queued to be
+recomputed later. After the pass the scheduler advances each request by its verified tokens
+and gives back the blocks that hold only rejected drafts.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from collections.abc import Callable
+from collections import deque
+from typing import TYPE_CHECKING
 
 from engine.config import SchedulerConfig
 from engine.kv.manager import KVCacheManager
-from engine.spec.draft_length import (
-    REASON_BUDGET,
-    REASON_LENGTH,
-    REASON_MEMORY,
-    DraftLengthPolicy,
-)
-from engine.types.batch import ScheduledRequest, SchedulerOutput
+from engine.spec.policy.base import REASON_BUDGET, REASON_LENGTH, REASON_MEMORY
+from engine.types.batch import NO_DRAFTS, ScheduledRequest, SchedulerOutput
 from engine.types.outputs import RequestOutput, StepTokens
-from engine.types.request import Request, RequestStatus, SpecStats
+from engine.types.request import Request, RequestStatus
 
-FORCED_MAX = 4
-"""The most grammar-forced drafts a step takes per request when K_max is smaller."""
+if TYPE_CHECKING:
+    from engine.spec.planner import SpecPlanner
 
 
 class Scheduler:
@@ -33,32 +31,19 @@ class Scheduler:
         config: SchedulerConfig,
         kv: KVCacheManager,
         max_model_len: int,
-        policy: DraftLengthPolicy,
-        has_draft_model: bool = False,
-        lookup: Callable[[list[int], int], list[int]] | None = None,
+        planner: SpecPlanner,
     ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.policy = policy
-        self.has_draft_model = has_draft_model
-        self.lookup = lookup  # (context, K) -> up to K prompt-lookup drafts (ngram_assist)
+        self.planner = planner
         self.requests: dict[str, Request] = {}
         """Every unfinished request, waiting or running, by id."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_blocks_released = 0
-        self.num_tree_steps = 0
-        self.num_forced_drafted = 0
-        """Drafts the grammars forced, and how many of them the target kept."""
-        self.num_forced_accepted = 0
-        self.num_lookup_drafted = 0  # drafts the lookup gave, and those kept
-        self.num_lookup_accepted = 0
         self.num_prefix_hit_tokens = 0
-        self.spec_totals = SpecStats()
-        self.draft_length_reasons: Counter[str] = Counter()
-        """Request-steps that got fewer than K_max drafts, by reason."""
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -73,25 +58,14 @@ class Scheduler:
         decoding = [r for r in self.running if not r.is_prefill]
         prefill = sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.is_prefill)
         batch = len(decoding)
-        choice = self.policy.choose(decoding, min(prefill, max(budget - batch, 0)))
-        branches = choice.branches
-        wanted = dict(zip(decoding, zip(choice.ks, choice.reasons, strict=True), strict=True))
+        plans = self.planner.plan(decoding, min(prefill, max(budget - batch, 0)))
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            k_wanted, reason = wanted.get(req, (0, None))
-            forced = self._forced(req)
-            looked_up = False
-            if forced:  # the grammar's own drafts, whatever the policy chose
-                k_wanted, reason = len(forced), None
-            elif self._may_look_up(req, k_wanted, batch):
-                found = self.lookup(req.all_token_ids, self.policy.max_draft_tokens)
-                if found and (k := self.policy.lookup_length(req, k_wanted, len(found), batch)):
-                    forced, looked_up, k_wanted = found[:k], True, k
-            k = k_wanted
-            width = 1 if req.grammar is not None or looked_up else branches  # those are chains
+            plan = plans.get(req, NO_DRAFTS)
+            k, reason, width = plan.k, plan.reason, plan.width
             if k > 0:
                 # No point drafting past what the request may still emit or hold.
                 room = min(
@@ -99,17 +73,17 @@ class Scheduler:
                     self.max_model_len - req.num_tokens,
                 )
                 k = max(0, min(k, room, (budget - num_new) // width))
-                if k < k_wanted:
+                if k < plan.k:
                     reason = REASON_LENGTH if room <= k else REASON_BUDGET
             slots = self._allocate_or_preempt(req, num_new, k * width, out)
             if slots is None:
                 break  # req itself was preempted; nothing younger is left running
             if slots < k * width:
                 reason, k = REASON_MEMORY, 0
-            if reason is not None:
-                self.draft_length_reasons[reason] += 1
-            given = forced[:k] if forced and k else None
-            item = ScheduledRequest(req, num_new, k, width if k else 1, given, looked_up and k > 0)
+            given = plan.given[:k] if plan.given and k else None
+            item = ScheduledRequest(
+                req, num_new, k, width if k else 1, given, plan.looked_up and k > 0, reason
+            )
             out.scheduled.append(item)
             budget -= num_new + item.num_draft_slots
             i += 1
@@ -137,8 +111,6 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
 
-        if any(item.branches > 1 for item in out.scheduled):
-            self.num_tree_steps += 1
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
@@ -168,18 +140,6 @@ class Scheduler:
             req.num_draft_computed_tokens = min(
                 req.num_draft_computed_tokens, req.num_computed_tokens
             )
-            num_drafted = result.num_drafted
-            if item.looked_up:  # a lookup's or a grammar's drafts say nothing of the proposer's
-                self.num_lookup_drafted += num_drafted
-                self.num_lookup_accepted += result.num_accepted
-                self.policy.observe_lookup(num_drafted, result.num_accepted)
-            elif item.forced:
-                self.num_forced_drafted += num_drafted
-                self.num_forced_accepted += result.num_accepted
-            elif num_drafted:
-                req.spec.record(num_drafted, result.num_accepted)
-                self.spec_totals.record(num_drafted, result.num_accepted)
-                self.policy.observe(req, num_drafted, result.num_accepted, item.branches)
             new_tokens, logprobs = self._append(req, result)
             # Blocks past the verified tokens hold only rejected drafts: give them back now.
             self.num_blocks_released += self.kv.trim(req, req.num_computed_tokens)
@@ -193,18 +153,6 @@ class Scheduler:
                 out.prompt_logprobs = req.prompt_logprobs  # complete this step: sent once
             outputs.append(out)
         return outputs
-
-    def _may_look_up(self, req: Request, k: int, batch: int) -> bool:
-        """With `speculative.ngram_assist`, for a request without a grammar that drafts this step or
-        decodes alone (in a batch the policy's search priced the rows: a lookup takes them)."""
-        usable = self.lookup is not None and req.grammar is None and not req.is_prefill
-        return usable and (k > 0 or batch == 1)
-
-    def _forced(self, req: Request) -> list[int]:
-        """Tokens a decoding request's grammar forces next, at most FORCED_MAX or K_max."""
-        if req.grammar is None or req.is_prefill:
-            return []
-        return req.grammar.forced()[: max(self.policy.max_draft_tokens, FORCED_MAX)]
 
     def _allocate_or_preempt(
         self, req: Request, num_new: int, k: int, out: SchedulerOutput
@@ -271,7 +219,7 @@ class Scheduler:
 
     def _cache(self, req: Request) -> None:
         cacheable = req.num_computed_tokens
-        if self.has_draft_model:  # a shared block must hold valid draft KV too
+        if self.planner.keeps_draft_kv:  # a shared block must hold valid draft KV too
             cacheable = min(cacheable, req.num_draft_computed_tokens)
         self.kv.cache_verified(req, cacheable)
 

@@ -46,6 +46,9 @@ class VerifyResult:
     starts the prompt). The scheduler puts them together."""
     forward_seconds: float = 0.0
     """Wall time of the target's forward (the rest of `run` is sampling and verification)."""
+    hidden: torch.Tensor | None = None
+    """[fed tokens, hidden] the target's last hidden states, in the order the tokens were laid
+    out (each request's new tokens, then its drafts), when a feature draft asked for them."""
 
 
 class Verifier:
@@ -103,6 +106,8 @@ class Verifier:
         start = time.perf_counter()
         logits = runner.forward(seqs)[:, : self.vocab_size]  # [num_rows, vocab]
         result = VerifyResult(forward_seconds=time.perf_counter() - start)
+        if runner.hidden_rows:
+            result.hidden = runner.last_hidden
         # Split rows back per request, in the order they were laid out.
         cursor = 0
         prompt_logits: dict[str, torch.Tensor] = {}

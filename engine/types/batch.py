@@ -1,5 +1,6 @@
 """What one engine step runs: the requests the scheduler picked, with each one's new tokens and
-draft slots. The scheduler builds it; the proposers, the verifier and the engine read it."""
+draft slots. Speculation plans each decoding request's drafts (`DraftPlan`), the scheduler
+builds the batch from the plans, and the proposers, the verifier and the engine read it."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ class ScheduledRequest:
     tokens a constrained request's grammar forces next (engine/sample/grammar.py), or, with
     `looked_up`, what followed the context's suffix earlier in it (`speculative.ngram_assist`)."""
     looked_up: bool = False
+    reason: str | None = None
+    """Why K is below K_max this step (the policy's reason or the scheduler's cut), or None."""
 
     @property
     def num_proposed_tokens(self) -> int:
@@ -49,3 +52,20 @@ class SchedulerOutput:
     @property
     def num_decodes(self) -> int:
         return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and s.samples)
+
+
+@dataclass
+class DraftPlan:
+    """What one decoding request should verify this step (before the scheduler's cuts)."""
+
+    k: int = 0
+    reason: str | None = None
+    """Why k < K_max, as the policy saw it (None when it is not)."""
+    width: int = 1
+    """Draft-tree candidates for the next token, each continued to depth k."""
+    given: list[int] | None = None
+    """Drafts in place of the proposer's: a grammar's forced tokens or a prompt lookup's."""
+    looked_up: bool = False
+
+
+NO_DRAFTS = DraftPlan()

@@ -12,6 +12,7 @@ from engine.config import SpecConfig
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
+    from engine.spec.step import StepResult
     from engine.types.batch import SchedulerOutput
 
 
@@ -83,17 +84,23 @@ class Proposer(Protocol):
     return fewer (a lookup that finds nothing). It must not change what the scheduler owns
     (num_computed_tokens, block tables); a proposer with a KV cache of its own uses the
     target's block ids and tracks its progress in `Request.num_draft_computed_tokens`.
+    `observe` sees every verified step before the scheduler moves its requests on.
     """
 
     keeps_kv: bool
     """Whether it keeps a KV cache of its own in the target's blocks (a draft model): a block
     is then shareable through the prefix cache only once the draft's KV in it is valid too."""
 
+    runner: ModelRunner | None
+    """Its own model's runner (KV sizing, decode graphs, calibration), or None (model-free)."""
+
     def kv_bytes_per_block(self, block_size: int) -> int: ...
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None: ...
 
     def propose(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch: ...
+
+    def observe(self, step: StepResult) -> None: ...
 
 
 # (config, device, dtype, the target's runner, attention backend name, model impl,

@@ -51,6 +51,7 @@ from engine.spec.proposers.base import DraftBatch
 from engine.types.request import Request
 
 if TYPE_CHECKING:
+    from engine.spec.step import StepResult
     from engine.types.batch import SchedulerOutput
 
 
@@ -95,6 +96,9 @@ class DraftModelProposer:
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         self.runner.allocate_kv(num_blocks, block_size)
+
+    def observe(self, step: StepResult) -> None:
+        pass
 
     def propose(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch:
         seqs: list[SeqInput] = []

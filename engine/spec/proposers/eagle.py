@@ -46,6 +46,7 @@ from engine.spec.proposers.draft_model import DraftModelProposer
 from engine.types.request import Request
 
 if TYPE_CHECKING:
+    from engine.spec.step import StepResult
     from engine.types.batch import SchedulerOutput
 
 MARKER = "tandem_draft"
@@ -185,14 +186,15 @@ class EagleProposer(DraftModelProposer):
         return F.rms_norm(hidden.float(), (hidden.shape[-1],), norm.weight.float(),
                           norm.variance_epsilon)  # fmt: skip
 
-    def observe(self, sched: SchedulerOutput, drafts: DraftBatch | None) -> None:
+    def observe(self, step: StepResult) -> None:
         """After the target's pass: keep each request's features, row by row as the verifier
         laid them out (its new tokens, then its drafts, from num_computed_tokens on)."""
-        feats = self._norm(self.target.last_hidden, self.target)
+        assert step.verified.hidden is not None, "the target keeps its hidden rows for us"
+        feats = self._norm(step.verified.hidden, self.target)
         cursor = 0
-        for i, item in enumerate(sched.scheduled):
+        for item, k in zip(step.sched.scheduled, step.num_drafts, strict=True):
             req = item.request
-            n = item.num_new_tokens + (len(drafts.token_ids[i]) if drafts is not None else 0)
+            n = item.num_new_tokens + k
             if req.draft_features is None:
                 req.draft_features = _Features()
             req.draft_features.write(req.num_computed_tokens, feats[cursor : cursor + n])

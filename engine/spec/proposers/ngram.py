@@ -12,6 +12,7 @@ from engine.spec.proposers.base import DraftBatch, Proposer
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
+    from engine.spec.step import StepResult
     from engine.types.batch import SchedulerOutput
 
 
@@ -55,6 +56,7 @@ def assist_lookup(
 
 class NgramProposer:
     keeps_kv = False
+    runner = None
 
     def __init__(self, n_max: int, n_min: int) -> None:
         self.n_max = n_max
@@ -77,6 +79,9 @@ class NgramProposer:
         return 0
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        pass
+
+    def observe(self, step: StepResult) -> None:
         pass
 
     def propose(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch:

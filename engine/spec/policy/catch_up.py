@@ -1,4 +1,4 @@
-"""What a lagging draft costs the step that drafts it again (engine/spec/draft_length.py).
+"""What a lagging draft costs the step that drafts it again (engine/spec/policy/).
 
 A request given K = 0 costs the draft model nothing that step, so its draft falls behind; when
 it drafts again, the draft is first fed every token it skipped. One speculative step alone

@@ -9,10 +9,10 @@ see both: speculation adds tokens to a pass but no sequences.
   lengths of the pass's sequences (keys read) and `qk_pairs` the sum of query x context
   (scores computed). The two coefficients are fitted at start-up from decode batches.
 - draft part: `fixed * passes + per_token * drafts + per_pair * pairs + per_fed * fed`
-  (engine/spec/draft_cost.py), fitted at start-up over batch sizes, context lengths and
+  (engine/spec/cost/draft.py), fitted at start-up over batch sizes, context lengths and
   prompt chunks; `fed` are tokens fed without a draft (catch-ups, prompt chunks).
 
-The start-up fit (engine/spec/calibration.py) is cached per machine, models and settings, so
+The start-up fit (engine/spec/cost/calibration.py) is cached per machine, models and settings, so
 later starts skip it; `--recalibrate on` forces a fresh one. Every real step then rescales its
 prediction by the measured/predicted ratio (a running mean at first, an EMA after that,
 one step's ratio clipped to [0.5, 2] so a pause on a shared machine moves the model a little,
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.spec.draft_cost import DraftCost
+from engine.spec.cost.draft import DraftCost
 
 CAPACITY_SLACK = 1.25
 _EMA = 0.05
@@ -259,7 +259,7 @@ class CostModel:
         """For one request drafting a chain (`gains[d - 1]`: the chance that its d-th draft is
         kept, `context` tokens cached) in a pass of `base_tokens` other tokens (its own last
         included): the K in 0..max_drafts with the most expected tokens per second (the first
-        of ties). Drafting feeds the draft `catch_up` tokens (its lag, engine/spec/catch_up.py)
+        of ties). Drafting feeds the draft `catch_up` tokens (its lag, policy/catch_up.py)
         unless the drafts are `free_drafts` (a prompt lookup's); every K pays the step's
         `overhead` outside the passes (plain steps' for K = 0, drafting steps' for K > 0). The
         policy's vectorised search for a batch of one, in plain Python (c=1 decides often)."""

@@ -1,5 +1,5 @@
 """The cost model's start-up calibration: target and draft passes of known shapes timed
-before any request runs (`calibrate_runners`), fitted into an engine/spec/cost_model.py
+before any request runs (`calibrate_runners`), fitted into an engine/spec/cost/model.py
 `CostModel`, and cached per machine, models and settings (`calibration_key`,
 `cached_calibration`) so later starts skip it."""
 
@@ -19,9 +19,9 @@ import torch
 
 from engine.model.inputs import SeqInput
 from engine.model.runner import ModelRunner
-from engine.spec.cost_model import CostModel, PassShape
-from engine.spec.cost_trace import traced_if_asked
-from engine.spec.draft_cost import DraftCost
+from engine.spec.cost.draft import DraftCost
+from engine.spec.cost.model import CostModel, PassShape
+from engine.spec.cost.trace import traced_if_asked
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def cached_calibration(
 def calibrate(runners: list[ModelRunner], fresh: bool, **shape: int) -> CostModel:
     """The cost model of `runners` (the target, then the draft model if any) for passes of
     `shape` (see `calibrate_runners`): from this machine's cache unless `fresh`, else timed;
-    traced when $TANDEM_COST_TRACE names a file (engine/spec/cost_trace.py)."""
+    traced when $TANDEM_COST_TRACE names a file (engine/spec/cost/trace.py)."""
     target, draft = runners[0], (runners[1] if len(runners) > 1 else None)
     cost = cached_calibration(
         calibration_key(runners, shape),

@@ -1,17 +1,17 @@
-"""What the draft model's part of a step costs (engine/spec/cost_model.py holds the rest).
+"""What the draft model's part of a step costs (engine/spec/cost/model.py holds the rest).
 
     seconds = fixed * passes + per_token * drafts + per_pair * pairs + per_fed * fed
 
 `drafts` are the tokens the draft proposes: each is a row its passes feed and a row of
 logits it samples from. `fed` are the tokens it is fed beyond those, without logits: a
-lagging request's catch-up (engine/spec/catch_up.py) and new requests' prompt chunks. A
+lagging request's catch-up (engine/spec/policy/catch_up.py) and new requests' prompt chunks. A
 catch-up token costs less than a draft (no head, and it rides in a long pass): a third to a
 quarter of one on the toy pair. A policy that priced catch-ups as drafts found resuming
 drafting dearer than it was (the toy pair at concurrency 16 over HTTP on a 2-core AMD EPYC,
 2026-11-29: two-pass draft steps came in at 0.32 of their prediction feeding 65-128 tokens,
 at 1.2-2.1 feeding up to 16; docs/ADAPTIVE_K.md).
 
-The four coefficients are fitted at start-up (engine/spec/calibration.py); each step then
+The four coefficients are fitted at start-up (engine/spec/cost/calibration.py); each step then
 corrects them by its measured time. One shared measured/predicted factor cannot correct a
 fit whose parts are off by different factors, so each part gets its own (`scales`): a least
 squares fit of the steps' measured/predicted ratios to the parts' shares of the prediction,

@@ -27,7 +27,7 @@ import os
 import time
 from typing import TextIO
 
-from engine.spec.cost_model import CostModel, PassShape
+from engine.spec.cost.model import CostModel, PassShape
 
 logger = logging.getLogger(__name__)
 ENV = "TANDEM_COST_TRACE"

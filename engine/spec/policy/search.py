@@ -1,21 +1,23 @@
-"""The chain half of the adaptive draft-length policy (engine/spec/draft_length.py): the
-vectorised searches for the batch's best draft lengths, on the cost model's predicted step
-time. (engine/spec/tree_choice.py is the tree half.)"""
+"""The adaptive policy's searches for a batch's best draft lengths (chains) and draft trees,
+vectorised over requests, on the cost model's predicted step time."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from engine.spec.cost_model import CostModel
+from engine.spec.cost.model import CostModel
+from engine.spec.policy.acceptance import AcceptanceEstimates
 
 
-class ChainChoice:
-    """Mixed into AdaptiveDraftLength, whose cost model (`cost`) it reads. Every search takes
-    `gains` [requests, K_max] (the chance that a request's d-th draft is kept), the requests'
-    contexts, the tokens of other requests in the pass, and `catch_up`: per request, the
-    draft tokens a step that drafts pays for the draft's lag."""
+class BatchSearch:
+    """The searches for a batch's best drafts on the cost model's predicted step time. Every
+    chain search takes `gains` [requests, K_max] (the chance that a request's d-th draft is
+    kept), the requests' contexts, the tokens of other requests in the pass, and `catch_up`:
+    per request, the draft tokens a step that drafts pays for the draft's lag."""
 
-    cost: CostModel
+    def __init__(self, cost: CostModel, estimates: AcceptanceEstimates) -> None:
+        self.cost = cost
+        self.estimates = estimates
 
     def _seconds(
         self,
@@ -50,7 +52,7 @@ class ChainChoice:
             self.cost.step_overhead(rows, drafting=False),
         )
 
-    def _best_uniform(
+    def best_uniform(
         self, gains: np.ndarray, context: np.ndarray, num_other: int, catch_up: np.ndarray
     ) -> tuple[np.ndarray, float]:
         """The best single K for every request, and its expected tokens per second."""
@@ -60,14 +62,21 @@ class ChainChoice:
         total_context = float(context.sum())
         drafting = k > 0
         seconds = self._seconds(
-            rows, num_other + rows, rows * k, k, total_context, k * total_context, 1,
-            drafting * catch_up.sum(), drafting * float(catch_up @ context),
-        )  # fmt: skip
+            rows,
+            num_other + rows,
+            rows * k,
+            k,
+            total_context,
+            k * total_context,
+            1,
+            drafting * catch_up.sum(),
+            drafting * float(catch_up @ context),
+        )
         rates = tokens / seconds
         best = int(np.argmax(rates))
         return np.full(rows, best, dtype=np.int64), float(rates[best])
 
-    def _best_prefix(
+    def best_prefix(
         self, gains: np.ndarray, context: np.ndarray, num_other: int, catch_up: np.ndarray
     ) -> tuple[np.ndarray, float]:
         """K per request from the best prefix of increments ranked by gain, and its expected
@@ -94,7 +103,7 @@ class ChainChoice:
         np.add.at(ks, owner[:best], 1)
         return ks, float(rates[best])
 
-    def _best_alone(
+    def best_alone(
         self, gains: np.ndarray, context: np.ndarray, catch_up: np.ndarray
     ) -> np.ndarray:
         """K per request if it were the only one decoding (vectorised over requests)."""
@@ -109,3 +118,42 @@ class ChainChoice:
             + self._overhead(1, drafts)
         )
         return np.argmax(tokens / seconds, axis=1)
+
+    def best_tree(
+        self,
+        a: np.ndarray,
+        context: np.ndarray,
+        num_other: int,
+        catch_up: np.ndarray,
+        max_branches: int,
+    ) -> tuple[int, int, float]:
+        """The best draft tree for every request (N candidates for the next token, each
+        continued to depth K), and its expected tokens per second. N candidates find the
+        target's token with `root_acceptance` (1 - (1 - a)^N as if independent, corrected by
+        the tree steps measured), the positions after it with a each; the pass pays N x K
+        draft tokens and K draft passes of N rows."""
+        rows, k_max = len(a), self.estimates.max_draft_tokens
+        total_context = float(context.sum())
+        best = (1, 0, 0.0)
+        for n in range(2, max_branches + 1):
+            first = self.estimates.root_acceptance(a, n)  # [rows]
+            depth = np.arange(1, k_max + 1)
+            gains = first[:, None] * a[:, None] ** (depth[None, :] - 1)  # [rows, k_max]
+            k = np.arange(1, k_max + 1)
+            tokens = rows + np.cumsum(gains.sum(axis=0))
+            seconds = self._seconds(
+                rows,
+                num_other + rows,
+                rows * k * n,
+                k,
+                total_context,
+                k * n * total_context,
+                n,
+                catch_up.sum(),
+                float(catch_up @ context),
+            )
+            rates = tokens / seconds
+            i = int(np.argmax(rates))
+            if rates[i] > best[2]:
+                best = (n, int(k[i]), float(rates[i]))
+        return best

@@ -1,0 +1,185 @@
+"""Speculation's one seam with the rest of the engine.
+
+Each step the planner tells the scheduler what every decoding request should verify (`plan`:
+K drafts of the proposer, the tokens a grammar forces, or a prompt lookup's, and the tree
+width), the scheduler reserves 1 + K slots per request and may cut K (budget, length,
+memory), the planner drafts for what was scheduled (`draft`), the target verifies, and the
+planner learns from the step's result (`observe`): acceptance for the policy, pass costs for
+the cost model, the target's hidden states for a feature draft. The scheduler then only
+advances counters and rolls back rejected drafts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from engine.config import SpecConfig
+from engine.spec.cost.model import CostModel, PassShape
+from engine.spec.policy import DraftLengthPolicy
+from engine.spec.proposers.base import REASON_UNSURE, DraftBatch, Proposer, with_forced_drafts
+from engine.spec.proposers.ngram import assist_lookup
+from engine.spec.step import StepResult
+from engine.types.batch import DraftPlan, SchedulerOutput
+from engine.types.request import Request, SpecStats
+
+FORCED_MAX = 4
+"""The most grammar-forced drafts a step takes per request when K_max is smaller."""
+
+
+@dataclass
+class SpecCounters:
+    """What speculation did, engine-wide (EngineStats reads these)."""
+
+    totals: SpecStats = field(default_factory=SpecStats)
+    """The proposer's drafts (not the grammars' or lookups')."""
+    reasons: Counter[str] = field(default_factory=Counter)
+    """Request-steps that got fewer than K_max drafts, by reason."""
+    forced_drafted: int = 0
+    forced_accepted: int = 0
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
+    tree_steps: int = 0
+
+
+class SpecPlanner:
+    def __init__(
+        self,
+        spec: SpecConfig,
+        policy: DraftLengthPolicy,
+        proposer: Proposer | None,
+        cost_model: CostModel | None = None,
+    ) -> None:
+        self.policy = policy
+        self.proposer = proposer
+        self.cost_model = cost_model
+        self.lookup = assist_lookup(spec, proposer)
+        """(context, K) -> up to K prompt-lookup drafts (`speculative.ngram_assist`), or None."""
+        self.keeps_draft_kv = proposer is not None and proposer.keeps_kv
+        """A block is shareable through the prefix cache only once the draft's KV is valid too."""
+        self.counters = SpecCounters()
+        self._step_start = 0.0
+        self._last_decode: tuple[float, int, float, bool] | None = None
+        """The last step, if it decoded only and left work: (start, requests, passes, drafted)."""
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.policy.max_draft_tokens
+
+    def plan(self, decoding: list[Request], num_other_tokens: int) -> dict[Request, DraftPlan]:
+        """Per decoding request, what it should verify; `num_other_tokens` prefill tokens
+        share the step."""
+        choice = self.policy.choose(decoding, num_other_tokens)
+        batch = len(decoding)
+        plans = {}
+        for req, k, reason in zip(decoding, choice.ks, choice.reasons, strict=True):
+            forced = self._forced(req)
+            if forced:  # the grammar's own drafts, whatever the policy chose
+                plans[req] = DraftPlan(len(forced), None, 1, forced)
+                continue
+            if self._may_look_up(req, k, batch):
+                found = self.lookup(req.all_token_ids, self.policy.max_draft_tokens)
+                if found and (n := self.policy.lookup_length(req, k, len(found), batch)):
+                    plans[req] = DraftPlan(n, reason, 1, found[:n], looked_up=True)
+                    continue
+            width = 1 if req.grammar is not None else choice.branches  # a grammar's are chains
+            plans[req] = DraftPlan(k, reason, width)
+        return plans
+
+    def draft(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch | None:
+        """The step's drafts: the proposer's, with given ones (forced, looked up) in place."""
+        drafts = self.proposer.propose(sched, block_tables) if self.proposer else None
+        drafts = with_forced_drafts(sched, drafts)
+        if drafts is not None and drafts.cut:
+            self.counters.reasons[REASON_UNSURE] += drafts.cut
+        return drafts
+
+    def begin_step(self, now: float) -> None:
+        """A step starts: the last decode step's time outside its passes is now known."""
+        last, self._last_decode = self._last_decode, None
+        self._step_start = now
+        if last is not None and self.cost_model is not None:
+            self.cost_model.observe_step(last[1], now - last[0], last[2], last[3])
+
+    def observe(self, step: StepResult) -> None:
+        """Learn from a verified step, before the scheduler moves its requests on."""
+        counters, sched = self.counters, step.sched
+        if self.proposer is not None:  # a feature draft keeps the target's hidden states
+            start = time.perf_counter()
+            self.proposer.observe(step)
+            step.draft_seconds += time.perf_counter() - start  # the draft's time, not the target's
+        for item in sched.scheduled:
+            if item.reason is not None:
+                counters.reasons[item.reason] += 1
+            req = item.request
+            result = step.verified.tokens.get(req.request_id)
+            if req.status.finished or result is None:  # aborted mid-step, or no sample yet
+                continue
+            drafted, accepted = result.num_drafted, result.num_accepted
+            if item.looked_up:  # a lookup's or a grammar's drafts say nothing of the proposer's
+                counters.lookup_drafted += drafted
+                counters.lookup_accepted += accepted
+                self.policy.observe_lookup(drafted, accepted)
+            elif item.forced:
+                counters.forced_drafted += drafted
+                counters.forced_accepted += accepted
+            elif drafted:
+                req.spec.record(drafted, accepted)
+                counters.totals.record(drafted, accepted)
+                self.policy.observe(req, drafted, accepted, item.branches)
+        if any(item.branches > 1 for item in sched.scheduled):
+            counters.tree_steps += 1
+        if self.cost_model is not None and step.timed:
+            self._observe_costs(step)
+
+    def end_step(self, left_work: bool, step: StepResult | None) -> None:
+        """The step is booked; a decode-only step that left work is timed to the next start
+        (what the caller does between steps, streaming, counts as the step's)."""
+        if step is None or self.cost_model is None or not step.timed or not left_work:
+            return
+        sched = step.sched
+        if sched.num_decodes != len(sched.scheduled):
+            return
+        drafted = step.drafts is not None and any(step.drafts.token_ids)
+        passes = step.draft_seconds + step.target_seconds
+        self._last_decode = (self._step_start, sched.num_decodes, passes, drafted)
+
+    def _observe_costs(self, step: StepResult) -> None:
+        """The step's passes, against what the cost model predicted. Called before the
+        scheduler's update, so num_computed_tokens is still this step's start."""
+        assert self.cost_model is not None
+        sched, drafts = step.sched, step.drafts
+        num_drafts, proposed = step.num_drafts, step.proposed
+        query_lens, context_lens = [], []
+        for item, k in zip(sched.scheduled, num_drafts, strict=True):
+            query_lens.append(item.num_new_tokens + k)
+            context_lens.append(item.request.num_computed_tokens + item.num_new_tokens + k)
+        branches = max((item.branches for item in sched.scheduled), default=1)
+        if drafts is not None and (any(proposed) or drafts.fed_tokens):
+            # Every token the draft model ran counts, prompt chunks included (a step that only
+            # fed the draft prompts is one pass): each kind is priced apart (DraftCost).
+            num_proposed = sum(proposed) + drafts.cut  # a cut chain's dropped draft was paid
+            self.cost_model.observe_draft(
+                max(step.draft_passes, 1),
+                num_proposed,
+                drafts.fed_pairs,
+                step.draft_seconds,
+                branches,
+                max(drafts.fed_tokens - num_proposed, 0),
+            )
+        shape = PassShape.of(query_lens, context_lens)
+        self.cost_model.observe_target(shape, step.target_seconds, branches)
+
+    def _may_look_up(self, req: Request, k: int, batch: int) -> bool:
+        """With `speculative.ngram_assist`, for a request without a grammar that drafts this
+        step or decodes alone (in a batch the policy's search priced the rows: a lookup takes
+        them)."""
+        usable = self.lookup is not None and req.grammar is None and not req.is_prefill
+        return usable and (k > 0 or batch == 1)
+
+    def _forced(self, req: Request) -> list[int]:
+        """Tokens a decoding request's grammar forces next, at most FORCED_MAX or K_max."""
+        if req.grammar is None or req.is_prefill:
+            return []
+        return req.grammar.forced()[: max(self.policy.max_draft_tokens, FORCED_MAX)]

@@ -1,0 +1,48 @@
+"""How many drafts each decoding request gets: the policy protocol and the fixed policies
+(`base`), and the adaptive policy (`adaptive`), composed of the acceptance it has learned
+(`acceptance`), the batch searches on the cost model (`search`), the draft's catch-up
+(`catch_up`) and decision reuse (`reuse`)."""
+
+from __future__ import annotations
+
+from engine.config import SpecConfig
+from engine.spec.cost.model import CostModel
+from engine.spec.policy.adaptive import AdaptiveDraftLength
+from engine.spec.policy.base import (
+    REASON_ACCEPTANCE,
+    REASON_BATCH,
+    REASON_BUDGET,
+    REASON_LENGTH,
+    REASON_MEMORY,
+    DraftLengthPolicy,
+    DraftLengths,
+    FixedDraftLength,
+    NoSpeculation,
+)
+
+
+def policy_for(spec: SpecConfig, cost_model: CostModel | None) -> DraftLengthPolicy:
+    """The policy `spec` asks for: none when speculation is off, adaptive on `cost_model`
+    when there is one, else a fixed K_max."""
+    if not spec.enabled:
+        return NoSpeculation()
+    if cost_model is not None:
+        return AdaptiveDraftLength(
+            spec.max_draft_tokens, cost_model, max_branches=spec.max_branches
+        )
+    return FixedDraftLength(spec.max_draft_tokens, spec.draft_branches or 1)
+
+
+__all__ = [
+    "REASON_ACCEPTANCE",
+    "REASON_BATCH",
+    "REASON_BUDGET",
+    "REASON_LENGTH",
+    "REASON_MEMORY",
+    "AdaptiveDraftLength",
+    "DraftLengthPolicy",
+    "DraftLengths",
+    "FixedDraftLength",
+    "NoSpeculation",
+    "policy_for",
+]

@@ -1,0 +1,147 @@
+"""What the adaptive policy has learned of acceptance: the engine-wide rate, each request's
+estimate, how deep drafts fare against the a^d model, tree roots and prompt lookups.
+
+Every count decays, so the estimates follow a workload that changes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.types.request import Request
+
+ACCEPTANCE_DECAY = 0.995
+"""Per verified chain, the weight left to the depth, tree-root and lookup counts before it."""
+
+PRIOR_DECAY, REQUEST_WEIGHT = 0.999, 32
+"""The engine-wide rate every request starts from is a mean over ~1,000 chains, weighing 32
+trials in each request's estimate: its own few chains say little of its next ones
+(docs/ADAPTIVE_K.md, "Acceptance estimates")."""
+
+
+class AcceptanceEstimates:
+    """Per-token acceptance a, engine-wide and per request, and the corrections to the a^d
+    model of a chain's d-th draft (`depth_factors`) and of a tree's root (`root_acceptance`).
+
+    The d-th draft's gain is a^d only as a first guess: drafts are not kept independently (the
+    positions after a hard token are hard too), and a request is drafted deep when its estimate
+    is high, partly by luck. So every verified chain also compares, per depth d, how many d-th
+    drafts were kept with how many a^d predicted, and the gains are a^d times that ratio.
+    """
+
+    def __init__(
+        self,
+        max_draft_tokens: int,
+        prior: float = 0.6,
+        prior_weight: float = 8,
+        request_weight: float = REQUEST_WEIGHT,
+    ) -> None:
+        self.max_draft_tokens = max_draft_tokens
+        self.prior_weight = prior_weight
+        self.request_weight = request_weight
+        self._accepted = prior * prior_weight  # decayed engine-wide counts
+        self._trials = prior_weight
+        self.root_hits: dict[int, float] = {}
+        """Per tree width: decayed counts of steps where some root candidate was kept."""
+        self.root_trials: dict[int, float] = {}
+        # Per depth d: drafts kept, and kept as the a^d model predicted (decayed). Plain floats,
+        # not arrays: observe() runs once per drafting request each step, and numpy's per-call
+        # cost on arrays this small dominates at large batches.
+        self._depth_kept = [0.0] * max_draft_tokens
+        self._depth_predicted = [0.0] * max_draft_tokens
+        self._depth_cache: tuple[list[float], tuple] | None = None
+        self._lookup = [prior * prior_weight, float(prior_weight)]  # kept, trials
+
+    @property
+    def global_acceptance(self) -> float:
+        return self._accepted / self._trials
+
+    @property
+    def lookup_acceptance(self) -> float:
+        """Per-token acceptance of prompt-lookup drafts, engine-wide."""
+        return self._lookup[0] / self._lookup[1]
+
+    def acceptance(self, req: Request) -> float:
+        """Per-token acceptance: the engine-wide rate (a prior of `request_weight` trials)
+        updated by the request's verified drafts (trials: accepted + the ending rejections)."""
+        return self._estimate(req.spec.accepted, req.spec.trials)
+
+    def _estimate(self, accepted: float, trials: float) -> float:
+        w = self.request_weight
+        est = (accepted + w * self.global_acceptance) / (trials + w)
+        return float(min(max(est, 0.0), 0.99))
+
+    def depth_factors(self) -> np.ndarray:
+        """Per depth: drafts kept over what a^d predicted, 1 as a prior of `prior_weight`."""
+        w = self.prior_weight
+        return (np.array(self._depth_kept) + w) / (np.array(self._depth_predicted) + w)
+
+    def depth_factors_keyed(self) -> tuple[list[float], tuple]:
+        """`depth_factors()` as floats, and rounded to 1/32 for a decision's key (cached until
+        the next observe())."""
+        if self._depth_cache is None:
+            factors = self.depth_factors().tolist()
+            self._depth_cache = factors, tuple(round(32 * f) for f in factors)
+        return self._depth_cache
+
+    def gains_one(self, a: float) -> list[float]:
+        """`gains()` for one request, in plain Python (no array overhead at batch 1)."""
+        gains, gain = [], 0.99
+        for d, factor in enumerate(self.depth_factors_keyed()[0], start=1):
+            gain = min(a**d * factor, 0.99, gain)
+            gains.append(gain)
+        return gains
+
+    def gains(self, a: np.ndarray) -> np.ndarray:
+        """[requests, K_max]: the chance that each request's d-th draft is kept, a^d times
+        the measured depth factor, never rising with depth."""
+        raw = a[:, None] ** np.arange(1, self.max_draft_tokens + 1)[None, :]
+        return np.minimum.accumulate(np.minimum(raw * self.depth_factors(), 0.99), axis=1)
+
+    def root_acceptance(self, a: np.ndarray, n: int) -> np.ndarray:
+        """The chance that one of n root candidates is kept, per request of acceptance a:
+        1 - (1 - a)^n as if the candidates were independent draws, scaled by how the tree
+        steps of n branches measured so far compare with that (candidates of one draft tend
+        to miss together), the formula weighing as a prior."""
+        return np.clip((1 - (1 - a) ** n) * self.root_factor(n), 0.0, 0.99)
+
+    def root_factor(self, n: int) -> float:
+        """Measured root acceptance of n-branch trees over the independence formula's."""
+        independent = 1 - (1 - self.global_acceptance) ** n
+        w = self.prior_weight
+        measured = (self.root_hits.get(n, 0.0) + w * independent) / (
+            self.root_trials.get(n, 0.0) + w
+        )
+        return measured / max(independent, 1e-9)
+
+    def observe(
+        self, request: Request, num_drafted: int, num_accepted: int, branches: int = 1
+    ) -> None:
+        """A verified step of `request` (its counts already hold it): drafts of depth
+        num_drafted, num_accepted kept, from a tree of `branches` root candidates (1: a chain)."""
+        decay = ACCEPTANCE_DECAY
+        self._depth_cache = None
+        if branches == 1:
+            # The request's estimate before this step.
+            trials = num_accepted + (num_accepted < num_drafted)
+            a = self._estimate(request.spec.accepted - num_accepted, request.spec.trials - trials)
+            n = min(num_drafted, self.max_draft_tokens)
+            kept, predicted = self._depth_kept, self._depth_predicted
+            for d in range(self.max_draft_tokens):  # depth d + 1
+                kept[d] = kept[d] * decay + (d < num_accepted and d < n)
+                predicted[d] = predicted[d] * decay + (a ** (d + 1) if d < n else 0.0)
+        else:  # the root is a trial of the tree; the path below it, of a chain
+            hit = num_accepted > 0
+            self.root_hits[branches] = decay * self.root_hits.get(branches, 0.0) + hit
+            self.root_trials[branches] = decay * self.root_trials.get(branches, 0.0) + 1
+            if not hit or num_drafted == 1:
+                return
+            num_drafted, num_accepted = num_drafted - 1, num_accepted - 1
+        self._accepted = PRIOR_DECAY * self._accepted + num_accepted
+        self._trials = PRIOR_DECAY * self._trials + num_accepted + (num_accepted < num_drafted)
+
+    def observe_lookup(self, num_drafted: int, num_accepted: int) -> None:
+        """A verified chain of prompt-lookup drafts."""
+        decay, counts = ACCEPTANCE_DECAY, self._lookup
+        counts[0] = decay * counts[0] + num_accepted
+        counts[1] = decay * counts[1] + num_accepted + (num_accepted < num_drafted)

@@ -1,0 +1,185 @@
+"""The adaptive draft-length policy: K per request from a cost model and learned acceptance."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.spec.cost.model import CostModel
+from engine.spec.policy.acceptance import REQUEST_WEIGHT, AcceptanceEstimates
+from engine.spec.policy.base import REASON_ACCEPTANCE, REASON_BATCH, DraftLengths
+from engine.spec.policy.catch_up import CatchUp
+from engine.spec.policy.reuse import Decision, DecisionReuse, decision_key
+from engine.spec.policy.search import BatchSearch
+from engine.types.request import Request
+
+PROBE_STEPS = 8
+"""Consecutive steps a probe drafts (K = 1) for its request: its first step pays the draft's
+catch-up, so one step alone does not measure what drafting costs in steady state."""
+
+
+class AdaptiveDraftLength:
+    """Maximise expected accepted tokens per second for the whole batch.
+
+    With per-token acceptance a_i, the d-th draft of request i adds a_i^d expected tokens (it
+    counts only if drafts 1..d-1 were accepted), corrected by the measured depth factors
+    (`AcceptanceEstimates`). Every increment (i, d) is ranked by that gain; the policy takes
+    the prefix of the ranking that maximises
+        (B + sum of gains) / (T_target(n_other + B + drafts) + T_draft(passes, drafts) + T_step(B))
+    on the measured cost model, which charges a pass for its tokens and for the context its
+    queries attend to, and a step of B requests what such steps cost outside the passes
+    (sampling, bookkeeping, streaming; paid once a step). An empty prefix is plain decoding.
+
+    Giving requests different K has costs the model leaves out (every distinct query count is
+    one more attention call per layer; the deepest draft sets the draft passes for all), so
+    the best single K for the whole batch is used unless the per-request choice is predicted
+    to beat it by more than `uniform_margin`.
+
+    Drafting again after plain decodes first feeds the draft every token it skipped: that
+    catch-up is charged as draft tokens, spread over the drafting steps expected to follow
+    (`CatchUp`).
+
+    When speculation has been off for `probe_interval` steps, one request drafts K = 1 for
+    `PROBE_STEPS` steps: otherwise a pessimistic estimate could never be corrected, since only
+    steps that draft measure the draft's cost and acceptance. A probe takes the request with
+    the least to catch up, and while probes keep confirming K = 0 the interval doubles, up to
+    `max_probe_interval`; the policy choosing drafts on its own resets it.
+
+    A seeded request's tokens are fixed by (seed, position), not by K (engine/sample/sampler.py).
+    """
+
+    def __init__(
+        self,
+        max_draft_tokens: int,
+        cost: CostModel,
+        prior: float = 0.6,
+        prior_weight: float = 8,
+        request_weight: float = REQUEST_WEIGHT,
+        probe_interval: int = 32,
+        uniform_margin: float = 0.03,
+        max_probe_interval: int = 1024,
+        max_branches: int = 1,
+        reuse_steps: int = 4,
+    ) -> None:
+        self.max_draft_tokens = max_draft_tokens
+        self.max_branches = max_branches
+        self.uniform_margin = uniform_margin
+        self.cost = cost
+        self.estimates = AcceptanceEstimates(max_draft_tokens, prior, prior_weight, request_weight)
+        self.search = BatchSearch(cost, self.estimates)
+        self.catch_up = CatchUp()
+        self.reuse = DecisionReuse(reuse_steps)
+        self.probe_interval = probe_interval
+        self.max_probe_interval = max_probe_interval
+        self._probe_every = probe_interval
+        self._steps_without_drafts = 0
+        self._probing = ("", 0)  # the request a probe drafts for, and its steps left
+
+    def observe(
+        self, request: Request, num_drafted: int, num_accepted: int, branches: int = 1
+    ) -> None:
+        self.estimates.observe(request, num_drafted, num_accepted, branches)
+
+    def observe_lookup(self, num_drafted: int, num_accepted: int) -> None:
+        self.estimates.observe_lookup(num_drafted, num_accepted)
+
+    def lookup_length(self, request: Request, k: int, found: int, batch: int) -> int:
+        """Alone in its step, the cost model's best chain of the lookup's drafts at their own
+        measured acceptance, as drafts that cost no draft pass, whatever K the draft model got;
+        in a batch, the draft model's K (its search priced the batch's rows)."""
+        if batch > 1:
+            return min(k, found)
+        rate = self.estimates.lookup_acceptance
+        gains = [min(rate**d, 0.99) for d in range(1, found + 1)]
+        over = (self.cost.step_overhead(1), self.cost.step_overhead(1, drafting=True))
+        context = float(request.num_tokens)
+        return self.cost.best_chain_length(gains, context, 1, found, 0.0, over, free_drafts=True)
+
+    def choose(self, requests: list[Request], num_other_tokens: int = 0) -> DraftLengths:
+        batch, k_max = len(requests), self.max_draft_tokens
+        if batch == 0 or k_max == 0:
+            return DraftLengths([0] * batch, [None] * batch)
+        ids = [r.request_id for r in requests]
+        decided = self.reuse.recent(ids, num_other_tokens)
+        if decided is None:
+            decided = self.decision_for(requests, num_other_tokens)
+        ks, reasons, branches = decided
+        if any(ks):
+            self._steps_without_drafts = 0
+            self._probe_every = self.probe_interval
+            self._probing = ("", 0)
+        else:
+            ks = self._probe(requests, ks)
+        self.catch_up.count(requests, ks, probe=not any(decided[0]) and any(ks))
+        return DraftLengths(list(ks), list(reasons), branches)
+
+    def decision_for(self, requests: list[Request], num_other_tokens: int) -> Decision:
+        """The decision for this step's inputs: an earlier one they round alike to, or a new
+        search. Plain Python until a search is needed."""
+        ids = [r.request_id for r in requests]
+        a = [self.estimates.acceptance(r) for r in requests]
+        context = [r.num_tokens for r in requests]
+        catch_up = [self.catch_up.tokens(r) for r in requests]
+        key = decision_key(
+            self.cost, self.estimates, self.max_branches, a, context, num_other_tokens, catch_up
+        )
+        decided = self.reuse.keyed(key)
+        if decided is not None:
+            self.reuse.remember(ids, None, decided)
+            return decided
+        arrays = np.array(a), np.array(context, dtype=np.float64)
+        decided = self.decide(*arrays, num_other_tokens, np.array(catch_up))
+        self.reuse.remember(ids, key, decided)
+        return decided
+
+    def _probe(self, requests: list[Request], ks: list[int]) -> list[int]:
+        """`ks` (all 0), or K = 1 for the request a probe drafts for this step."""
+        probed, left = self._probing
+        ids = [r.request_id for r in requests]
+        if left and probed in ids:  # a probe's later steps: the same request
+            self._probing = (probed, left - 1)
+            return [int(i == probed) for i in ids]
+        self._steps_without_drafts += 1
+        if self._steps_without_drafts < self._probe_every:
+            return ks
+        self._steps_without_drafts = 0
+        self._probe_every = min(2 * self._probe_every, self.max_probe_interval)
+        behind = [r.num_tokens - r.num_draft_computed_tokens for r in requests]
+        probed = ids[behind.index(min(behind))]
+        self._probing = (probed, PROBE_STEPS - 1)
+        return [int(i == probed) for i in ids]
+
+    def decide(
+        self, a: np.ndarray, context: np.ndarray, num_other_tokens: int, catch_up: np.ndarray
+    ) -> Decision:
+        """(K per request, why each is below K_max, tree branches): the batch's best rate.
+        `catch_up`: per request, the draft tokens a step pays for its lag (`CatchUp.tokens`)."""
+        batch, k_max, search = len(a), self.max_draft_tokens, self.search
+        if batch == 1 and self.max_branches == 1:  # one request: plain numbers, no arrays
+            g1 = self.estimates.gains_one(float(a[0]))
+            best, c1, lag = self.cost.best_chain_length, float(context[0]), float(catch_up[0])
+            over = (self.cost.step_overhead(1), self.cost.step_overhead(1, drafting=True))
+            k = best(g1, c1, num_other_tokens + 1, k_max, lag, over)
+            solo = best(g1, c1, 1, k_max, lag, over) if num_other_tokens else k
+            reason = None if k >= k_max else REASON_BATCH if k < solo else REASON_ACCEPTANCE
+            return [k], [reason], 1
+        gains = self.estimates.gains(a)  # [batch, k_max]: the d-th draft's expected tokens
+        ks, rate = search.best_prefix(gains, context, num_other_tokens, catch_up)
+        uniform_ks, uniform_rate = search.best_uniform(gains, context, num_other_tokens, catch_up)
+        if rate < (1 + self.uniform_margin) * uniform_rate:
+            ks = uniform_ks
+        solo = search.best_alone(gains, context, catch_up)
+        reasons: list[str | None] = []
+        for k, k_solo in zip(ks, solo, strict=True):
+            if k >= k_max:
+                reasons.append(None)
+            else:  # would it get more alone? then the batch is what cut it
+                reasons.append(REASON_BATCH if k < k_solo else REASON_ACCEPTANCE)
+        branches = 1
+        if self.max_branches > 1:
+            n, k_tree, tree_rate = search.best_tree(
+                a, context, num_other_tokens, catch_up, self.max_branches
+            )
+            if n > 1 and tree_rate > (1 + self.uniform_margin) * max(rate, uniform_rate):
+                ks, branches = np.full(batch, k_tree, dtype=np.int64), n
+                reasons = [None] * batch
+        return [int(k) for k in ks], reasons, branches

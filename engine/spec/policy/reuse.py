@@ -1,0 +1,82 @@
+"""When the adaptive policy may reuse a decision instead of searching again.
+
+Two rules, in this order:
+- a decision holds for `reuse_steps` steps of the same requests with no prefill tokens among
+  them: their contexts move by that many tokens, less than the key below rounds them to;
+- otherwise a step whose inputs round alike to an earlier step's (`decision_key`) takes that
+  step's decision.
+"""
+
+from __future__ import annotations
+
+from engine.spec.cost.model import CostModel
+from engine.spec.policy.acceptance import AcceptanceEstimates
+
+Decision = tuple[list[int], list[str | None], int]
+"""(K per request, why each is below K_max, tree branches)."""
+
+MAX_CACHED = 4096
+"""Decisions kept by key; the cache starts afresh when full."""
+
+
+class DecisionReuse:
+    """The last decision with the steps it may still serve, and earlier decisions by key."""
+
+    def __init__(self, reuse_steps: int) -> None:
+        self.reuse_steps = reuse_steps
+        self._last: tuple[list[str], int, Decision | None] = ([], 0, None)
+        self._by_key: dict[tuple, Decision] = {}
+
+    def recent(self, request_ids: list[str], num_other_tokens: int) -> Decision | None:
+        """The last decision, if it may serve this step (and counts the step against it)."""
+        ids, left, decided = self._last
+        if left and not num_other_tokens and request_ids == ids and decided is not None:
+            self._last = (ids, left - 1, decided)
+            return decided
+        return None
+
+    def keyed(self, key: tuple) -> Decision | None:
+        return self._by_key.get(key)
+
+    def remember(self, request_ids: list[str], key: tuple | None, decided: Decision) -> None:
+        """`decided` was taken for this step: it serves the next `reuse_steps - 1` steps of the
+        same requests, and any step whose inputs round to `key`."""
+        self._last = (request_ids, self.reuse_steps - 1, decided)
+        if key is not None:
+            if len(self._by_key) >= MAX_CACHED:
+                self._by_key.clear()
+            self._by_key[key] = decided
+
+
+def decision_key(
+    cost: CostModel,
+    estimates: AcceptanceEstimates,
+    max_branches: int,
+    a: list[float],
+    context: list[int],
+    num_other: int,
+    catch_up: list[float],
+) -> tuple:
+    """What a decision depends on, rounded (acceptance, depth and tree roots' factors to 1/32,
+    online cost factors to 4%, the step's overhead to 5% of a one-token pass, contexts and
+    other tokens to 32, catch-ups to a token): inputs that close predict rates within a few
+    percent, so a step whose inputs round alike reuses the decision."""
+    widths = sorted(cost.tree_scales)
+    scales = [cost.target_scale, *cost.small_scales, *cost.size_scales]
+    scales += [s for n in widths for s in cost.tree_scales[n]]
+    trees: tuple = ()
+    if max_branches > 1:
+        trees = tuple(round(32 * estimates.root_factor(n)) for n in range(2, max_branches + 1))
+    one_token = max(cost.target_seconds[0], 1e-9)
+    return (
+        num_other // 32,
+        tuple(int(x * 32) for x in a),
+        estimates.depth_factors_keyed()[1],
+        tuple(n // 32 for n in context),
+        tuple(widths),
+        tuple(round(25 * s.value) for s in scales),
+        tuple(round(25 * s) for s in cost.draft.scales.tolist()),
+        tuple(round(20 * cost.step_overhead(len(a), kind) / one_token) for kind in (False, True)),
+        trees,
+        tuple(round(c) for c in catch_up),
+    )
