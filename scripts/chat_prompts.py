@@ -1,4 +1,6 @@
-"""Chat instructions for the default model: the draft's training prompts and the benchmarks'.
+"""Chat instructions for the default model: the draft's training prompts, and the held-out
+ones the benchmarks run: `python scripts/chat_prompts.py > bench/chat_prompts.json` freezes
+them there, so bench/ needs no import of this.
 
 Built from templates and word lists written here, plus text every machine with Python has
 (the standard library's module docstrings and public names), so nothing is downloaded.
@@ -9,10 +11,10 @@ so the benchmark's prompts are never among the draft's training prompts.
 from __future__ import annotations
 
 import hashlib
+import json
 import pkgutil
 import random
 import re
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -255,16 +257,6 @@ def split() -> tuple[list[dict], list[dict]]:
     return [i for i in items if not is_holdout(i)], [i for i in items if is_holdout(i)]
 
 
-def bench_messages(count: int) -> list[list[dict]]:
-    """The first `count` held-out instructions: the benchmarks' chat prompts."""
+if __name__ == "__main__":  # the held-out instructions, as bench/chat_prompts.json holds them
     held = split()[1]
-    if count > len(held):
-        raise ValueError(f"only {len(held)} held-out instructions")
-    return [i["messages"] for i in held[:count]]
-
-
-if __name__ == "__main__":
-    train, held = split()
-    print(f"{len(train)} training, {len(held)} held out", file=sys.stderr)
-    for item in held[:10]:
-        print(item["messages"][-1]["content"][:100])
+    print(json.dumps([item["messages"] for item in held], indent=0, ensure_ascii=False))
