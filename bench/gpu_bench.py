@@ -1,27 +1,23 @@
-"""Tandem against HF generate() on one GPU, on the pair bench.gpu_pair made.
+"""The GPU benchmark: Tandem against HF generate() on one GPU, on the pair bench.gpu_pair made.
 
-  python -m bench.gpu_bench --pair bench/gpu_models/trained     # -> bench/results/gpu_trained.json
+  python -m bench.gpu_bench --pair bench/gpu_models/trained --levels 1 16  # results/gpu_trained.json
+  bench/gpu_session.sh                 # everything a GPU session runs, training included
 
 First the bandwidth floor (bench/gpu_floor.py: target weight bytes over a measured
-device-to-device copy bandwidth) beside a measured Tandem target pass at batch 1, and a
-greedy check: for --check-prompts prompts, every Tandem setting's output against HF plain
-generate() one prompt at a time (`greedy_match`: token-identical). Then per concurrency
-level (--levels): Tandem in-process through bench.driver's closed loop (speculation off,
-draft model at fixed K for each --ks, adaptive K up to the largest), HF generate() plain
-(batch 1 at concurrency 1; above it, static left-padded batches of `concurrency` prompts,
-TTFT from the batch's start) and HF assisted generation (assistant_model=draft, library
-defaults and the heuristic K schedule; batch 1 only, so above concurrency 1 a row says it
-was not run). Every run is greedy with exactly --max-tokens output tokens per request
-(EOS ignored by Tandem, masked by `min_new_tokens` in HF), the same prompts for every
-system, after a warm-up at the same concurrency (whole requests for Tandem, so
-the CUDA graphs its steps need are captured before the clock starts; captures that still
-fall in the timed run are counted in the row), with the device synchronised
-around it. Tandem's prefix cache is off: HF has none, and the levels reuse prompts.
+device-to-device copy bandwidth) beside a measured Tandem target pass at batch 1, and a greedy
+check: for --check-prompts prompts, every Tandem setting's output against HF plain generate()
+(`greedy_match`: token-identical; where not, the reference's logit gap at the first
+difference). Then per concurrency level (--levels): Tandem in-process through
+bench.default_engine's closed loop (speculation off, the draft at fixed K for each --ks,
+adaptive K up to the largest) and HF generate() (batch 1 at concurrency 1; above it, static
+left-padded batches). Every run is greedy with exactly --max-tokens output tokens per request,
+the same prompts for every system, after a warm-up at the same concurrency (whole requests for
+Tandem, so the CUDA graphs are captured before the clock starts; captures in the timed run are
+counted in the row). Tandem's prefix cache is off: HF has none, and the levels reuse prompts.
 
-The JSON is rewritten after every row, so a run stopped by a time limit keeps what it
-measured. --time-limit-s stops starting rows that would not finish in time (they are listed
-under `not_run`); --resume FILE keeps FILE's rows when it measured the same pair
-(`pair_id`) with the same settings, and runs only the rest.
+The JSON is rewritten after every row. --time-limit-s stops starting rows that would not
+finish in time (listed under `not_run`); --resume FILE keeps FILE's rows when it measured the
+same pair (`pair_id`) with the same settings, and runs only the rest.
 """
 
 from __future__ import annotations
@@ -29,27 +25,149 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import platform
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import date, datetime, timezone
 from pathlib import Path
 
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.driver import run_closed_loop
-from bench.engine_bench import build_engine, machine, settings
+from bench.default_engine import run_closed_loop
 from bench.gpu_floor import measure_floor, sync
-from bench.greedy_check import compare, hf_greedy, tandem_greedy
-from bench.peers.hf_generate import run_assisted, run_level
-from bench.prompts import make_prompts
+from bench.hf_generate import run_level
+from bench.prompts import text_prompts
+from engine import (
+    CacheConfig,
+    EngineConfig,
+    LLMEngine,
+    ModelConfig,
+    SamplingParams,
+    SchedulerConfig,
+    SpecConfig,
+)
 from engine.model.runner import resolve_device, resolve_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
-TANDEM, HF_PLAIN, HF_ASSISTED = "Tandem", "HF generate()", "HF assisted"
+TANDEM, HF_PLAIN = "Tandem", "HF generate()"
 # Settings that must agree with the earlier run for --resume to keep its rows.
 SAME_FOR_RESUME = ("max_tokens", "prompt_tokens", "ks", "requests_per_slot", "min_requests")
+
+
+def settings(draft: str, ks: list[int], methods: list[str]) -> dict[str, SpecConfig]:
+    out = {"off": SpecConfig(method="off")}
+    for method in methods:
+        for k in ks:
+            out[f"{method} K={k}"] = SpecConfig(
+                method=method, draft_model=draft, max_draft_tokens=k, draft_length="fixed"
+            )
+    out["adaptive"] = SpecConfig(
+        method="draft", draft_model=draft, max_draft_tokens=max(ks), draft_length="adaptive"
+    )
+    return out
+
+
+def build_engine(
+    args: argparse.Namespace, spec: SpecConfig, max_num_seqs: int, prefix_caching: bool = True
+) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=args.model, device=args.device),
+            cache=CacheConfig(
+                block_size=16, num_blocks=args.kv_blocks, enable_prefix_caching=prefix_caching
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_waiting=100_000,
+            ),
+            spec=spec,
+        )
+    )
+
+
+def machine() -> dict[str, str]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {
+        "cpu": cpu,
+        "cores": str(torch.get_num_threads()),
+        "device": device,
+        "torch": torch.__version__,
+        "date": date.today().isoformat(),
+    }
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], tokens: int) -> list[int]:
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(
+        ids, max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def tandem_greedy(
+    engine: LLMEngine, tag: str, prompts: list[list[int]], tokens: int
+) -> list[list[int]]:
+    """All prompts at once (the batched paths are the ones worth checking)."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, params)
+    out: dict[str, list[int]] = {}
+    while engine.has_work():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [out.get(rid, []) for rid in ids]
+
+
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    """The first position where the two differ (a shorter one ends there), or None."""
+    n = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+    if n is None and len(got) != len(want):
+        return min(len(got), len(want))
+    return n
+
+
+@torch.inference_mode()
+def logit_gap(model, prompt: list[int], want: list[int], got: list[int], n: int) -> float:
+    """The reference's logit of its token at position n minus its logit of Tandem's token
+    there, in float32 from the model's own logits (0 would be an exact tie)."""
+    ids = torch.tensor([prompt + want[:n]], device=model.device)
+    logits = model(ids).logits[0, -1].float()
+    return float(logits[want[n]] - logits[got[n]])
+
+
+def compare(got: list[list[int]], want: list[list[int]], prompts=None, model=None) -> dict:
+    """Token-identical or not, and how far each output agrees before its first difference;
+    with the reference `model` and the `prompts`, the logit gap at each first difference
+    (`differences`: prompt index, position, gap)."""
+    agree, differences = [], []
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        n = first_difference(g, w)
+        agree.append(min(len(g), len(w)) if n is None else n)
+        if n is not None and model is not None and n < min(len(g), len(w)):
+            gap = logit_gap(model, prompts[i], w, g, n)
+            differences.append({"prompt": i, "position": n, "logit_gap": gap})
+    out = {
+        "greedy_match": got == want,
+        "prompts": len(want),
+        "tokens_each": len(want[0]) if want else 0,
+        "agreeing_prefix_mean": sum(agree) / max(len(agree), 1),
+    }
+    if model is not None:
+        out["differences"] = differences
+    return out
 
 
 class GpuBench:
@@ -65,7 +183,7 @@ class GpuBench:
             data["floor"], data["greedy"] = earlier.get("floor"), earlier.get("greedy", {})
         self.tokenizer = AutoTokenizer.from_pretrained(args.model)
         count = max(256, 2 * args.requests(max(args.levels)))
-        self.prompts = make_prompts(
+        self.prompts = text_prompts(
             self.tokenizer, count, args.min_prompt, args.max_prompt, seed=args.seed
         )
         self.specs = settings(args.draft_model, args.ks, ["draft"])
@@ -180,16 +298,10 @@ class GpuBench:
         row["greedy_match"] = self.data["greedy"].get(name, {}).get("greedy_match")
         return row
 
-    def hf_row(self, level: int, heuristic: bool | None = None) -> dict:
-        """Plain generate() at `level`, or assisted (batch 1) when `heuristic` is given."""
+    def hf_row(self, level: int) -> dict:
         model, tok, args = self.hf_model("target"), self.tokenizer, self.args
         prompts, warm = self.prompts[: args.requests(level)], self.prompts[-level:]
-        if heuristic is None:
-            return run_level(model, tok, prompts, warm, level, args.max_tokens, args.warmup_tokens)
-        draft = self.hf_model("draft")
-        return run_assisted(
-            model, draft, tok, prompts, warm, args.max_tokens, args.warmup_tokens, heuristic
-        )
+        return run_level(model, tok, prompts, warm, level, args.max_tokens, args.warmup_tokens)
 
     def run(self) -> None:
         systems = self.args.systems
@@ -203,14 +315,6 @@ class GpuBench:
                     self.record(TANDEM, name, level, lambda n=name, c=level: self.tandem_row(n, c))
             if "hf-plain" in systems:
                 self.record(HF_PLAIN, "plain", level, lambda c=level: self.hf_row(c))
-            if "hf-assisted" not in systems:
-                continue
-            if level > 1:
-                note = {"notes": "not run: assisted generation takes batch size 1 only"}
-                self.record(HF_ASSISTED, "library defaults", level, note.copy, instant=True)
-                continue
-            self.record(HF_ASSISTED, "library defaults", 1, lambda: self.hf_row(1, False))
-            self.record(HF_ASSISTED, "heuristic K", 1, lambda: self.hf_row(1, True))
 
 
 def _key(row: dict) -> tuple[str, str, int]:
@@ -250,8 +354,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--systems",
         nargs="+",
-        choices=["tandem", "hf-plain", "hf-assisted"],
-        default=["tandem", "hf-plain", "hf-assisted"],
+        choices=["tandem", "hf-plain"],
+        default=["tandem", "hf-plain"],
     )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--min-prompt", type=int, default=64)

@@ -12,7 +12,7 @@ Run as a program, it measures that ratio on random weights of real architectures
 3.x bodies with their own vocabulary, built straight on the GPU, never saved), because
 whether a batch-1 pass is bound by bytes or by kernel latency depends on the model's size:
 
-  python -m bench.gpu_floor --shapes 1b 3b 8b --out gpu_floor_shapes.json --kernels
+  python -m bench.gpu_floor --shapes 1b 3b 8b --out floor-shapes.json
 """
 
 from __future__ import annotations
@@ -186,25 +186,12 @@ def random_runner(shape: str, device: torch.device, context: int, workdir: Path)
     return runner
 
 
-def kernel_table(runner: ModelRunner, context: int, passes: int) -> str:
-    """torch.profiler's kernels over `passes` one-token passes, by total GPU time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    seq = one_token(runner, context)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(passes):
-            runner.forward(seq)
-        sync(runner.device)
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
     p.add_argument("--context", type=int, default=128, help="the pass's position")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--copy-mb", type=int, default=4096)
-    p.add_argument("--kernels", action="store_true", help="print each pass's top kernels")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     device = torch.device("cuda")
@@ -240,8 +227,6 @@ def main(argv: list[str] | None = None) -> None:
                 f"({row['graph_replay_us'] / row['floor_us']:.2f}x)",
                 flush=True,
             )
-            if args.kernels:
-                print(kernel_table(runner, args.context, 10), flush=True)
             del runner
             torch.cuda.empty_cache()
         if args.out:

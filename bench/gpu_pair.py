@@ -1,21 +1,20 @@
-"""The GPU benchmark's model pair: a ~146M-parameter Llama target and a ~9M draft.
+"""The GPU benchmark's model pair: a Llama target (~190M parameters) and a small draft, both on
+the default model's tokenizer (models/draft's, SmolLM2's 49,152 tokens).
 
   python -m bench.gpu_pair --out bench/gpu_models/trained             # train both on the GPU
   python -m bench.gpu_pair --random --out bench/gpu_models/random     # random weights only
   python -m bench.gpu_pair --tiny --device cpu --out /tmp/pair        # smoke-test scale
 
-Big enough that a GPU reading the target's weights is memory-bound at batch 1, small
-enough to train in minutes. Same corpus and tokenizer as the default pair: the corpus is
-built by scripts/train_toy_pair.py's own functions (this machine's Python standard
-library, split train / held-out by a hash of each file's path, so bench/prompts.py draws
-its prompts from the held-out files here too), and the tokenizer is the one shipped in
-bench/toy_pair/target. The target trains on next-token cross-entropy, then the draft on CE mixed
-with distillation from the saved target, both under bf16 autocast with fused AdamW on
-batches of 64 x 256 tokens. Each stops at its wall-clock budget or after --epochs passes
-over the training tokens, whichever comes first; the learning rate follows that progress.
-`--random` saves random weights of the same architectures, for step-time figures only
-(a random draft is never accepted). Both save bfloat16 safetensors and a pair.json (what
-was trained, how long, held-out loss, greedy agreement) that bench.gpu_bench records.
+Big enough that a GPU reading the target's weights is memory-bound at batch 1, small enough to
+train in minutes. The corpus is this machine's Python standard library (bench/prompts.py,
+split train / held-out by a hash of each file's path; the GPU benchmark's prompts come from
+the held-out files). The target trains on next-token cross-entropy, then the draft on CE mixed
+with distillation from the saved target, both under bf16 autocast with fused AdamW on batches
+of 64 x 256 tokens. Each stops at its wall-clock budget or after --epochs passes over the
+training tokens, whichever comes first; the learning rate follows that progress. `--random`
+saves random weights of the same architectures, for step times only (a random draft is never
+accepted). Both save bfloat16 safetensors and a pair.json (what was trained, how long,
+held-out loss, greedy agreement) that bench.gpu_bench records.
 """
 
 from __future__ import annotations
@@ -32,22 +31,37 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
-from bench.prompts import training_module
+from bench.prompts import stdlib_corpus
 from engine.model.runner import resolve_device, resolve_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
-T = training_module()  # scripts/train_toy_pair.py
-TARGET = T.ModelShape(hidden=1024, layers=12, heads=16, kv_heads=8, intermediate=2816)
-DRAFT = T.ModelShape(hidden=576, layers=2, heads=9, kv_heads=3, intermediate=1536)
-# Llama-3.2-1B's body (hidden 2048, 16 layers, 32 / 8 heads, MLP 8192) with the toy vocabulary:
-# ~1B parameters, 2 GB in bf16, so that a batch-1 pass on a datacentre GPU is bound by
-# reading the weights rather than by launching kernels. --random only: it is for step times.
-TARGET_1B = T.ModelShape(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192)
-TINY_TARGET = T.ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
-TINY_DRAFT = T.ModelShape(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
+TOKENIZER = ROOT / "models" / "draft"
+SEQ_LEN = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+
+
+TARGET = ModelShape(hidden=1024, layers=12, heads=16, kv_heads=8, intermediate=2816)
+DRAFT = ModelShape(hidden=576, layers=2, heads=9, kv_heads=3, intermediate=1536)
+TINY_TARGET = ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
+TINY_DRAFT = ModelShape(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
 
 
 def log(msg: str) -> None:
@@ -61,6 +75,149 @@ def sync(device: torch.device) -> None:
 
 def sha256_12(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
+def encode_stream(tok, texts: list[str], eot: int) -> torch.Tensor:
+    """The documents as one token stream, each followed by <|endoftext|>."""
+    out: list[int] = []
+    for enc in tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False):
+        out += [*enc.ids, eot]
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def build_model(shape: ModelShape, vocab: int, eot: int, im_end: int) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=eot,
+        pad_token_id=eot,
+    )
+    model = LlamaForCausalLM(config)
+    # <|im_end|> ends an assistant turn, so generation stops on it as well as on EOT.
+    model.generation_config = GenerationConfig(
+        bos_token_id=None, eos_token_id=[eot, im_end], pad_token_id=eot
+    )
+    return model
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # the tied embedding counted once
+
+
+def batches(stream: torch.Tensor, seed: int, batch_size: int) -> Iterator[torch.Tensor]:
+    """[batch_size, SEQ_LEN + 1] windows: shuffled non-overlapping chunks, epoch after epoch,
+    each epoch from a fresh random offset so chunk boundaries differ."""
+    gen = torch.Generator().manual_seed(seed)
+    span = SEQ_LEN + 1
+    while True:
+        offset = int(torch.randint(0, span, (1,), generator=gen))
+        n = (len(stream) - offset) // span
+        chunks = stream[offset : offset + n * span].view(n, span)
+        order = torch.randperm(n, generator=gen)
+        for i in range(0, n - batch_size + 1, batch_size):
+            yield chunks[order[i : i + batch_size]].long()
+
+
+def lr_at(step: int, progress: float, peak: float, warmup_steps: int) -> float:
+    """Linear warm-up by steps, then cosine decay to 10% of peak by progress."""
+    warm = min(1.0, (step + 1) / warmup_steps)
+    return peak * warm * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def ce_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+
+
+def distill_loss(teacher: torch.nn.Module, kl_weight: float) -> Callable:
+    """(1 - kl_weight) x CE + kl_weight x KL(teacher || student)."""
+
+    def loss_fn(student: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        inputs = batch[:, :-1]
+        with torch.no_grad():
+            teacher_logp = F.log_softmax(teacher(input_ids=inputs).logits.float(), dim=-1)
+        logp = F.log_softmax(student(input_ids=inputs).logits.float(), dim=-1)
+        vocab = logp.size(-1)
+        ce = F.nll_loss(logp.reshape(-1, vocab), batch[:, 1:].reshape(-1))
+        kl = F.kl_div(
+            logp.reshape(-1, vocab), teacher_logp.reshape(-1, vocab), log_target=True,
+            reduction="batchmean",
+        )  # fmt: skip
+        return (1.0 - kl_weight) * ce + kl_weight * kl
+
+    return loss_fn
+
+
+def save_member(model: torch.nn.Module, tok, out_dir: Path) -> torch.nn.Module:
+    """Save in bfloat16 with the tokenizer; return the saved weights reloaded in float32."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+
+
+def heldout_windows(stream: torch.Tensor, count: int) -> torch.Tensor:
+    """About `count` non-overlapping SEQ_LEN + 1 windows, evenly spread over `stream`."""
+    span = SEQ_LEN + 1
+    n = len(stream) // span
+    chunks = stream[: n * span].view(n, span)
+    return chunks[torch.linspace(0, n - 1, steps=min(count, n)).round().long().unique()].long()
+
+
+@torch.no_grad()
+def heldout_loss(model: torch.nn.Module, windows: torch.Tensor) -> float:
+    total = 0.0
+    for i in range(0, len(windows), 16):
+        batch = windows[i : i + 16]
+        logits = model(input_ids=batch[:, :-1]).logits.float()
+        total += F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1), reduction="sum"
+        ).item()
+    return total / (len(windows) * SEQ_LEN)
+
+
+def heldout_prompts(stream: torch.Tensor, count: int, length: int, eot: int) -> torch.Tensor:
+    """Evenly spaced prompts that stay within one document (no <|endoftext|> inside)."""
+    prompts = []
+    for start in torch.linspace(0, len(stream) - 2 * length, steps=count * 4).long().tolist():
+        window = stream[start : start + length].long()
+        if not (window == eot).any():
+            prompts.append(window)
+        if len(prompts) == count:
+            break
+    return torch.stack(prompts)
+
+
+@torch.no_grad()
+def acceptance_stats(target, draft, prompts: torch.Tensor, new_tokens: int, k: int) -> dict:
+    """How often the draft's argmax is the target's greedy token, and the tokens a greedy
+    chain of up to k drafts would make per verifying pass on those answers."""
+    seqs = target.generate(
+        prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+    )
+    plen = prompts.size(1)
+    match = draft(input_ids=seqs[:, :-1]).logits[:, plen - 1 :].argmax(-1) == seqs[:, plen:]
+    lengths = []
+    for row in match.tolist():
+        pos = 0
+        while pos < len(row):  # the run of leading matches, then the target's own token
+            n = 0
+            while n < k and pos + n < len(row) and row[pos + n]:
+                n += 1
+            lengths.append(n)
+            pos += n + 1
+    mean = sum(lengths) / len(lengths)
+    return {"match_rate": match.float().mean().item(), "mean_accepted": mean,
+            "tokens_per_step": mean + 1.0, "steps": float(len(lengths))}  # fmt: skip
 
 
 def train(
@@ -94,7 +251,7 @@ def train(
         progress = max(elapsed / budget_s, tokens / max_tokens)
         if progress >= 1 or (args.max_steps and step >= args.max_steps):
             break
-        lr = T.lr_at(step, progress, peak_lr, args.warmup)
+        lr = lr_at(step, progress, peak_lr, args.warmup)
         for group in opt.param_groups:
             group["lr"] = lr
         batch = next(data).to(device, non_blocking=True)
@@ -131,13 +288,13 @@ def evaluate(out: Path, heldout_stream: torch.Tensor, eot: int, args: argparse.N
     """Held-out CE of both saved models and the draft's greedy agreement with the target."""
     target = load_saved(out / "target", args.device)
     draft = load_saved(out / "draft", args.device)
-    windows = T.heldout_windows(heldout_stream, args.eval_windows).to(args.device)
-    prompts = T.heldout_prompts(heldout_stream, args.eval_prompts, 64, eot)
+    windows = heldout_windows(heldout_stream, args.eval_windows).to(args.device)
+    prompts = heldout_prompts(heldout_stream, args.eval_prompts, 64, eot)
     k = 4
-    acc = T.acceptance_stats(target, draft, prompts.to(args.device), 64, k)
+    acc = acceptance_stats(target, draft, prompts.to(args.device), 64, k)
     return {
-        "target_ce": T.heldout_loss(target, windows),
-        "draft_ce": T.heldout_loss(draft, windows),
+        "target_ce": heldout_loss(target, windows),
+        "draft_ce": heldout_loss(draft, windows),
         "eval_windows": len(windows),
         "agreement_prompts": len(prompts),
         "agreement_k": k,
@@ -146,19 +303,22 @@ def evaluate(out: Path, heldout_stream: torch.Tensor, eot: int, args: argparse.N
 
 
 def build_pair(args: argparse.Namespace, tok) -> tuple[torch.nn.Module, torch.nn.Module]:
-    eot, im_end = tok.convert_tokens_to_ids(T.EOT), tok.convert_tokens_to_ids(T.IM_END)
+    eot, im_end = (
+        tok.convert_tokens_to_ids("<|endoftext|>"),
+        tok.convert_tokens_to_ids("<|im_end|>"),
+    )
     # Initialised on the CPU from the seed, so --random weights are the same on every run.
     torch.manual_seed(args.seed)
-    target = T.build_model(args.target_shape, eot, im_end)
+    target = build_model(args.target_shape, len(tok), eot, im_end)
     torch.manual_seed(args.seed + 1)
-    draft = T.build_model(args.draft_shape, eot, im_end)
+    draft = build_model(args.draft_shape, len(tok), eot, im_end)
     return target, draft
 
 
 def make_pair(args: argparse.Namespace) -> dict:
     started = time.monotonic()
     out: Path = args.out
-    tok = AutoTokenizer.from_pretrained(ROOT / "bench" / "toy_pair" / "target")
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
     target, draft = build_pair(args, tok)
     info: dict = {
         "mode": "random" if args.random else "trained",
@@ -168,13 +328,13 @@ def make_pair(args: argparse.Namespace) -> dict:
         "saved_dtype": "bfloat16",
         "target_shape": dataclasses.asdict(args.target_shape),
         "draft_shape": dataclasses.asdict(args.draft_shape),
-        "target_params": T.count_params(target),
-        "draft_params": T.count_params(draft),
+        "target_params": count_params(target),
+        "draft_params": count_params(draft),
     }
     log(f"target {info['target_params']:,} parameters, draft {info['draft_params']:,}")
     if args.random:
-        T.save_pair_member(target, tok, out / "target")
-        T.save_pair_member(draft, tok, out / "draft")
+        save_member(target, tok, out / "target")
+        save_member(draft, tok, out / "draft")
     else:
         info |= train_pair(args, tok, target, draft)
     info["target_sha256"] = sha256_12(out / "target" / "model.safetensors")
@@ -185,23 +345,24 @@ def make_pair(args: argparse.Namespace) -> dict:
 
 
 def train_pair(args: argparse.Namespace, tok, target, draft) -> dict:
-    corpus = T.collect_corpus(args.max_chars)
-    train_stream = T.encode_stream(tok, corpus.train_texts)
-    heldout_stream = T.encode_stream(tok, corpus.heldout_texts)
-    log(f"{corpus.root}: {len(train_stream):,} train, {len(heldout_stream):,} held-out tokens")
+    train_texts, heldout_texts = stdlib_corpus(args.max_chars)
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    train_stream = encode_stream(tok, train_texts, eot)
+    heldout_stream = encode_stream(tok, heldout_texts, eot)
+    log(f"stdlib: {len(train_stream):,} train, {len(heldout_stream):,} held-out tokens")
     cap = int(args.epochs * len(train_stream))
-    data = T.batches(train_stream, args.seed, args.batch_size)
+    data = batches(train_stream, args.seed, args.batch_size)
     target_lr, draft_lr = args.lrs
-    target_stats = train("target", target, data, T.ce_loss, args, args.target_s, cap, target_lr)
+    target_stats = train("target", target, data, ce_loss, args, args.target_s, cap, target_lr)
     # Distil from exactly what the benchmark loads: the bf16-rounded saved target.
-    teacher = T.save_pair_member(target, tok, args.out / "target").to(args.device)
+    teacher = save_member(target, tok, args.out / "target").to(args.device)
     teacher.requires_grad_(False)
-    data = T.batches(train_stream, args.seed + 1, args.batch_size)
-    distill = T.make_distill_loss(teacher, 0.7)
+    data = batches(train_stream, args.seed + 1, args.batch_size)
+    distill = distill_loss(teacher, 0.7)
     draft_stats = train("draft", draft, data, distill, args, args.draft_s, cap, draft_lr)
-    T.save_pair_member(draft, tok, args.out / "draft")
+    save_member(draft, tok, args.out / "draft")
     del teacher
-    evaluation = evaluate(args.out, heldout_stream, tok.eos_token_id, args)
+    evaluation = evaluate(args.out, heldout_stream, eot, args)
     log(
         f"held-out CE target {evaluation['target_ce']:.3f}, draft {evaluation['draft_ce']:.3f}; "
         f"greedy match rate {evaluation['match_rate']:.3f}"
@@ -209,14 +370,13 @@ def train_pair(args: argparse.Namespace, tok, target, draft) -> dict:
     return {
         "corpus": {
             "python": sys.version.split()[0],
-            "root": str(corpus.root),
             "max_chars": args.max_chars,
-            "train_files": len(corpus.train_files),
-            "heldout_files": len(corpus.heldout_files),
+            "train_files": len(train_texts),
+            "heldout_files": len(heldout_texts),
             "train_tokens": len(train_stream),
             "heldout_tokens": len(heldout_stream),
         },
-        "batch": [args.batch_size, T.SEQ_LEN],
+        "batch": [args.batch_size, SEQ_LEN],
         "epochs_cap": args.epochs,
         "target_training": target_stats | {"budget_s": args.target_s, "peak_lr": target_lr},
         "draft_training": draft_stats
@@ -238,22 +398,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, help="sequences of 256 tokens (default 64)")
     p.add_argument("--max-chars", type=int, help="corpus cap in characters")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--target-shape",
-        choices=["bench", "1b"],
-        default="bench",
-        help="bench = the 146M target; 1b = Llama-3.2-1B's body (with --random only)",
-    )
     args = p.parse_args(argv)
-    if args.target_shape == "1b" and not args.random:
-        p.error("--target-shape 1b is for step times: use it with --random")
     args.device = resolve_device(args.device)
     tiny = args.tiny
-    big = TARGET_1B if args.target_shape == "1b" else TARGET
-    args.target_shape, args.draft_shape = (TINY_TARGET, TINY_DRAFT) if tiny else (big, DRAFT)
+    args.target_shape, args.draft_shape = (TINY_TARGET, TINY_DRAFT) if tiny else (TARGET, DRAFT)
     defaults = {
-        "target_s": 10.0 if tiny else 150.0,
-        "draft_s": 5.0 if tiny else 60.0,
+        "target_s": 60.0 if tiny else 150.0,
+        "draft_s": 60.0,
         "batch_size": 4 if tiny else 64,
         "max_chars": 1_000_000 if tiny else 64_000_000,
     }

@@ -40,8 +40,5 @@ say "bench/gpu_run.sh all at concurrency 1 and 16, the cost model traced"
 rm -f "$RES/cost_trace.jsonl"
 TANDEM_COST_TRACE=$RES/cost_trace.jsonl LIMIT_S=$((555 - SECONDS)) OUT=$RES \
   bench/gpu_run.sh all --levels 1 16 | grep -v '^\[transformers\]' | grep -v ' loss ' | tail -32
-if [ -s "$RES/cost_trace.jsonl" ]; then
-  "$PY" -m bench.cost_trace "$RES/cost_trace.jsonl" --skip 20 >"$RES/cost_trace.txt"
-  gzip -f "$RES/cost_trace.jsonl"
-fi
+[ -s "$RES/cost_trace.jsonl" ] && gzip -f "$RES/cost_trace.jsonl"
 say "done"

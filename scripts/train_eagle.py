@@ -14,7 +14,7 @@ before p - d + 2 and to the keys depths 2..d wrote along its own path.
 
 Stages, each kept in --work so a re-run continues where it stopped:
 1. answers: scripts/train_draft.py's (the target's answers to the training instructions of
-   bench/chat_prompts.py, greedily and at temperature 0.8), plus windows of the standard
+   scripts/chat_prompts.py, greedily and at temperature 0.8), plus windows of the standard
    library's docstrings.
 2. features: the target's final hidden states at every position of those sequences (a
    bfloat16 pass of the dequantized GGUF model through transformers).
@@ -26,7 +26,7 @@ Stages, each kept in --work so a re-run continues where it stopped:
 4. save: bfloat16 safetensors, config.json (a one-layer Llama config marked
    `tandem_draft: eagle`) and head_tokens.json into --out.
 
-The held-out instructions (bench/chat_prompts.py `split`) are never trained on; the
+The held-out instructions (scripts/chat_prompts.py `split`) are never trained on; the
 benchmarks use them. models/README.md records the run and the measured acceptance.
 """
 

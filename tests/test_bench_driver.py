@@ -1,11 +1,11 @@
-"""bench/driver.py: the closed-loop driver keeps the garbage collector's pauses out of the
+"""bench/default_engine.py's closed-loop driver keeps the garbage collector's pauses out of the
 timed run where it can (the heap is frozen first) and reports the ones that remain."""
 
 from __future__ import annotations
 
 import gc
 
-from bench.driver import run_closed_loop
+from bench.default_engine import run_closed_loop
 from tests.engine_utils import make_engine, random_prompts
 
 

@@ -1,5 +1,6 @@
-"""bench.chat_bench's peers: llama-server's command lines (plain and with its draft-model
-speculation), the counters read from a server's /metrics, and the report's peer rows."""
+"""bench.chat_bench: llama-server's command lines (plain and with its draft-model
+speculation), the counters read from a server's /metrics, the interleaved rounds, and the
+lean client (bench/serving.py) against a real server."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from bench import chat_bench
-from bench.report import CHAT_CONFIGS, chat_section
 
 pytestmark = pytest.mark.bench
 
@@ -63,34 +63,6 @@ def test_llama_draft_needs_the_server(capsys):
     assert "--llama-draft needs --llama-server" in capsys.readouterr().err
 
 
-def _row(config, level, tps, drafted=0, accepted=0):
-    return {
-        "config": config, "concurrency": level, "temperature": 0.0, "tokens_per_s": tps,
-        "itl_p50_ms": 5.0, "drafted_tokens": drafted, "accepted_tokens": accepted,
-        "acceptance": accepted / drafted if drafted else None,
-    }  # fmt: skip
-
-
-def test_report_takes_the_new_peers_as_peers_and_says_how_they_ran(tmp_path):
-    assert set(chat_bench.LLAMA_DRAFT_SLOTS) <= set(CHAT_CONFIGS)
-    rows = [
-        _row("off", 1, 100.0),
-        _row("draft-adaptive", 1, 120.0, 50, 25),
-        _row("llama-server-np1", 1, 80.0),
-        _row("llama-server-draft-np1", 1, 90.0, 40, 10),
-        _row("hf-generate", 1, 40.0),
-    ]
-    data = {"rows": rows, "max_tokens": 128, "command": "python -m bench.chat_bench",
-            "machine": {"date": "2026-11-27", "cpu": "test cpu", "cores": 2}}  # fmt: skip
-    text = "\n".join(chat_section(data, tmp_path / "p.png"))
-    assert "- c=1, T=0: 120.0 against 90.0 tok/s (**1.33x**)" in text  # the fastest peer
-    assert "draft-model speculation (`models/draft`" in text
-    label = "peer: llama.cpp `llama-server`, draft-model speculation, 1 slot"
-    assert f"| {label} | 90.0 | 0.90x | 0.25 |" in text
-    assert "transformers' `generate()` on that float32 directory" in text
-    assert f"| {CHAT_CONFIGS['hf-generate']} | 40.0 | 0.40x |" in text
-
-
 def test_interleave_starts_every_system_once_and_reverses_the_order_every_other_round(
     monkeypatch, tmp_path
 ):
@@ -113,7 +85,7 @@ def test_interleave_starts_every_system_once_and_reverses_the_order_every_other_
         tps = {"off": 100.0, "draft-adaptive": 150.0}.get(url.rsplit("/", 1)[1], 50.0 + len(ran))
         return {"tokens_per_s": tps, "itl_p50_ms": 1.0, "acceptance": None, "errors": [],
                 "time_split": {}, "client_cpu_ms_per_token": 0.1, "concurrency": level,
-                "temperature": temperature, "client": args.client}  # fmt: skip
+                "temperature": temperature}  # fmt: skip
 
     monkeypatch.setattr(chat_bench, "start", start)
     monkeypatch.setattr(chat_bench, "run_level", run_level)
@@ -127,101 +99,18 @@ def test_interleave_starts_every_system_once_and_reverses_the_order_every_other_
     assert started == names and sorted(stopped) == sorted(names)
     assert ran == names + names[::-1] + names
     data = json.loads(out.read_text())
-    assert data["interleaved"] is True
-    for row in data["rows"]:  # the probe's readings around each level (None on one core)
-        assert len(row["core_round_trip_ns"]) == 2
-    text = "\n".join(chat_section(data, tmp_path / "p.png"))
-    # A peer makes 50 + its place in the run: the fastest peer of each round is the one that
-    # ran last in it (np16 at 54, np1 at 56, np16 at 62), against the default's 150.
-    assert "round by round 2.78x, 2.68x, 2.42x (median 2.68x)" in text
-    assert "every system started at once" in text and "bench/sse_client.py" in text
-
-
-def test_hf_generate_runs_the_chat_prompts_to_their_natural_stops(tiny_dirs):
-    import argparse
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dirs["llama"])
-    greedy = chat_bench.hf_settings(tokenizer, 6, 0.0)
-    assert greedy["do_sample"] is False and "min_new_tokens" not in greedy  # stops at EOS
-    sampled = chat_bench.hf_settings(tokenizer, 6, 0.7)
-    assert sampled["temperature"] == 0.7 and sampled["top_k"] == 0 and sampled["top_p"] == 1.0
-    prompts = [[{"role": "user", "content": "hello there"}], [{"role": "user", "content": "hi"}]]
-    args = argparse.Namespace(max_tokens=6)
-    for level, count in ((1, 3), (2, 4)):
-        row = chat_bench.hf_level((model, tokenizer), prompts, level, count, args, 0.7)
-        assert row["requests"] == count and row["failed"] == 0
-        assert 0 < row["output_tokens"] <= 6 * count and row["tokens_per_s"] > 0
-        assert row["concurrency"] == level and row["acceptance"] is None
-
-
-def test_a_stream_without_usage_is_counted_by_the_models_tokenizer(tiny_dirs, monkeypatch):
-    import asyncio
-    import json
-
-    import httpx
-
-    import engine.model.files
-
-    def sse(*events):
-        return "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-
-    def delta(text):
-        return {"choices": [{"delta": {"content": text}}]}
-
-    bodies = {
-        "/a/v1/chat/completions": sse(delta("hello"), delta(" there")),  # llama-cpp-python
-        "/b/v1/chat/completions": sse(
-            delta("hi"), {"choices": [], "usage": {"completion_tokens": 7}}
-        ),
-    }
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, text=bodies[request.url.path])
-
-    async def both():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return [await chat_bench.chat_one(client, f"http://x/{k}", {}) for k in "ab"]
-
-    results = asyncio.run(both())
-    (plain, plain_usage), (served, served_usage) = results
-    assert plain_usage == {"streamed_text": "hello there"} and len(plain.chunks) == 2
-    assert served_usage == {"completion_tokens": 7} and served.output_tokens == 7
-    monkeypatch.setattr(engine.model.files, "prepare", lambda spec: str(tiny_dirs["llama"]))
-    assert chat_bench.count_streamed_tokens(results)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dirs["llama"])
-    assert plain.output_tokens == len(
-        tokenizer("hello there", add_special_tokens=False)["input_ids"]
-    )
-    assert served.output_tokens == 7  # the server's own count stands
-    assert not chat_bench.count_streamed_tokens([(served, served_usage)])
-
-
-def test_llama_cpp_python_serves_the_gguf_under_the_benchmarks_model_name(monkeypatch):
-    import engine.model.files
-
-    monkeypatch.setattr(engine.model.files, "locate", lambda spec: Path("/m/target.gguf"))
-    case = chat_bench.llama_cpp_python_case(2)
-    assert case.argv[case.argv.index("--model") + 1] == "/m/target.gguf"
-    assert case.argv[case.argv.index("--model_alias") + 1] == chat_bench.MODEL
-    assert case.argv[case.argv.index("--n_threads") + 1] == "2"
-    # by default a new request ends the one streaming: under load, answers would be cut short
-    assert case.argv[case.argv.index("--interrupt_requests") + 1] == "False"
-    assert case.config in CHAT_CONFIGS
+    assert data["interleaved"] is True and len(data["rows"]) == len(names)
+    assert all(len(row["tokens_per_s_runs"]) == 3 for row in data["rows"])
 
 
 def test_the_lean_client_reads_what_httpx_reads_from_a_real_server(tiny_dirs):
-    """bench/sse_client.py against a real uvicorn server: the same deltas, usage and events
-    as httpx for a streamed chat (chunked SSE), and a 400's error body (Content-Length)."""
+    """The lean client against a real uvicorn server: the streamed chat's deltas, usage and
+    events (chunked SSE) as the unstreamed answer has them, and a 400's error body."""
     import asyncio
 
     import httpx
 
-    from bench.sse_client import post_events
+    from bench.serving import post_events
     from tests.server_helpers import serve
 
     body = {
@@ -234,26 +123,21 @@ def test_the_lean_client_reads_what_httpx_reads_from_a_real_server(tiny_dirs):
     try:
 
         async def read():
-            lean = await chat_bench.chat_one(None, served.url, body)
-            async with httpx.AsyncClient(timeout=30) as client:
-                plain = await chat_bench.chat_one(client, served.url, body)
+            lean = await chat_bench.chat_one(served.url, body)
             events = [e async for e in post_events(served.url, "/v1/chat/completions", body)]
             bad = [
                 e async for e in post_events(served.url, "/v1/chat/completions", body | {"n": 0})
             ]
-            return lean, plain, events, bad
+            return lean, events, bad
 
-        (lean, lean_usage), (plain, plain_usage), events, bad = asyncio.run(read())
+        (lean, lean_usage), events, bad = asyncio.run(read())
         unstreamed = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         reference = httpx.post(served.url + "/v1/chat/completions", json=unstreamed).json()
         reference = reference["choices"][0]["message"]["content"]
     finally:
         next(server, None)
-    assert lean.error is None and plain.error is None
-    for key in ("completion_tokens", "prompt_tokens", "speculative"):
-        assert lean_usage[key] == plain_usage[key]
-    assert lean.output_tokens == plain.output_tokens == 12
-    assert len(lean.chunks) == len(plain.chunks) > 0
+    assert lean.error is None and lean_usage["completion_tokens"] == 12
+    assert lean.output_tokens == 12 and len(lean.chunks) > 0
     assert [status for status, _ in events] == [200] * len(events)
     assert events[-1][1] == "[DONE]"
     streamed = "".join(

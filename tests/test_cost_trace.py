@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from bench.cost_trace import summarise
 from engine.config import SpecConfig
 from engine.spec.cost.model import CostModel, PassShape
 from engine.spec.cost.trace import ENV, TracedCostModel
@@ -47,14 +46,6 @@ def test_a_traced_model_records_what_it_predicted_and_learns_as_the_plain_one():
     assert traced.target_scale.value == plain.target_scale.value
     assert traced.draft.coefs == plain.draft.coefs
     assert traced.step_overhead(1, True) == plain.step_overhead(1, True)
-    rows = summarise(buffer.getvalue().splitlines())
-    assert [(r["kind"], r["what"], r["count"]) for r in rows] == [
-        ("target", "1 tokens", 1),
-        ("target", "3 tokens", 2),
-        ("draft", "2 passes, 5 tokens", 1),
-        ("step", "batch 1, drafting", 9),
-    ]
-    assert abs(rows[1]["ratio"] - 9e-3 / sum(expected[:2])) < 1e-9
 
 
 def test_an_engine_traces_its_cost_model_when_the_environment_asks(
@@ -84,4 +75,3 @@ def test_an_engine_traces_its_cost_model_when_the_environment_asks(
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     assert {"target", "step"} <= {r["kind"] for r in records}
     assert all(r["measured"] >= 0 and r["predicted"] >= 0 for r in records)
-    assert sum(r["count"] for r in summarise(trace.read_text().splitlines())) == len(records)

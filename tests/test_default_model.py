@@ -141,11 +141,11 @@ def test_greedy_chat_equals_hf_generate(model_dir, reference, spec):
 
 
 def test_a_q4_0_file_runs_on_its_own_blocks_and_equals_hf_generate(tmp_path):
-    """The default model re-quantized to Q4_0 (bench/requantize_gguf.py): its linears run on
+    """The default model re-quantized to Q4_0 (scripts/requantize_gguf.py): its linears run on
     the file's Q4_0 blocks (as Q4_1 blocks of the same weights, engine/cpu/gguf_blocks.py),
     and greedy chat with the trained draft equals generate() on its dequantized weights."""
-    from bench.requantize_gguf import requantize
     from engine.cpu import kernels as cpu_kernels
+    from scripts.requantize_gguf import requantize
 
     if not cpu_kernels.available():
         pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")

@@ -1,4 +1,4 @@
-"""bench/greedy_check.py's verdicts: where two greedy outputs first differ, and the
+"""bench/gpu_bench.py's greedy check: where two greedy outputs first differ, and the
 reference's logit gap there (how near a tie the flip was)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.greedy_check import compare, first_difference
+from bench.gpu_bench import compare, first_difference
 
 
 class FixedLogits:

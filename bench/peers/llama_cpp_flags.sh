@@ -1,4 +1,4 @@
-# Sourced by build_llama_server.sh and install_llama_cpp_python.sh: the CMake flags both give
+# Sourced by build_llama_server.sh: the CMake flags it gives
 # llama.cpp. AVX2 + FMA, plus AVX-512 (F, VBMI, VNNI, BF16) where this CPU has all four, with
 # AMX off, not -march=native: on some virtual machines a native build crashes in the AMX
 # path. An AVX-512 build on a CPU without it stops at its first AVX-512 instruction (illegal

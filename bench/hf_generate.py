@@ -1,0 +1,141 @@
+"""Hugging Face transformers `generate()` in-process, timed like a streaming client: the
+reference the GPU benchmark (bench/gpu_bench.py) measures Tandem against. Not run
+on its own.
+
+`run_level`: plain generate() one request at a time at concurrency 1, above it left-padded
+batches of `concurrency` prompts, a static-batching stand-in (the batch's requests all arrive
+when it starts; batches run one after another). By default EOS is masked until max_tokens (`min_new_tokens`) so every system generates the
+same number of tokens. A streamer records when each step's tokens exist, so TTFT and
+inter-token latency mean the same as over HTTP, minus the HTTP and detokenization cost.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from bench.serving import Trace, summarize
+
+
+class TimingStreamer(BaseStreamer):
+    """Records (time, new tokens per sequence) for every put after the prompt."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.seen_prompt = False
+        self.chunks: list[tuple[float, int]] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            return
+        self.chunks.append((now, value.numel() // self.batch))
+
+    def end(self) -> None:
+        pass
+
+
+def greedy_kwargs(tokenizer, max_tokens: int) -> dict:
+    return {
+        "do_sample": False,
+        "max_new_tokens": max_tokens,
+        "min_new_tokens": max_tokens,
+        "pad_token_id": tokenizer.pad_token_id
+        if tokenizer.pad_token_id is not None
+        else tokenizer.eos_token_id,
+    }
+
+
+def encode(tokenizer, prompts: list[str] | list[list[int]], device: torch.device) -> dict:
+    """A padded batch on `device`, from prompt strings or from prompt token ids."""
+    pad = len(prompts) > 1
+    if isinstance(prompts[0], str):
+        batch = tokenizer(prompts, return_tensors="pt", padding=pad)
+    else:
+        batch = tokenizer.pad({"input_ids": prompts}, padding=pad, return_tensors="pt")
+    return batch.to(device)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the GPU, so that a timer read next covers the work queued so far."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def generated_length(row: torch.Tensor, eos: int | None) -> int:
+    """Tokens up to and including the first EOS (a finished row is padded after it)."""
+    hits = (row == eos).nonzero() if eos is not None else []
+    return int(hits[0]) + 1 if len(hits) else len(row)
+
+
+@torch.inference_mode()
+def run_batch1(
+    model, tokenizer, prompts: list, max_tokens: int, settings: dict | None = None, **extra
+) -> dict:
+    """Prompts one after another, each alone; prompts are strings or token id lists.
+    `settings`: generate()'s decoding arguments, greedy_kwargs' when None."""
+    settings = greedy_kwargs(tokenizer, max_tokens) if settings is None else settings
+    traces = []
+    sync(model.device)
+    start = time.perf_counter()
+    for prompt in prompts:
+        inputs = encode(tokenizer, [prompt], model.device)
+        streamer = TimingStreamer(1)
+        trace = Trace(start=time.perf_counter())
+        out = model.generate(**inputs, streamer=streamer, **settings, **extra)
+        sync(model.device)
+        trace.chunks = streamer.chunks
+        trace.output_tokens = out.shape[1] - inputs["input_ids"].shape[1]
+        traces.append(trace)
+    return summarize(traces, time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def run_padded(
+    model, tokenizer, prompts: list, max_tokens: int, batch: int, settings: dict | None = None
+) -> dict:
+    """Static batches of `batch` prompts (strings or token id lists), left-padded.
+    `settings`: generate()'s decoding arguments, greedy_kwargs' when None."""
+    settings = greedy_kwargs(tokenizer, max_tokens) if settings is None else settings
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    traces = []
+    sync(model.device)
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        group = prompts[i : i + batch]
+        inputs = encode(tokenizer, group, model.device)
+        streamer = TimingStreamer(len(group))
+        began = time.perf_counter()
+        out = model.generate(**inputs, streamer=streamer, **settings)
+        sync(model.device)
+        new = out[:, inputs["input_ids"].shape[1] :]
+        for row in new:
+            n = generated_length(row, tokenizer.eos_token_id)
+            traces.append(Trace(start=began, chunks=list(streamer.chunks), output_tokens=n))
+    return summarize(traces, time.perf_counter() - start)
+
+
+def run_level(
+    model,
+    tokenizer,
+    prompts: list,
+    warm: list,
+    level: int,
+    max_tokens: int,
+    warmup_tokens: int,
+    settings: dict | None = None,
+) -> dict:
+    """Plain generate() at one concurrency level, after a (greedy) warm-up on `warm`: batch 1
+    at level 1, else static left-padded batches of `level` prompts. `settings`: the measured
+    run's decoding arguments, greedy_kwargs' when None."""
+    if level == 1:
+        run_batch1(model, tokenizer, warm[:1], warmup_tokens)
+        return run_batch1(model, tokenizer, prompts, max_tokens, settings)
+    run_padded(model, tokenizer, warm[:level], warmup_tokens, level)
+    row = run_padded(model, tokenizer, prompts, max_tokens, level, settings)
+    return row | {"notes": f"static batches of {level}, left padding; TTFT from each batch's start"}
