@@ -219,7 +219,9 @@ OPTIONS: tuple[Option, ...] = (
         metavar="on|off",
     ),
     Option("speculative.ngram_max", None, int, "longest suffix n-gram prompt lookup matches"),
-    Option("speculative.ngram_min", None, int, "shortest suffix n-gram prompt lookup falls back to"),
+    Option(
+        "speculative.ngram_min", None, int, "shortest suffix n-gram prompt lookup falls back to"
+    ),
     Option(
         "speculative.ngram_assist",
         None,
