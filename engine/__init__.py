@@ -1,15 +1,7 @@
 """Tandem's engine: continuous batching with lossless speculative decoding over a paged KV
-cache. This module is its public API; the server imports nothing else from `engine`.
-
-The packages, each with its own docstring: `core` (the engine step, the async loop, the
-scheduler, requests and outputs), `kv` (block bookkeeping), `spec` (proposers, draft length,
-verification), `sample` (logits to tokens), `model` (model files, runners, native forwards),
-`attention` (paged attention backends), `cpu` (the C kernels and what runs on them).
-docs/ARCHITECTURE.md maps them and follows one request and one step through them.
-
-Names are loaded on first use, so that reading the configuration (e.g. `tandem --help`) does
-not import torch.
-"""
+cache. This module is its public API; the server imports nothing else from `engine`
+(docs/ARCHITECTURE.md maps the packages). Names load on first use, so reading the
+configuration (`tandem --help`) does not import torch."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Frozen engine configuration, validated once at construction.
-
-Every `ValueError` raised here names the setting (as the CLI flag spells it) and what is allowed,
-so the server can surface it unchanged at start-up.
-"""
+"""Frozen engine configuration, validated once at construction; every `ValueError` names the
+flag and what is allowed. What each field means is its option's help (server/options.py,
+`tandem serve --help`)."""
 
 from __future__ import annotations
 
@@ -13,15 +11,10 @@ DEVICES = ("auto", "cpu", "cuda")
 SPEC_METHODS = ("draft", "ngram", "off")
 DRAFT_LENGTH_POLICIES = ("adaptive", "fixed")
 TREE_DRAFTS = ("sampled", "top")
-AUTO_BRANCHES = 4
-"""The most draft-tree branches --draft-branches auto considers."""
-# rejection_sample's `method` (engine/sample/rejection_sampler.py).
-VERIFICATIONS = ("block", "token")
-# The names registered in engine/attention/backends.py, plus auto.
-ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
-# engine/model/native/__init__.py MODEL_IMPLS.
-MODEL_IMPLS = ("auto", "native", "transformers")
-# engine/model/quantization.py METHODS.
+AUTO_BRANCHES = 4  # the most draft-tree branches --draft-branches auto considers
+VERIFICATIONS = ("block", "token")  # rejection_sample's `method`
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")  # attention/backends.py + auto
+MODEL_IMPLS = ("auto", "native", "transformers")  # model/native MODEL_IMPLS
 QUANTIZATIONS = ("none", "bf16", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -38,46 +31,18 @@ def _check_choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
-    """Local Hugging Face model directory of the target model."""
     dtype: str = "auto"
-    """auto = float32 on CPU, bfloat16 on CUDA."""
     device: str = "auto"
-    """auto = cuda when available, else cpu."""
     max_model_len: int | None = None
-    """Longest prompt + output; None = the target's max_position_embeddings."""
     seed: int = 0
-    """Seed for requests that do not bring their own."""
     attention_backend: str = "auto"
-    """auto = triton on CUDA when Triton is installed, cpu (Tandem's C kernel) on the CPU in
-    float32 when it builds, else reference."""
     cuda_graphs: bool = True
-    """Run steps in which no request feeds more than 1 + K tokens (its draft tree's nodes
-    with trees) on padded fixed shapes, captured as CUDA graphs on CUDA. Needs the triton
-    attention backend; ignored without it."""
     model_impl: str = "auto"
-    """Forward pass of both models: native = Tandem's own (engine/model/native/, Llama family),
-    transformers = the Hugging Face module with Tandem's attention, auto = native where
-    registered and matching transformers' logits on a probe batch."""
     cpu_packed_linear: bool = True
-    """On the CPU in float32, run both models' linear layers through Tandem's C GEMM on
-    packed weights (engine/cpu/linear.py). Ignored on CUDA, and (with a warning) where the
-    kernels do not build."""
-
     gguf_blocks: bool = True
-    """With the CPU kernels, a model converted from a GGUF file runs its linear layers on the
-    file's own Q8_0 / Q4_1 blocks (engine/cpu/gguf_blocks.py): the same outputs from about a
-    fifth of the bytes per pass. Off = the dequantized float32 weights."""
-
     quantization: str = "none"
-    """Weight-only quantization of Hugging Face checkpoints (engine/model/quantization.py): none,
-    bf16, int8 (Q8_0 blocks), int4 (Q4_1 blocks, LM head int8). Changes the served model;
-    runs on the CPU in float32. A GGUF model keeps its file's weights."""
-
     cache_dir: str | None = None
-    """Where GGUF files are converted to (engine/model/files.py); None = the user cache."""
     cpu_bind: bool = True
-    """On the CPU, bind the server's engine thread to cores of its own when the process may
-    use more cores than torch has threads (engine/cpu/affinity.py)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "--model must name a model directory or GGUF file")
@@ -100,19 +65,11 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    """Tokens per KV block."""
     num_blocks: int | None = None
-    """Blocks in the pool; None = size the pool from the memory budget below."""
     memory_gb: float = 1.0
-    """KV budget (GiB) on CPU when num_blocks is None."""
     gpu_memory_utilization: float = 0.9
-    """Fraction of GPU memory for weights + KV when num_blocks is None."""
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
-    """What the KV cache holds: auto = the model's dtype; float16 or bfloat16 store keys and
-    values rounded to 16 bits on the CPU (half the bytes attention reads, twice the tokens a
-    budget holds), a change to the served model's numerics, as llama.cpp's default float16
-    cache is; float32 = the model's dtype on the CPU in float32."""
 
     def __post_init__(self) -> None:
         _check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
@@ -134,11 +91,8 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
-    """Most requests in the running batch."""
     max_num_batched_tokens: int = 512
-    """Token budget per step (prefill chunks + decode + draft verification)."""
     max_waiting: int = 1024
-    """Most requests waiting for admission; more are refused (HTTP 503)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -154,45 +108,18 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class SpecConfig:
     method: str = "draft"
-    """draft = small draft model, ngram = prompt lookup, off = plain decoding."""
     draft_model: str | None = None
-    """Local HF directory of the draft model (method=draft)."""
     max_draft_tokens: int = 4
-    """K_max: most draft tokens per request per step."""
     draft_length: str = "adaptive"
-    """adaptive = K chosen per step from a cost model; fixed = always max_draft_tokens."""
     ngram_max: int = 4
-    """Longest suffix n-gram the prompt-lookup proposer matches."""
     ngram_min: int = 1
-    """Shortest suffix n-gram it falls back to."""
     ngram_assist: int = 0
-    """With a draft model: a decoding request whose last `ngram_assist` tokens (or more, up to
-    ngram_max) occurred earlier in its context may verify what followed them (prompt lookup)
-    in place of the draft model's drafts (engine/core/scheduler.py); 0 = never."""
     recalibrate: bool = False
-    """Time the cost model afresh at start instead of reusing this machine's cached one."""
     draft_branches: int | None = 1
-    """Draft trees: the most candidates a request drafts for its next token, each continued
-    as a chain of K (docs/VERIFICATION.md). 1 = a single chain; None (auto) = the adaptive
-    policy picks 1 to AUTO_BRANCHES from the cost model (a fixed K gets a chain)."""
     tree_drafts: str = "top"
-    """How a sampling request's tree candidates are drafted: sampled = N draws from q without
-    replacement (recursive rejection sampling verifies them), top = the top N - 1 of q fixed
-    and one draw from the rest (Hu et al.'s greedy draft sampler, verified optimally)."""
     draft_min_prob: float = 0.0
-    """A draft model's chain stops at the first draft whose row gives the draft's most likely
-    token less than this probability (softmax at temperature 1): that draft and the deeper
-    ones are not verified. 0 = never; trees are never cut (engine/spec/proposers)."""
     verification: str = "block"
-    """How sampled drafts are verified: block = the block jointly (Sun et al.), token = token
-    by token. Both are lossless; block keeps at least as many drafts in expectation."""
     draft_quantization: str = "auto"
-    """Weight-only quantization of a draft model's Hugging Face checkpoint (the choices of
-    --quantization), or auto = the target's --quantization, and int4 for a Hugging Face draft
-    beside a GGUF target whose linears run on its file's blocks (a draft pass there is bound
-    by reading its weights, and a quarter of the bytes left the default draft's acceptance
-    where it was; a GGUF draft runs on its own blocks). The draft only proposes tokens, so
-    the output stays the target's; its rounding moves acceptance and the draft pass's time."""
 
     def __post_init__(self) -> None:
         _check_choice("--speculative-method", self.method, SPEC_METHODS)

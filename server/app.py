@@ -106,12 +106,10 @@ async def _load(
 
 
 def _freeze_heap() -> None:
-    """Move every object alive now (the models, tokenizer and libraries: about 420,000 for
-    the default pair) out of the garbage collector's sight. They live as long as the server,
-    yet each full collection would walk them all: 226-230 ms with the default pair loaded,
-    against under 0.01 ms once frozen (2-core AMD EPYC, 2026-11-27), and a collection stops
-    every thread, the engine's step and the event loop's streams alike. Done once, when the
-    server has loaded its own engine (an injected one belongs to its caller)."""
+    """Move every object alive now (models, tokenizer, libraries) out of the garbage
+    collector's sight: they live as long as the server, yet each full collection would walk
+    them all while every thread, engine step and streams alike, stands still. Done once, when
+    the server has loaded its own engine (an injected one belongs to its caller)."""
     gc.collect()
     gc.freeze()
     log.info("garbage collector: %d start-up objects frozen", gc.get_freeze_count())

@@ -75,7 +75,7 @@ async def create_chat_completion(
                 logprobs=logprobs,
                 prompt_param="messages",
                 grammar=grammar,
-            ),  # fmt: skip
+            ),
             tuple(req.stop_strings),
         )
         for i in range(req.n)
@@ -164,12 +164,19 @@ class _ChatView:
         so pydantic's construction and dump of the same fields were a share of the event loop's
         time per token (tests/test_server_text.py checks it against `_chunk`)."""
         choice = {
-            "index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None,
-        }  # fmt: skip
+            "index": index,
+            "delta": {"content": text},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         body = {
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created,
-            "model": self.model, "system_fingerprint": None, "choices": [choice],
-        }  # fmt: skip
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": [choice],
+        }
         if self.req.include_usage:
             body["usage"] = None
         return body

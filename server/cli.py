@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         "[section.key, $VARIABLE]). On SIGTERM or Ctrl-C the server drains: /health turns 503, "
         "new requests get 503, in-flight ones finish (up to --drain-timeout); a second signal "
         "exits at once.",
+        epilog="Keys set only in the YAML config: "
+        + "; ".join(f"{o.key}: {o.help}" for o in OPTIONS if o.flag is None)
+        + ".",
     )
     serve.add_argument(
         "--config",

@@ -51,9 +51,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     for p, (prompt, max_tokens) in enumerate(zip(prompts, limits, strict=True)):
         for i in range(req.n):
             params = sampling_params(
-                state, req, prompt, max_tokens=max_tokens, seed_offset=i, logprobs=req.logprobs,
-                prompt_logprobs=prompt_logprobs, grammar=grammar,
-            )  # fmt: skip
+                state,
+                req,
+                prompt,
+                max_tokens=max_tokens,
+                seed_offset=i,
+                logprobs=req.logprobs,
+                prompt_logprobs=prompt_logprobs,
+                grammar=grammar,
+            )
             index = p * req.n + i
             choices.append(
                 ChoiceRequest(

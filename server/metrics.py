@@ -19,9 +19,28 @@ from engine import EngineStats
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 """What generate_latest() writes (the classic text format every Prometheus reads)."""
 _LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
-    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -42,51 +61,65 @@ class EngineCollector(Collector):
         yield _counter("prompt_tokens", "Prompt tokens processed.", stats.prompt_tokens)
         yield _counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
         yield _counter(
-            "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
+            "prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache.",
             stats.prefix_cache_hit_tokens,
-        )  # fmt: skip
+        )
         yield _counter(
             "preemptions", "Requests preempted for lack of KV blocks.", stats.preemptions
         )
         yield _counter("engine_steps", "Engine steps run.", stats.steps)
         yield _counter(
-            "spec_verify_passes", "Verification passes over drafted tokens.",
+            "spec_verify_passes",
+            "Verification passes over drafted tokens.",
             stats.spec_verify_passes,
-        )  # fmt: skip
+        )
         yield _counter("spec_drafted_tokens", "Draft tokens proposed.", stats.spec_drafted_tokens)
         yield _counter(
-            "spec_accepted_tokens", "Draft tokens accepted by the target.",
+            "spec_accepted_tokens",
+            "Draft tokens accepted by the target.",
             stats.spec_accepted_tokens,
-        )  # fmt: skip
+        )
         yield _counter(
-            "spec_blocks_released", "KV blocks released because they held only rejected tokens.",
+            "spec_blocks_released",
+            "KV blocks released because they held only rejected tokens.",
             stats.spec_blocks_released,
-        )  # fmt: skip
+        )
         yield _counter(
-            "spec_tree_steps", "Steps that drafted trees (several candidates for a next token).",
+            "spec_tree_steps",
+            "Steps that drafted trees (several candidates for a next token).",
             stats.spec_tree_steps,
-        )  # fmt: skip
+        )
         yield _by_label(
-            "spec_drafted_tokens_by_position", "Draft tokens proposed at each draft position.",
-            "position", dict(enumerate(stats.spec_drafted_by_position)),
-        )  # fmt: skip
+            "spec_drafted_tokens_by_position",
+            "Draft tokens proposed at each draft position.",
+            "position",
+            dict(enumerate(stats.spec_drafted_by_position)),
+        )
         yield _by_label(
-            "spec_accepted_tokens_by_position", "Draft tokens accepted at each draft position.",
-            "position", dict(enumerate(stats.spec_accepted_by_position)),
-        )  # fmt: skip
+            "spec_accepted_tokens_by_position",
+            "Draft tokens accepted at each draft position.",
+            "position",
+            dict(enumerate(stats.spec_accepted_by_position)),
+        )
         yield _gauge(
-            "spec_mean_draft_length", "Mean draft length K of the latest step.",
+            "spec_mean_draft_length",
+            "Mean draft length K of the latest step.",
             stats.mean_draft_length,
-        )  # fmt: skip
+        )
         yield _by_label(
-            "spec_draft_length_reductions", "Request-steps whose K was cut below K_max, by reason.",
-            "reason", stats.draft_length_reasons,
-        )  # fmt: skip
+            "spec_draft_length_reductions",
+            "Request-steps whose K was cut below K_max, by reason.",
+            "reason",
+            stats.draft_length_reasons,
+        )
         yield _by_label(
-            "step_seconds", "Wall time of engine steps by part: target_forward, draft "
+            "step_seconds",
+            "Wall time of engine steps by part: target_forward, draft "
             "(proposer), verify (sampling and verification), schedule (the rest of a step).",
-            "part", step_split(stats),
-        )  # fmt: skip
+            "part",
+            step_split(stats),
+        )
         yield _counter(
             "spec_lookup_drafted_tokens",
             "Drafts a prompt lookup gave in place of the draft model's (speculative.ngram_assist).",

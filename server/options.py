@@ -170,7 +170,8 @@ OPTIONS: tuple[Option, ...] = (
         optional(int, ("auto", "none", "null")),
         "draft trees: the most candidates drafted for a request's next token, each continued "
         "as a chain of K and verified in the same target pass; 1 = a single chain, auto = "
-        "the adaptive policy chooses from the cost model (a fixed K gets a chain)",
+        "the adaptive policy chooses from the cost model (a fixed K gets a chain; its estimate "
+        "of a tree is optimistic for a poor draft)",
         metavar="N|auto",
     ),
     Option(
@@ -204,8 +205,9 @@ OPTIONS: tuple[Option, ...] = (
         str,
         "weight-only quantization of the draft model's Hugging Face checkpoint (the choices "
         "of --quantization), or auto = the target's --quantization, and int4 for a Hugging "
-        "Face draft beside a .gguf target whose linears run on its file's blocks; the output "
-        "stays the target's, the draft's rounding moves acceptance and its pass time",
+        "Face draft beside a .gguf target whose linears run on its file's blocks (a draft pass "
+        "there is bound by reading its weights); the output stays the target's, the draft's "
+        "rounding moves acceptance and its pass time",
         choices=("auto", *QUANTIZATIONS),
     ),
     Option(
@@ -216,9 +218,18 @@ OPTIONS: tuple[Option, ...] = (
         "cached for this machine, these models and settings (~/.cache/tandem/calibration)",
         metavar="on|off",
     ),
-    Option("speculative.ngram_max", None, int, "longest n-gram prompt lookup matches"),
-    Option("speculative.ngram_min", None, int, "shortest n-gram prompt lookup falls back to"),
-    Option("speculative.ngram_assist", None, int, "lookup drafts for suffixes of N+, 0=off"),
+    Option("speculative.ngram_max", None, int, "longest suffix n-gram prompt lookup matches"),
+    Option(
+        "speculative.ngram_min", None, int, "shortest suffix n-gram prompt lookup falls back to"
+    ),
+    Option(
+        "speculative.ngram_assist",
+        None,
+        int,
+        "with a draft model, a decoding request whose last N (or more) tokens occurred earlier "
+        "in its context may verify what followed them in place of the draft's drafts (0..16; "
+        "0 = never)",
+    ),
     Option(
         "cache.block_size", "--block-size", int, "tokens per KV cache block (1..256)", metavar="N"
     ),
@@ -270,7 +281,13 @@ OPTIONS: tuple[Option, ...] = (
         "most requests waiting for admission; more are refused with HTTP 503",
         metavar="N",
     ),
-    Option("server.host", "--host", str, "address to listen on", metavar="ADDR"),
+    Option(
+        "server.host",
+        "--host",
+        str,
+        "address to listen on (0.0.0.0 to accept other machines)",
+        metavar="ADDR",
+    ),
     Option("server.port", "--port", int, "port to listen on", metavar="PORT"),
     Option(
         "server.served_model_name",
@@ -291,23 +308,26 @@ OPTIONS: tuple[Option, ...] = (
         "server.max_request_tokens",
         "--max-request-tokens",
         optional(int, ("auto", "none", "null")),
-        "most tokens one request may ask for: its prompts plus max_tokens x n for each; more "
-        "get HTTP 400 (auto = 8 x --max-model-len)",
+        "most tokens one request may ask for: its prompts plus max_tokens x n for each (a chat "
+        "request without max_tokens gets what fits); more get HTTP 400 (auto = 8 x "
+        "--max-model-len)",
         metavar="N",
     ),
     Option(
         "server.request_timeout",
         "--request-timeout",
         optional(float, ("none", "null", "off")),
-        "seconds a request may take from arrival to its last token; past it the request is "
-        "aborted and the client gets HTTP 504 (or an error event in a stream); off = no limit",
+        "seconds a request may take from arrival to its last token, queueing included; past it "
+        "the request is aborted and the client gets HTTP 504 (or an error event in a stream); "
+        "off = no limit",
         metavar="SECONDS",
     ),
     Option(
         "server.drain_timeout",
         "--drain-timeout",
         float,
-        "on SIGTERM, seconds to let in-flight requests finish before exiting (new ones get 503)",
+        "on SIGTERM, seconds to let in-flight requests finish before exiting (new ones get "
+        "503); keep it below the orchestrator's kill grace period",
         metavar="SECONDS",
     ),
 )

@@ -156,8 +156,13 @@ async def _next_message(sent: asyncio.Queue, app: asyncio.Task) -> dict[str, Any
     return None if sent.empty() else sent.get_nowait()
 
 
-_MIRRORED = ("num_running", "num_waiting", "num_blocks_free", "num_blocks_total",
-             "generation_tokens")  # fmt: skip
+_MIRRORED = (
+    "num_running",
+    "num_waiting",
+    "num_blocks_free",
+    "num_blocks_total",
+    "generation_tokens",
+)
 
 
 async def _mirror_metrics(state: Any, replica: str, period: float = 5.0) -> None:
@@ -258,10 +263,13 @@ def build_app(
     settings = load_settings(config, {**ENGINE_OVERRIDES, **overrides})  # errors here, once
     scaling: dict[str, Any] = {"num_replicas": num_replicas}
     if num_replicas is None:
-        scaling = {"autoscaling_config": {
-            "min_replicas": min_replicas, "max_replicas": max_replicas,
-            "target_ongoing_requests": target_ongoing_requests,
-        }}  # fmt: skip
+        scaling = {
+            "autoscaling_config": {
+                "min_replicas": min_replicas,
+                "max_replicas": max_replicas,
+                "target_ongoing_requests": target_ongoing_requests,
+            }
+        }
     engine = serve.deployment(
         TandemEngine,
         name="TandemEngine",

@@ -181,9 +181,11 @@ def _submit(engine: EngineClient, choice: ChoiceRequest) -> AsyncIterator[Reques
         return engine.generate(choice.request_id, choice.prompt_ids, choice.params)
     except QueueFullError as exc:
         raise APIError(
-            f"Server busy: the waiting queue is full ({exc})", 503,
-            code="queue_full", headers={"Retry-After": "1"},
-        ) from exc  # fmt: skip
+            f"Server busy: the waiting queue is full ({exc})",
+            503,
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        ) from exc
     except ValueError as exc:
         raise APIError(str(exc), 400) from exc
 

@@ -16,8 +16,19 @@ from server.errors import APIError
 from server.protocol import SamplingRequest
 from server.state import ServerState
 
-_COMBINERS = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "patternProperties",
-              "unevaluatedProperties", "dependentSchemas")  # fmt: skip
+_COMBINERS = (
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "not",
+    "if",
+    "then",
+    "else",
+    "$ref",
+    "patternProperties",
+    "unevaluatedProperties",
+    "dependentSchemas",
+)
 # Where closing a subschema keeps the output valid for the original. Not under not, if/then/
 # else, contains or dependentSchemas: closing there changes what the original accepts (a
 # closed `not` lets through what the open one refused); llguidance refuses those anyway.

@@ -1,11 +1,5 @@
-"""Attention backends by name, and the choice of one for a device.
-
-`reference` (engine/attention/paged.py) runs anywhere. `cpu` (engine/attention/cpu.py) runs
-decoding and verification queries through Tandem's C kernel, reading K/V in place: the
-default on the CPU in float32 when the kernels build. `triton` (engine/attention/triton_kernel.py)
-reads K/V straight from the block tables in one kernel launch per layer: the default on CUDA
-when Triton is installed, and runnable on the CPU under TRITON_INTERPRET=1 for checking.
-"""
+"""Attention backends by name (`reference` anywhere, `cpu` the C kernel, `triton` one launch
+per layer on CUDA), and the choice of one for a device."""
 
 from __future__ import annotations
 
@@ -93,12 +87,9 @@ def triton_available() -> bool:
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
-    """The backend a runner on `device` in `dtype` uses for the --attention-backend setting.
-
-    auto = triton on CUDA when Triton is installed; cpu on the CPU in float32 when Tandem's
-    kernels build; else reference. Raises ValueError, saying what to change, when the named
-    backend cannot run here.
-    """
+    """The backend a runner on `device` in `dtype` uses for --attention-backend `name` (auto:
+    triton on CUDA, cpu in float32 on the CPU, else reference); raises ValueError, saying what
+    to change, when the named backend cannot run here."""
     if name == "auto":
         if device.type == "cuda":
             return "triton" if triton_available() else "reference"

@@ -1,17 +1,7 @@
-"""The `cpu` attention backend: Tandem's C kernel for decoding and verification queries.
-
-Requests feeding at most `MAX_KERNEL_QUERY` tokens (a decode, a 1 + K verification, a short
-chunk) are attended by `tandem_paged_attention` (engine/cpu/csrc/attention.c), which reads each
-request's keys and values where they sit in the paged cache: no gather into a padded batch,
-no mask tensor. Longer queries (prefill chunks) go to the reference path's
-`scaled_dot_product_attention`, which is faster there because it multiplies whole tiles of
-queries and keys at once. Float32 models only (the cache float32, or 16 bits with
-`--kv-cache-dtype`); the default on the CPU when the kernels build.
-
-Default pair, one AVX2 core, per layer (`python -m bench.cpu_kernels attention`):
-16 decodes over 250 keys 1.2 -> 0.4 ms; 16 verifications of 5 queries 2.3 -> 1.5 ms;
-one verification of 5 queries 0.18 -> 0.09 ms.
-"""
+"""The `cpu` attention backend (float32 models): requests feeding at most `MAX_KERNEL_QUERY`
+tokens are attended by the C kernel (engine/cpu/csrc/attention.c), which reads K/V where they
+sit in the paged cache, with no gather and no mask tensor; longer queries (prefill chunks) go
+to the reference path's SDPA, which multiplies whole tiles at once."""
 
 from __future__ import annotations
 
@@ -22,9 +12,8 @@ from engine.attention.reference import build_groups, reference_attention
 from engine.cpu import kernels as cpu_kernels
 
 MAX_KERNEL_QUERY = 32
-"""Longest query (tokens of one request in one pass) the kernel attends; longer ones go to
-SDPA. The kernel is the faster of the two up to about this length (a 17-token verification:
-0.22 against 0.26 ms; a 64-token prefill chunk over 192 keys: 0.86 against 0.63 ms)."""
+"""Longest query (one request's tokens in a pass) the kernel attends: about where SDPA's
+whole-tile products start to win."""
 
 
 def supports(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> str | None:

@@ -1,14 +1,7 @@
-"""Paged attention behind transformers' AttentionInterface.
-
-Tandem loads every model with `attn_implementation="tandem_paged"`. The model runs one packed
-sequence `[1, num_tokens]` holding the scheduled tokens of all requests; the runner passes an
-`AttentionMetadata` as the keyword `tandem_metadata`, which transformers forwards untouched
-to `paged_attention_forward`. That function writes the new keys/values into their cache slots
-and hands the queries to the metadata's `AttentionBackend`, which attends each request's
-queries to that request's cached keys, causally (or along a draft tree). Backends are
-registered by name in engine/attention/backends.py; this module holds the contract, and
-engine/attention/reference.py the reference backend.
-"""
+"""Paged attention behind transformers' AttentionInterface (`attn_implementation=
+"tandem_paged"`): the model runs one packed sequence [1, num_tokens] of all requests' tokens,
+and `paged_attention_forward` writes the new keys/values into their cache slots and hands the
+queries to the metadata's `AttentionBackend`. This module holds the backend contract."""
 
 from __future__ import annotations
 
@@ -28,22 +21,17 @@ MAX_TREE_TOKENS = 63
 class AttentionGroup:
     """Requests with the same number of queries, attended together in one SDPA call."""
 
-    token_index: torch.Tensor | None
-    """[group_tokens] positions of the group's tokens in the packed batch; None when they are
-    the contiguous `token_slice`."""
+    token_index: torch.Tensor | None  # [group_tokens] in the packed batch; None: `token_slice`
     gather_blocks: torch.Tensor  # [group_seqs, max_blocks] block table rows (0 = pad)
     mask: torch.Tensor  # [group_seqs, 1, q_len, max_blocks * block_size] True = may attend
     q_len: int
-    token_slice: slice | None = None
-    """The group's tokens as a slice of the batch when they are contiguous (a decode step with
-    one K): queries are then a view, no gather."""
+    token_slice: slice | None = None  # contiguous tokens: the queries are a view, no gather
 
 
 @dataclass(frozen=True)
 class Tree:
-    """A request's draft-tree visibility: its new token j sees every cache slot before `base`
-    and slot base + i exactly when bit i of bits[j] is set (its ancestors and itself). base
-    is at most the first new token's slot, so a tree can grow over several passes."""
+    """A request's draft-tree visibility: new token j sees every slot before `base` and slot
+    base + i exactly when bit i of bits[j] is set (its ancestors and itself)."""
 
     base: int
     bits: list[int]
@@ -55,31 +43,23 @@ class BatchLayout:
 
     block_size: int
     query_lens: list[int]
-    context_lens: list[int]
-    """Request i's new tokens sit at [context_lens[i] - query_lens[i], context_lens[i])."""
+    context_lens: list[int]  # request i's new tokens end at context_lens[i]
     block_tables: list[list[int]]
-    query_starts: list[int]
-    """[num_seqs + 1]: request i's tokens are [query_starts[i], query_starts[i + 1])."""
-    trees: list[Tree | None] | None = None
-    """Draft trees, per request (None = causal)."""
+    query_starts: list[int]  # [num_seqs + 1]
+    trees: list[Tree | None] | None = None  # per request (None = causal)
 
 
 class AttentionBackend(Protocol):
     """One way to attend the packed batch to the paged cache.
 
-    Rules: `prepare` fills the AttentionMetadata fields this backend reads and no others, so
-    one backend never pays for another's metadata; it runs once per forward (all layers share
-    it) and builds device tensors from host lists without reading device memory. `attend` runs
-    per layer after the batch's new keys/values are in the cache. Query j of request i sits at
-    position context_lens[i] - query_lens[i] + j and sees request i's keys at positions <= its
-    own; for a request with a draft tree (`Tree`), a new token sees the keys before the
-    tree's base slot and, from the base on, those its bits name. The result is
-    [num_tokens, heads, head_dim] in the query's dtype. `attend` never writes the cache.
+    Rules: `prepare` runs once per forward and fills only the AttentionMetadata fields this
+    backend reads, from host lists, without reading device memory. `attend` runs per layer
+    after the new keys/values are cached, never writes the cache, and returns [num_tokens,
+    heads, head_dim] in the query's dtype: each query sees its request's keys up to its own
+    position, or, with a `Tree`, those before the base and those its bits name.
     """
 
-    graph_safe: bool
-    """Its metadata is device tensors of fixed shape (block tables, query starts, context
-    lengths), so engine/model/decode_graphs.py can pad a step to a bucket and replay it."""
+    graph_safe: bool  # metadata is fixed-shape tensors: decode_graphs can replay it
 
     def unsupported(
         self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
@@ -103,27 +83,18 @@ class AttentionBackend(Protocol):
 
 @dataclass
 class AttentionMetadata:
+    # per layer (key_cache, value_cache), each [num_blocks, block_size, kv_heads, head_dim]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    """Per layer (key_cache, value_cache), each [num_blocks, block_size, kv_heads, head_dim]."""
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot each new token's K/V goes to
-    backend: AttentionBackend
-    """Attends this batch; only the fields below that it reads are filled."""
-    groups: list[AttentionGroup] = field(default_factory=list)
-    """reference: requests attended together in one padded SDPA call."""
-    block_tables: torch.Tensor | None = None
-    """triton: [num_seqs, max_blocks] int32 block ids, rows padded with 0."""
-    query_start_loc: torch.Tensor | None = None
-    """triton: [num_seqs + 1] int32; request i's tokens are [loc[i], loc[i + 1]) of the batch."""
-    context_lens: torch.Tensor | None = None
-    """triton: [num_seqs] int32, the keys request i attends to (its new tokens included)."""
-    max_query_len: int = 0
-    """triton: a bound on every request's query length (it sizes the kernel grid)."""
-    tree: torch.Tensor | None = None
-    """triton: [num_tokens] int64 draft-tree bits (`tree_bits`), or None without trees."""
-    tree_base: torch.Tensor | None = None
-    """triton: [num_seqs] int32 each request's `Tree.base`, with `tree`."""
-    kernel_seqs: KernelSeqs | None = None
-    """cpu: the requests the C kernel attends (the others, long queries, are in `groups`)."""
+    backend: AttentionBackend  # fills only the fields below that it reads
+    groups: list[AttentionGroup] = field(default_factory=list)  # reference
+    block_tables: torch.Tensor | None = None  # triton: [num_seqs, max_blocks] int32, 0-padded
+    query_start_loc: torch.Tensor | None = None  # triton: [num_seqs + 1] int32
+    context_lens: torch.Tensor | None = None  # triton: [num_seqs] int32, new tokens included
+    max_query_len: int = 0  # triton: bounds every query length (sizes the grid)
+    tree: torch.Tensor | None = None  # triton: [num_tokens] int64 `tree_bits`, or None
+    tree_base: torch.Tensor | None = None  # triton: [num_seqs] int32 `Tree.base`, with `tree`
+    kernel_seqs: KernelSeqs | None = None  # cpu: the C kernel's requests (others in `groups`)
 
 
 @dataclass
@@ -134,10 +105,8 @@ class KernelSeqs:
     q_starts: torch.Tensor  # [seqs] first row of each request's queries in the packed batch
     q_lens: torch.Tensor  # [seqs]
     ctx_lens: torch.Tensor  # [seqs] keys each request attends, its new ones included
-    tree: torch.Tensor | None = None
-    """[num_tokens] int64 draft-tree bits per token of the batch (0 = causal), or None."""
-    tree_base: torch.Tensor | None = None
-    """[seqs] int64 each request's `Tree.base`, with `tree`."""
+    tree: torch.Tensor | None = None  # [num_tokens] int64 tree bits (0 = causal), or None
+    tree_base: torch.Tensor | None = None  # [seqs] int64 `Tree.base`, with `tree`
 
 
 def build_metadata(
@@ -150,11 +119,7 @@ def build_metadata(
     backend: AttentionBackend,
     trees: list[Tree | None] | None = None,
 ) -> AttentionMetadata:
-    """Metadata for requests with query_lens[i] new tokens ending at context_lens[i].
-
-    The new tokens of request i fill cache slots [context_lens[i] - query_lens[i],
-    context_lens[i]) of its table. trees: as `BatchLayout.trees`.
-    """
+    """Metadata for requests with query_lens[i] new tokens ending at context_lens[i]."""
     slots = cache_slots(query_lens, context_lens, block_tables, block_size)
     starts = [0]
     for q_len in query_lens:
@@ -184,8 +149,7 @@ def build_metadata(
 def cache_slots(
     query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int
 ) -> list[int]:
-    """The flat cache slot of every new token, request by request: request i's fill positions
-    context_lens[i] - query_lens[i] .. context_lens[i] - 1 of its block table."""
+    """The flat cache slot of every new token, request by request."""
     return [
         table[pos // block_size] * block_size + pos % block_size
         for q_len, ctx, table in zip(query_lens, context_lens, block_tables, strict=True)

@@ -1,12 +1,6 @@
-"""The reference attention backend: torch's SDPA over key blocks gathered per request.
-
-It gathers each request's key blocks from the block table into a padded batch and runs
-`scaled_dot_product_attention` with a boolean mask, one call per group of requests with the
-same number of queries, so no query is ever padded (neither a decode next to a long prefill
-chunk, nor a K = 1 verification next to a K = 8 one). It runs anywhere; the Triton kernel
-(engine/attention/triton_kernel.py) reads the block tables directly and is the default on
-CUDA, the C kernel (engine/attention/cpu.py) on the CPU.
-"""
+"""The reference attention backend, which runs anywhere: each request's key blocks gathered
+into a padded batch and one masked SDPA call per group of requests with the same number of
+queries, so no query is ever padded."""
 
 from __future__ import annotations
 
@@ -49,8 +43,6 @@ def build_groups(
     layout: BatchLayout, device: torch.device, members: list[int] | None = None
 ) -> list[AttentionGroup]:
     """Groups of `members` (default: every request) by query count."""
-    # Grouping by query count means no query is padded: a verification batch where K differs
-    # per request costs what its tokens cost, not (1 + max K) per request.
     by_len: dict[int, list[int]] = {}
     for i in range(len(layout.query_lens)) if members is None else members:
         by_len.setdefault(layout.query_lens[i], []).append(i)
@@ -80,8 +72,7 @@ def _build_group(
     for row, i in enumerate(members):
         table = block_tables[i][:max_blocks]
         tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
-    # Keys are gathered whole blocks at a time (a row copy per block, far cheaper than a gather
-    # per slot); the positions past a request's context are masked out.
+    # Keys are gathered whole blocks at a time; positions past a request's context are masked.
     kv_pos = torch.arange(max_blocks * block_size)
     # Query j of request r sits at position ctx_r - q_len + j and sees keys up to that position.
     q_pos = ctx_lens[:, None] - q_len + torch.arange(q_len)[None, :]
@@ -129,9 +120,8 @@ def reference_attention(
         else:
             q = query.index_select(0, g.token_index)
         q = q.view(num_seqs, g.q_len, num_heads, head_dim)
-        # [seqs, max_blocks * block_size, kv_heads, head_dim]
-        # On a 2-D view each block is one row: index_select copies it with one memcpy (on the
-        # 4-D cache it walks every element, 5-8x slower on the CPU).
+        # [seqs, max_blocks * block_size, kv_heads, head_dim]; on a 2-D view (`_rows`) each
+        # block is one row, which index_select copies with one memcpy
         rows = g.gather_blocks.view(-1)
         k = _rows(key_cache).index_select(0, rows).view(num_seqs, -1, kv_heads, head_dim)
         v = _rows(value_cache).index_select(0, rows).view(num_seqs, -1, kv_heads, head_dim)

@@ -1,25 +1,13 @@
 """Paged attention as one Triton kernel that reads K/V straight from the block tables.
 
-One program handles one request, one block of its query tokens and one KV head. Its rows are
-(query token, query head) pairs of that KV head's group, so the heads of a GQA group share
-every K/V tile the program loads. It walks the request's keys in tiles of BLOCK_N positions,
-up to the last position any of its queries may see, looks each position's block up in the
-block table, and keeps an online softmax in fp32 (running max m, running sum denom,
-unnormalised output acc), flash-attention style. Query j of a request with q_len new tokens
-and context length ctx sits at position ctx - q_len + j and sees the keys at positions <= its
-own; with draft-tree bits (engine/attention/paged.py `Tree`), a token whose bits are not 0
-sees the keys before its request's tree base and, from there on, those its bits name.
+One program handles one request, one block of its query tokens and one KV head; its rows are
+(query token, query head) pairs of that head's GQA group, so they share every K/V tile. It
+keeps an online softmax in fp32 over tiles of BLOCK_N key positions. The grid depends only on
+the number of requests and a bound on the query length, and the loop bound is read on the
+device, so a fixed-shape batch (CUDA graphs) launches the same grid every step.
 
-Any number of query tokens per request (decode 1, verification 1 + K, prefill chunks) and any
-block size work. The grid depends only on the number of requests and a bound on the query
-length, and the loop bound is read from `context_lens` on the device, so a fixed-shape batch
-(CUDA graphs) launches the same grid every step; a request with no query tokens (padding)
-returns at once.
-
-On CPU tensors the kernel runs only under Triton's interpreter: TRITON_INTERPRET=1 must be in
-the environment before triton is first imported (torch imports it when transformers loads a
-model), because triton decorates its own `tl.*` helpers then and ours at this module's import.
-"""
+On CPU tensors it runs only under Triton's interpreter, and TRITON_INTERPRET=1 must be set
+before triton is first imported (triton decorates its own helpers then)."""
 
 from __future__ import annotations
 
@@ -141,7 +129,6 @@ def _paged_attention_kernel(
 # `@triton.jit` returns an interpreter-backed function instead when TRITON_INTERPRET=1.
 INTERPRETED = not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
 if INTERPRETED and isinstance(tl.zeros, triton.runtime.JITFunction):
-    # Triton's own tl.* helpers were decorated when triton was imported, without the variable.
     raise ImportError(
         "TRITON_INTERPRET=1 was set after triton had been imported (torch imports it when "
         "transformers loads a model); set it in the environment before Python starts"
@@ -160,11 +147,8 @@ def paged_attention(
     tree: torch.Tensor | None = None,  # [num_tokens] int64 draft-tree bits, or None
     tree_base: torch.Tensor | None = None,  # [num_seqs] int32 the slot of bit 0, with tree
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
-    """Attend each request's queries to its cached keys; the new keys must be cached already.
-
-    max_query_len bounds every request's query length; it sizes the grid and may be larger
-    than the longest request (a padded, fixed-shape batch).
-    """
+    """Attend each request's queries to its cached keys (the new keys cached already);
+    max_query_len bounds every query length and may exceed the longest (a padded batch)."""
     if query.device.type != "cuda" and not INTERPRETED:
         raise RuntimeError(
             "the Triton attention kernel got CPU tensors but is compiled for the GPU; set "

@@ -1,17 +1,10 @@
-"""AsyncEngine: the LLMEngine step loop on its own thread, results to asyncio queues.
+"""AsyncEngine: the LLMEngine step loop on its own thread, results to asyncio queues. The
+event loop never waits for a step: `generate()` validates on the caller's side, then hands the
+request to the engine thread through an inbox; outputs come back by `call_soon_threadsafe`.
 
-The event loop never waits for a step. `generate()` validates on the caller's side (so bad
-input raises at once), then hands the request to the engine thread through an inbox; aborts
-take the same path. Outputs come back with `loop.call_soon_threadsafe`.
-
-`from_config` builds the engine on the thread that will run its steps, so one thread does
-all of the model's work and one OpenMP pool serves every pass on the CPU. Each thread that
-starts a parallel region gets a pool of workers of its own, and once libgomp manages more
-threads than there are cores it stops its workers spinning between regions: each of a
-step's hundred-odd regions then waits for a sleeping worker to wake. A model loaded on a
-helper thread (whose pool outlives the load) and stepped on another made every CPU step of
-the default model about 1.6x slower on 2 cores.
-"""
+`from_config` builds the engine on the thread that runs its steps, so one OpenMP pool serves
+every pass: with a second pool (a loading thread's) libgomp manages more threads than cores
+and stops its workers spinning, and every parallel region then waits for one to wake."""
 
 from __future__ import annotations
 
@@ -37,8 +30,7 @@ from engine.types.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
-STALL_SECONDS = 120.0
-"""A step that has not returned after this long counts as hung (see `problem()`)."""
+STALL_SECONDS = 120.0  # a step that has not returned after this long counts as hung
 
 
 class AsyncEngine(EngineClient):
@@ -52,9 +44,8 @@ class AsyncEngine(EngineClient):
         self._wake = threading.Event()
         self._step_lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        # Admission counts requests the engine thread has not yet reported in a stats snapshot.
-        # Each counter has one writer (submitted: the caller, published: the engine thread), so
-        # no update is lost, and `published` moves only with the snapshot that counts them.
+        # Admission counts requests no stats snapshot has reported yet; each counter has one
+        # writer (submitted: the caller; published: the engine thread, with the snapshot).
         self._num_submitted = 0
         self._num_published = 0
         self._stats = EngineStats()
@@ -63,16 +54,13 @@ class AsyncEngine(EngineClient):
         self.stall_seconds = STALL_SECONDS
         self._step_started: float | None = None
         self._died: str | None = None
-        self.cores: set[int] | None = None
-        """The cores the engine thread is bound to (--cpu-bind), or None when it is not."""
-        self._go: threading.Event | None = None
-        """Set by `start()` to let the thread `from_config` built the engine on run it."""
+        self.cores: set[int] | None = None  # the engine thread's (--cpu-bind); None: unbound
+        self._go: threading.Event | None = None  # set by `start()`: from_config's thread runs
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        """Build the engine on a thread of its own, which then runs its steps once `start()`
-        is called (see the module docstring); blocks until it is built, and raises what
-        building raised."""
+        """Build the engine on the thread that runs its steps once `start()` is called; blocks
+        until built and raises what building raised."""
         built: queue.SimpleQueue[AsyncEngine | BaseException] = queue.SimpleQueue()
         go = threading.Event()
 
@@ -122,8 +110,8 @@ class AsyncEngine(EngineClient):
             self._thread = None
 
     def spare_cores(self) -> set[int] | None:
-        """The cores this process may use that the engine thread does not take, for the
-        caller's own threads (the server's event loop); None when the engine is not bound."""
+        """The cores the engine thread does not take, for the caller's own threads; None when
+        the engine is not bound."""
         return cpu_affinity.others(self.cores) if self.cores else None
 
     @property
@@ -131,9 +119,8 @@ class AsyncEngine(EngineClient):
         return self._thread is not None and self._thread.is_alive()
 
     def problem(self) -> str | None:
-        """Why this engine cannot serve, or None: its thread died, or a step has been running
-        for longer than `stall_seconds` (a forward that never returns). A watchdog for
-        /health: the engine cannot report these itself."""
+        """Why this engine cannot serve (its thread died, or a step has run past
+        `stall_seconds`), or None: /health's watchdog."""
         if self._died is not None:
             return f"the engine thread stopped: {self._died}"
         if self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
@@ -154,11 +141,8 @@ class AsyncEngine(EngineClient):
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and return its stream of output deltas.
-
-        Raises ValueError / QueueFullError here, at the call, before anything is streamed.
-        Closing the returned iterator before the request finishes aborts it.
-        """
+        """Submit a request and return its stream of output deltas; raises ValueError /
+        QueueFullError at the call. Closing the iterator early aborts the request."""
         self.engine.validate(prompt_token_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -232,9 +216,8 @@ class AsyncEngine(EngineClient):
                 self._num_published += num_taken
             self._publish(outputs)
             if outputs:
-                # The event loop was just woken to stream these: let it run now, between
-                # passes, on this core, rather than preempt a kernel thread mid-pass (its
-                # partner then waits at the next barrier). The GIL is free here too.
+                # Let the just-woken event loop run now, between passes, rather than preempt a
+                # kernel thread mid-pass.
                 os.sched_yield()
             if not self.engine.has_work() and self._inbox.empty():
                 self._wake.wait(timeout=0.5)

@@ -1,10 +1,5 @@
-"""`EngineClient`: what a server needs from an engine, and nothing more.
-
-`AsyncEngine` implements it; so does any stand-in (the tests' scripted engine). The server
-types its engine as an `EngineClient`, so the two stay interchangeable; tests/
-test_architecture.py checks that every implementation has every member with the protocol's
-signature, and type-checks them with mypy.
-"""
+"""`EngineClient`: what a server needs from an engine, and nothing more. `AsyncEngine` and the
+tests' scripted engine implement it (tests/test_architecture.py checks the signatures)."""
 
 from __future__ import annotations
 
@@ -17,11 +12,9 @@ from engine.types.stats import EngineStats
 
 
 class EngineClient(Protocol):
-    max_model_len: int
-    """Longest prompt + output a request may have (already capped by the KV pool)."""
+    max_model_len: int  # longest prompt + output (capped by the KV pool)
     vocab_size: int
-    cpu_isa: str | None
-    """The instruction set of the CPU kernels the target runs on, or None (/version)."""
+    cpu_isa: str | None  # the target's CPU kernels' instruction set, or None (/version)
 
     def start(self) -> None:
         """Begin stepping (idempotent)."""
@@ -36,14 +29,12 @@ class EngineClient(Protocol):
         ...
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequest (engine/types/validation.py) unless the request can be served;
-        `generate` runs the same check."""
+        """Raise InvalidRequest unless the request can be served (`generate` checks it too)."""
         ...
 
     def check_grammar(self, spec: GrammarSpec) -> None:
-        """Compile a structured-output grammar (or find it compiled); raise InvalidRequest
-        naming `spec.param` if it does not compile. A large schema takes a while: call it off
-        the event loop, and `validate` then finds it compiled."""
+        """Compile a grammar (or find it compiled); raise InvalidRequest naming `spec.param` if
+        it does not compile. Slow for a large schema: call it off the event loop."""
         ...
 
     def generate(
@@ -60,6 +51,5 @@ class EngineClient(Protocol):
         ...
 
     def spare_cores(self) -> set[int] | None:
-        """Cores the caller's own threads may use without competing with the engine's, or
-        None when the engine is not bound to cores of its own."""
+        """Cores the caller's threads may use without competing with the engine's, or None."""
         ...

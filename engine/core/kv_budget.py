@@ -1,11 +1,6 @@
-"""How many KV blocks the pool gets when --kv-cache-blocks is auto, and what they hold.
-
-On CPU the budget is `cache.memory_gb`. On CUDA, Tandem may use `--gpu-memory-utilization` of
-the device in all; what is in use once both models' weights are loaded (weights, the CUDA
-context, other processes) and the activations of the largest step the scheduler can build
-come off that share, and the KV pool gets the rest. The activations are measured with one
-forward of that step per model on a throwaway pool, before the real pool exists.
-"""
+"""How many KV blocks the pool gets when --kv-cache-blocks is auto: `cache.memory_gb` on the
+CPU; on CUDA, `--gpu-memory-utilization` of the device less what is in use after loading and
+the peak activations of the largest step, measured on a throwaway pool."""
 
 from __future__ import annotations
 
@@ -103,10 +98,8 @@ def profile_gpu_memory(
     num_tokens: int,
     max_len: int,
 ) -> GpuMemory:
-    """Run the largest step through every runner on a throwaway KV pool; measure its peak.
-
-    Call it after every model is loaded and before any runner has its real pool.
-    """
+    """Run the largest step through every runner on a throwaway KV pool and measure its peak;
+    call after loading, before any runner has its real pool."""
     seqs = largest_step(num_tokens, max_len, block_size)
     scratch_blocks = sum(len(seq.block_table) for seq in seqs)
     for runner in runners:

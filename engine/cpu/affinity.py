@@ -1,18 +1,7 @@
-"""Cores of its own for the engine thread on the CPU (`--cpu-bind`).
-
-In the server, the engine thread does all the arithmetic while the event loop, the
-tokenizer and the clients' connections share the process. Left to the OS scheduler, the
-engine thread migrates between cores and now and then shares one with the event loop (or a
-client on the same machine), and a step stretches. vLLM's CPU backend binds its OpenMP
-threads to chosen cores for the same reason (VLLM_CPU_OMP_THREADS_BIND) and runs its API
-server beside them.
-
-So when the process may run on more cores than torch's thread count, the engine thread binds
-itself to the first `torch.get_num_threads()` of them (engine/core/async_engine.py); its OpenMP
-workers, created by it, inherit that set. The server's event loop then binds itself to the
-other cores (server/app.py), so the two never share one. With as many threads as cores
-(torch's default), nothing is bound.
-"""
+"""Cores of its own for the engine thread on the CPU (`--cpu-bind`), so a step never shares a
+core with the event loop: the engine thread (and the OpenMP workers it creates) takes the first
+`torch.get_num_threads()` allowed cores, the event loop the others; with as many threads as
+cores, nothing is bound."""
 
 from __future__ import annotations
 

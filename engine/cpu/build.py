@@ -1,13 +1,8 @@
 """Compiles engine/cpu/csrc into one shared library for this machine, once, and caches it.
 
-The sources are compiled by the system's C compiler (`$CC`, else cc, gcc or clang) with
-`-O3 -march=native -fopenmp` into a cache directory (`$TANDEM_KERNEL_CACHE`, else
-`$XDG_CACHE_HOME/tandem/kernels` or `~/.cache/tandem/kernels`; a per-user directory under
-the system's temp dir when that is not writable), keyed by the sources, the compiler, the
-flags and this CPU's model and feature flags, so a shared home directory or a copied cache
-never hands one CPU a library built for another. The first start on a machine compiles
-(about a second); later starts find the cached library.
-"""
+The cache key covers the sources, the compiler, the flags and this CPU's model and feature
+flags, so a shared home directory or a copied cache never hands one CPU a library built for
+another (`-march=native`)."""
 
 from __future__ import annotations
 
@@ -24,9 +19,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 LIBRARY = "libtandem_cpu.so"
-# Loops start on 64-byte lines: where a hot loop falls otherwise moves with unrelated code
-# (csrc/vec.h's explicit multiply-adds cost the AVX2 GGUF linears 5-15% that way, with the same
-# instructions in their inner loops), and this keeps their speed from moving with it.
+# Loops start on 64-byte lines so a hot loop's speed does not move with unrelated code.
 _BASE_FLAGS = ["-std=gnu11", "-O3", "-ffp-contract=fast", "-falign-loops=64", "-shared", "-fPIC"]
 # Tried in order; the first that compiles is used. Without OpenMP the kernels run on one
 # thread whatever torch's thread count.
@@ -35,8 +28,7 @@ _FLAG_SETS = (["-march=native", "-fopenmp"], ["-march=native"], ["-fopenmp"], []
 
 def build(csrc: Path = CSRC) -> Path:
     """The library's path, compiled first if this machine has no copy yet; raises
-    RuntimeError saying why when it cannot be built. `csrc`: another copy of the sources
-    (`python -m bench.cpu_kernels gguf-vs` builds a commit's)."""
+    RuntimeError saying why when it cannot be built. `csrc`: another copy of the sources."""
     cc = compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     sources = sorted(csrc.glob("*.c"))
@@ -73,8 +65,7 @@ def compiler() -> str:
 
 
 def _cache_dirs() -> list[Path]:
-    """Where the library may be built, in order: the configured cache, then a per-user
-    directory under the system's temp dir (for a read-only home, e.g. in a container)."""
+    """Where the library may be built: the configured cache, then a per-user temp dir."""
     if os.environ.get("TANDEM_KERNEL_CACHE"):
         first = Path(os.environ["TANDEM_KERNEL_CACHE"])
     else:

@@ -1,27 +1,10 @@
-"""A GGUF model's linear layers on its own quantized blocks (the CPU kernels, float32).
+"""A GGUF model's packed linears switched to the file's own Q8_0 / Q4_1 / Q4_0 blocks: the
+same weights for a fraction of the bytes a CPU pass reads (the products are summed in another
+order, so not the same bits as the float32 layer).
 
-A `.gguf` model is served from float32 weights dequantized from the file
-(engine/model/files.py). On the CPU those weights are also what a pass reads from memory:
-540 MB per pass for SmolLM2-135M, against 96 MB for the file's own Q4_1/Q8_0 blocks. Here
-each packed linear layer (engine/cpu/linear.py) whose every weight row is a row of a Q8_0,
-Q4_1 or Q4_0 tensor of the file is switched to those blocks (engine/cpu/csrc/gemm_quant.c), which
-sums each block's quants times x and then applies the block's scale (and minimum): the same
-weights, the products summed in another order (as close to the exact sum as the float32
-layer, not the same bits), for a fifth of the bytes. (On a CPU with AVX-512 VNNI and
-`TANDEM_VNNI=1`, the calls take x in 24-bit fixed point per block and sum in integers:
-gemm_vnni.c; with AMX tiles, calls of 6 rows or more sum the same products in yet another
-order: gemm_amx.c.)
-
-A Q4_0 tensor (w = d (q - 8), a float16 scale and 32 nibbles a block) runs as Q4_1 blocks
-with the minimum m = -8 d: the same weights exactly (`q4_0_as_q4_1`), 2 more bytes a block
-(5 bits a weight instead of 4.5) and no kernel of its own.
-
-Rows are matched by content, not by name: each row of the file's tensors is dequantized
-and hashed, and a layer takes the blocks of the rows whose bytes equal its own. That covers
-the row permutation transformers applies to Llama's q/k projections, fused projections
-(q|k|v, gate|up) and a tied LM head, and it cannot pick a wrong row: a layer whose rows are
-not all found, or come from tensors of different types, stays as it was.
-"""
+Rows are matched by content (hash of the dequantized row), not by name, so the q/k row
+permutation, fused projections and a tied head are covered, and a layer whose rows are not all
+found, or mix tensor types, stays as it was."""
 
 from __future__ import annotations
 
@@ -44,9 +27,8 @@ _STRING, _ARRAY = 8, 9
 
 def gguf_tensors(path: Path) -> list[tuple[str, int, np.ndarray]]:
     """(name, GGML type number, raw data [rows, bytes per row]) of every tensor in a GGUF
-    file, memory-mapped. Reads only what locating the tensors needs: the metadata is skipped
-    (gguf's own reader parses every entry, a 49K-token vocabulary included, which took 4 of a
-    default start's 15 seconds)."""
+    file, memory-mapped. The metadata is skipped, not parsed (gguf's reader is slow on a
+    large vocabulary)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     buf = np.memmap(path, dtype=np.uint8, mode="r")
@@ -109,14 +91,9 @@ def gguf_tensors(path: Path) -> list[tuple[str, int, np.ndarray]]:
 
 
 def q4_0_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
-    """Q4_0 blocks [rows, blocks * 18 bytes] (float16 d, then 16 bytes of nibbles: w = d (q - 8))
-    as Q4_1 blocks [rows, blocks * 20 bytes] (d, m, the same nibbles: w = d q + m) with
-    m = -8 d, or None when some -8 d would overflow float16 (|d| > 8188).
-
-    The weights are the same values: -8 d is d with its exponent moved (exact in float16
-    where it does not overflow), d q and 8 d are exact in float32 (11-bit d times a 4-bit
-    integer), and so is their difference d (q - 8), which has at most 15 significant bits
-    (the same bits, but for a zero weight under a negative d: -0.0 in Q4_0, 0.0 here)."""
+    """Q4_0 blocks [rows, blocks * 18 bytes] (w = d (q - 8)) as Q4_1 blocks [rows, blocks * 20
+    bytes] (w = d q + m) with m = -8 d, or None when some -8 d overflows float16. Exact: -8 d
+    only moves d's exponent, and d q - 8 d is exact in float32 (but -0.0 becomes 0.0)."""
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, 18)
     d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)
@@ -159,9 +136,9 @@ class _Rows:
                 self.index.setdefault(key, (t, r))
 
     def blocks_for(self, weight: torch.Tensor) -> tuple[str, str, np.ndarray] | None:
-        """(kernel type, what the file holds, blocks [rows, bytes]) whose dequantized values
-        are exactly `weight`'s rows, or None when some row is missing or the rows mix kernel
-        types. The file's types are named as in the file, "Q4_0+Q4_1" for rows of both."""
+        """(kernel type, the file's types e.g. "Q4_0+Q4_1", blocks [rows, bytes]) whose
+        dequantized values are exactly `weight`'s rows, or None when a row is missing or the
+        rows mix kernel types."""
         values = weight.detach().float().contiguous().numpy()
         if values.shape[1] % cpu_panels.QBLOCK:
             return None
@@ -179,8 +156,7 @@ class _Rows:
 
 def use_gguf_blocks(module: nn.Module, gguf_path: Path) -> dict[str, int]:
     """Switch every `PackedLinear` of `module` whose weights are rows of `gguf_path`'s Q8_0 /
-    Q4_1 / Q4_0 tensors to those blocks; returns how many layers went to each of the file's
-    types ("Q4_0" layers run as Q4_1 blocks)."""
+    Q4_1 / Q4_0 tensors to those blocks; returns how many layers went to each file type."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 

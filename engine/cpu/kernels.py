@@ -1,13 +1,7 @@
-"""Tandem's CPU kernels (engine/cpu/csrc): loaded once per process, called through ctypes.
-
-engine/cpu/build.py compiles the C sources for this machine (once, cached); this module
-loads the library, declares its functions and wraps each call (the sampling kernels' wrappers
-are in engine/cpu/sampling.py). Without a C compiler the kernels are unavailable and the
-engine keeps torch's paths (`unavailable_reason()` says why).
-
-All of them are float32 only, and each call runs on torch's thread count (the library links
-the OpenMP runtime torch already loaded). ctypes releases the GIL for the call.
-"""
+"""Tandem's CPU kernels (engine/cpu/csrc): loaded once per process, declared and wrapped for
+ctypes (the sampling kernels' wrappers are in engine/cpu/sampling.py). Without a C compiler
+they are unavailable and the engine keeps torch's paths (`unavailable_reason()` says why).
+Float32 only; each call runs on torch's thread count and releases the GIL."""
 
 from __future__ import annotations
 
@@ -50,10 +44,8 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
 
 
 def isa() -> str | None:
-    """The vector instruction set the kernels were compiled for (avx512f, avx2+fma, neon,
-    ...), `+vnni` when the GGUF linears' vector kernel runs on AVX-512 VNNI integer dot
-    products (engine/cpu/csrc/gemm_vnni.c), `+amx` when the GGUF linears of 6 rows or more
-    run on AMX tiles (engine/cpu/csrc/gemm_amx.c), or None when the kernels are unavailable."""
+    """The vector instruction set the kernels were compiled for (avx512f, avx2+fma, neon, ...),
+    with `+vnni` / `+amx` when the GGUF linears use them; None when the kernels are unavailable."""
     lib = load()
     if lib is None:
         return None
@@ -62,16 +54,14 @@ def isa() -> str | None:
 
 
 def set_amx(enabled: bool) -> bool:
-    """Let the GGUF linears use AMX tiles (where the CPU and the OS allow it) or keep them
-    on the vector kernel; returns whether they now use the tiles. `TANDEM_AMX=0` in the
-    environment sets the default to off."""
+    """Let the GGUF linears use AMX tiles (where the CPU and OS allow); returns whether they now
+    do. `TANDEM_AMX=0` sets the default to off."""
     return bool(require().tandem_amx_enable(int(enabled)))
 
 
 def set_vnni(enabled: bool) -> bool:
-    """Let the GGUF linears' vector kernel use VNNI dot products (where the CPU has them) or
-    keep it on float32 multiply-adds; returns whether it now uses them. Off unless
-    `TANDEM_VNNI=1` is in the environment (gemm_vnni.c says why)."""
+    """Let the GGUF linears use VNNI dot products (where the CPU has them); returns whether they
+    now do. Off unless `TANDEM_VNNI=1` (gemm_vnni.c says why)."""
     return bool(require().tandem_vnni_enable(int(enabled)))
 
 
@@ -146,10 +136,20 @@ def rotary_cache(
     tokens = qkv.shape[0]
     q = torch.empty(tokens, heads, head_dim)
     require().tandem_rotary_cache(
-        qkv.data_ptr(), positions.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        tokens, heads, kv_heads, head_dim, q.data_ptr(), key_cache.data_ptr(),
-        value_cache.data_ptr(), kv_type(key_cache.dtype),
-    )  # fmt: skip
+        qkv.data_ptr(),
+        positions.data_ptr(),
+        slots.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        tokens,
+        heads,
+        kv_heads,
+        head_dim,
+        q.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        kv_type(key_cache.dtype),
+    )
     return q
 
 
@@ -192,11 +192,26 @@ def paged_attention(
     lib = require()
     _, block_size, kv_heads, head_dim = key_cache.shape
     status = lib.tandem_paged_attention(
-        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
-        tables.shape[1], q_starts.data_ptr(), q_lens.data_ptr(), ctx_lens.data_ptr(),
-        _ptr(tree), _ptr(tree_base), tables.shape[0], out.data_ptr(), query.shape[1], kv_heads,
-        head_dim, block_size, scale, kv_type(key_cache.dtype), torch.get_num_threads(),
-    )  # fmt: skip
+        query.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        q_starts.data_ptr(),
+        q_lens.data_ptr(),
+        ctx_lens.data_ptr(),
+        _ptr(tree),
+        _ptr(tree_base),
+        tables.shape[0],
+        out.data_ptr(),
+        query.shape[1],
+        kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        kv_type(key_cache.dtype),
+        torch.get_num_threads(),
+    )
     if status == OUT_OF_MEMORY:
         raise MemoryError("the CPU attention kernel could not allocate its partial results")
     if status != 0:
@@ -318,13 +333,10 @@ def layers(
     head: tuple[Weight, torch.Tensor, float, int] | None = None,
     scratch: Callable[[int], torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
-    """Every layer of a Llama-family model over `hidden` in one call (tandem_layers): the
-    per-step kernels in the order engine/model/native/llama.py calls them, so the same numbers.
-    With `head` (the LM head's Weight, kept alive by the caller, the final norm's weight, its
-    epsilon, the head's width) the final norm and the head follow in the same call, on every
-    row: their logits [tokens, width] are returned, `hidden` keeps the body's output.
-    `scratch(n)`: a buffer of at least n float32s for the call's intermediates (one made for
-    it when None)."""
+    """Every layer of a Llama-family model over `hidden` in one call, with the same numbers as
+    engine/model/native/llama.py's per-step kernels. `head` (the LM head's Weight, the final
+    norm's weight, its epsilon, the head's width): the norm and head follow, and their logits
+    [tokens, width] are returned. `scratch(n)`: a buffer of at least n float32s, or None."""
     heads, kv_heads, head_dim, inter = shape
     tokens, dim = hidden.shape
     floats = tokens * (dim + (3 * heads + 2 * kv_heads) * head_dim + 3 * inter)
@@ -334,10 +346,22 @@ def layers(
         logits = torch.empty(tokens, head[3])
         tail = (ctypes.addressof(head[0]), head[1].data_ptr(), head[2], head[3], logits.data_ptr())
     status = require().tandem_layers(
-        ctypes.addressof(stack), len(stack), ctypes.addressof(batch), hidden.data_ptr(),
-        tokens, dim, heads, kv_heads, head_dim, inter, eps, scale, buffer.data_ptr(),
-        torch.get_num_threads(), *tail,
-    )  # fmt: skip
+        ctypes.addressof(stack),
+        len(stack),
+        ctypes.addressof(batch),
+        hidden.data_ptr(),
+        tokens,
+        dim,
+        heads,
+        kv_heads,
+        head_dim,
+        inter,
+        eps,
+        scale,
+        buffer.data_ptr(),
+        torch.get_num_threads(),
+        *tail,
+    )
     if status == OUT_OF_MEMORY:
         raise MemoryError("the CPU attention kernel could not allocate its partial results")
     if status != 0:

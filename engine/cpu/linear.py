@@ -1,24 +1,11 @@
 """Linear layers on packed weights for the CPU (`--cpu-packed-linear`).
 
-Each float32 `nn.Linear` of both models is swapped for a `PackedLinear` whose weight is also
-kept packed into the panels of Tandem's C GEMM (engine/cpu/csrc/gemm.c), which streams
-the weight from memory once per call whatever the row count: in bfloat16 when every weight
-is exactly a bfloat16 value (as in the default pair), else in float32. All of the target's
-linears of the default pair, weights coming from memory as in a real pass, one AVX2 core
-(AMD EPYC, `python -m bench.cpu_kernels linear`, 2026-11-23):
-
-| rows | torch F.linear (MKL) | oneDNN, prepacked | C, float32 panels | C, bfloat16 panels |
-|---:|---:|---:|---:|---:|
-| 1 | 8.30 ms | 7.59 ms | 5.96 ms | 4.11 ms |
-| 5 | 18.71 ms | 11.17 ms | 8.01 ms | 4.92 ms |
-| 16 | 23.33 ms | 18.52 ms | 14.49 ms | 10.30 ms |
-| 64 | 62.26 ms | 48.31 ms | 41.76 ms | 39.43 ms |
-| 512 | 325.71 ms | 338.13 ms | 296.43 ms | 297.19 ms |
-
-A row's result does not depend on the other rows of the call, so a verification pass and a
-plain decode compute the same numbers for a token. The packed copy adds 50% (bfloat16) or
-100% (float32) to the memory of the linear weights.
-"""
+Each float32 `nn.Linear` becomes a `PackedLinear` that also keeps its weight packed into the
+panels of the C GEMM (engine/cpu/csrc/gemm.c), which reads the weight once per call whatever
+the row count (a small-batch pass is bound by reading the weights), in bfloat16 when that is
+exact. A row's result does not depend on the other rows, so verification and plain decode
+compute the same numbers for a token. The packed copy costs 50% (bfloat16) or 100% (float32)
+more memory for the linear weights."""
 
 from __future__ import annotations
 
@@ -37,8 +24,7 @@ class PackedLinear(nn.Module):
     """An `nn.Linear` (same parameters) computed by the packed C kernel."""
 
     changes = 0
-    """Counts packings and switches of panels, process-wide: a cache of panel addresses
-    (engine/model/native/llama.py's layer stack) is stale once this moves."""
+    """Counts packings and switches of panels: a cache of panel addresses is stale once it moves."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -51,13 +37,10 @@ class PackedLinear(nn.Module):
             self.register_buffer("panels", panels, persistent=False)
             bias = linear.bias.detach().contiguous() if linear.bias is not None else None
             self.register_buffer("packed_bias", bias, persistent=False)
-        self.quant: str | None = None
-        """The GGUF type of `panels` when they hold a GGUF file's own blocks
-        (engine/cpu/gguf_blocks.py), else None."""
+        self.quant: str | None = None  # the GGUF type of `panels` holding a file's own blocks
 
     def use_quantized(self, panels: torch.Tensor, quant: str) -> None:
-        """Read `panels`, GGUF blocks of exactly this layer's weights
-        (cpu_panels.pack_quant_weight), from now on."""
+        """Read `panels` (pack_quant_weight of exactly this layer's weights) from now on."""
         self.panels, self.quant = panels, quant
         PackedLinear.changes += 1
 

@@ -1,18 +1,9 @@
 """glibc's malloc told to keep freed memory while a CPU engine runs.
 
-A CPU forward allocates and frees large activations in every layer: a 16-request decode
-step gathers 4 MB of keys and 4 MB of values per layer on the default pair. glibc serves
-blocks above its mmap threshold with fresh mmap()s and gives the top of a heap back to the OS
-once 128 KiB of it are free, so each pass page-faults the same pages in again. On the
-default pair, one thread, a 16-request decode pass over 250-token contexts took 100 ms with
-glibc's defaults and 37 ms with the settings below (index_select of the keys: 2.3 ms ->
-0.3 ms). vLLM's CPU backend asks for tcmalloc to be preloaded for the same reason.
-
-So on the CPU the engine raises the mmap threshold to its ceiling (32 MiB on 64-bit glibc)
-and the trim threshold to 1 GiB: the process keeps the memory of its largest pass instead of
-returning and re-faulting it every step. Settings the user made through glibc's own
-environment variables win, and a process without glibc's `mallopt` is left alone.
-"""
+A CPU forward allocates and frees large activations in every layer; with glibc's defaults
+those come from fresh mmap()s and are trimmed back, so every pass page-faults the same pages
+again. Raising the mmap and trim thresholds keeps the memory of the largest pass. Settings made
+through glibc's environment variables win; a libc without `mallopt` is left alone."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Weights packed into the layouts the C GEMMs read (engine/cpu/csrc/gemm.c, gemm_quant.c):
-panels of `PANEL` output columns side by side, in float32, in bfloat16 when every weight is
-exactly a bfloat16 value, or as a GGUF file's Q8_0 / Q4_1 blocks (their float16 scales
-and quants regrouped by panel, not a byte more; Q4_0 blocks come here as Q4_1 blocks,
-engine/cpu/gguf_blocks.py)."""
+"""Weights packed into the layouts the C GEMMs read (csrc/gemm.c, gemm_quant.c): panels of
+`PANEL` output columns side by side, in float32, bfloat16, or a GGUF file's Q8_0 / Q4_1 blocks
+regrouped by panel."""
 
 from __future__ import annotations
 
@@ -17,12 +15,9 @@ QBLOCK = 32  # weights per GGUF block of those types
 
 
 def pack_linear_weight(weight: torch.Tensor, allow_bf16: bool = True) -> torch.Tensor:
-    """[out, in] float32 -> the kernel's panels [ceil(out / PANEL), in, PANEL] (zero-padded).
-
-    bfloat16 panels when every weight is exactly a bfloat16 value (a bfloat16 checkpoint
-    loaded in float32) and `allow_bf16`: the kernel widens them exactly, so the results are
-    those of the float32 weights, for half the memory traffic. Otherwise float32 panels.
-    """
+    """[out, in] float32 -> the kernel's panels [ceil(out / PANEL), in, PANEL] (zero-padded),
+    in bfloat16 when `allow_bf16` and every weight is exactly a bfloat16 value (same results,
+    half the memory traffic), else float32."""
     out_features, in_features = weight.shape
     num_panels = -(-out_features // PANEL)
     padded = weight.new_zeros(num_panels * PANEL, in_features)
@@ -37,9 +32,9 @@ def pack_linear_weight(weight: torch.Tensor, allow_bf16: bool = True) -> torch.T
 
 
 def pack_quant_weight(blocks: np.ndarray, quant: str) -> torch.Tensor:
-    """GGUF blocks of a weight [out, in / 32 * block bytes] (uint8, row by row as in the
-    file) -> gemm_quant.c's panels (uint8): per panel of PANEL output rows and per block,
-    the float16 scales, then the quants of the 32 inputs with the PANEL columns side by side."""
+    """GGUF blocks of a weight [out, in / 32 * block bytes] (uint8, as in the file) ->
+    gemm_quant.c's panels (uint8): per panel and block, the scales, then the quants with the
+    PANEL columns side by side."""
     if quant not in QUANT_TYPES:
         raise ValueError(f"no kernel for GGUF type {quant}")
     rows = blocks.shape[0]

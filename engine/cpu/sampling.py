@@ -1,6 +1,5 @@
-"""The sampling kernels of engine/cpu/csrc/sample.c, wrapped (the library is the one
-engine/cpu/kernels.py loads). Each draws tokens by inverse CDF with float64 block sums; how
-that relates to torch's path is in engine/sample/sampler.py `sample_from`."""
+"""The sampling kernels of engine/cpu/csrc/sample.c, wrapped: each draws by inverse CDF with
+float64 block sums (engine/sample/sampler.py `sample_from` compares it with torch's path)."""
 
 from __future__ import annotations
 
@@ -12,18 +11,16 @@ from engine.cpu import kernels as cpu_kernels
 
 
 def sample_rows(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """probs [rows, vocab] float32 (non-negative mass), uniform [rows] float64 in [0, 1) ->
-    [rows] int64: per row, the first token whose cumulative mass exceeds u times the row's
-    total."""
+    """probs [rows, vocab], uniform [rows] in [0, 1) -> [rows] int64: per row, the first token
+    whose cumulative mass exceeds u times the row's total."""
     return _sample("tandem_sample_rows", probs, uniform)
 
 
 def sample_logits(
     logits: torch.Tensor, inv_temperature: list[float], uniform: torch.Tensor
 ) -> torch.Tensor:
-    """logits [rows, vocab] float32, inv_temperature per row (> 0), uniform [rows] in [0, 1) ->
-    [rows] int64: a token per row drawn from softmax(logits * inv_t) as `sample_rows` draws,
-    the softmax not written out; vocab for a row without finite mass."""
+    """logits [rows, vocab] -> [rows] int64 drawn from softmax(logits * inv_t) as `sample_rows`
+    draws; vocab for a row without finite mass."""
     inverse = (ctypes.c_float * len(inv_temperature))(*inv_temperature)  # no tensor: cheaper
     return _sample("tandem_sample_logits", logits, uniform, ctypes.addressof(inverse))
 
@@ -36,8 +33,7 @@ def sample_head(
     vocab: int,
 ) -> tuple[list[int], torch.Tensor]:  # per row its token; q [rows, vocab]
     """Draft tokens drawn from softmax(logits * inv_t) over a restricted head, and q, that
-    distribution on the whole vocabulary (0 off the head), in one call (csrc/sample.c
-    `tandem_sample_head`); the vocabulary's size for a row without mass."""
+    distribution on the whole vocabulary (0 off the head); vocab for a row without mass."""
     logits, uniform = logits.contiguous(), uniform.to(torch.float64).contiguous()
     rows, n = logits.shape
     q = torch.empty(rows, vocab, dtype=torch.float32)
@@ -45,9 +41,18 @@ def sample_head(
     out = (ctypes.c_int64 * rows)()
     inverse = (ctypes.c_float * rows)(*inv_temperature)
     cpu_kernels.require().tandem_sample_head(
-        logits.data_ptr(), inverse, head.data_ptr(), uniform.data_ptr(), rows, n, vocab,
-        q.data_ptr(), scratch.data_ptr(), out, torch.get_num_threads(),
-    )  # fmt: skip
+        logits.data_ptr(),
+        inverse,
+        head.data_ptr(),
+        uniform.data_ptr(),
+        rows,
+        n,
+        vocab,
+        q.data_ptr(),
+        scratch.data_ptr(),
+        out,
+        torch.get_num_threads(),
+    )
     return list(out), q
 
 
@@ -57,9 +62,14 @@ def _sample(name: str, rows_in: torch.Tensor, uniform: torch.Tensor, *per_row: i
     out = torch.empty(rows, dtype=torch.int64)
     if rows:
         getattr(cpu_kernels.require(), name)(
-            rows_in.data_ptr(), *per_row, uniform.data_ptr(), rows, vocab, out.data_ptr(),
+            rows_in.data_ptr(),
+            *per_row,
+            uniform.data_ptr(),
+            rows,
+            vocab,
+            out.data_ptr(),
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
     return out
 
 
@@ -72,19 +82,27 @@ def sample_final(
     weights: list[float],  # per request: the residual's weight w (1 for token verification)
     uniform: list[float],  # per request: its draw in [0, 1)
 ) -> list[int]:
-    """The token ending each request's verified drafts, in one call: drawn from its row p
-    (the bonus, rejected -1), or from the residual max(0, w p - q) of its rejected draft, or
-    from p where that residual has no mass, with the values torch's formulas give them; vocab
-    for a row without mass. As `sample_rows` draws (csrc/sample.c)."""
+    """The token ending each request's verified drafts: drawn from its row p (the bonus,
+    rejected -1), or from the residual max(0, w p - q) of its rejected draft (p where that has
+    no mass), as torch's formulas give them; vocab for a row without mass."""
     n, vocab = len(rows), probs.shape[1]
     arrays = [(ctypes.c_int64 * n)(*v) for v in (rows, rejected, tokens)]
     w, u = (ctypes.c_float * n)(*weights), (ctypes.c_double * n)(*uniform)
     out = (ctypes.c_int64 * n)()
     q = draft_probs.data_ptr() if draft_probs is not None else None
     cpu_kernels.require().tandem_sample_final(
-        probs.data_ptr(), arrays[0], q, arrays[1], arrays[2], w, u, n, vocab, out,
+        probs.data_ptr(),
+        arrays[0],
+        q,
+        arrays[1],
+        arrays[2],
+        w,
+        u,
+        n,
+        vocab,
+        out,
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     return list(out)
 
 
@@ -97,10 +115,8 @@ def verify_sampled(
     uniform: torch.Tensor,  # [rows] float64: one draw per row
     block: bool,  # block verification (else token by token)
 ) -> tuple[list[int], list[int]]:  # per request: drafts kept, the final token
-    """A sampling step's verification in one kernel call (csrc/sample.c
-    `tandem_verify_sampled`): the target's softmax rows, the decisions, and the recovered or
-    bonus token, as engine/sample/rejection_sampler.py `emitted_tokens` makes them from
-    softmax rows."""
+    """A sampling step's verification in one kernel call: softmax rows, decisions and the
+    recovered or bonus token, as engine/sample/rejection_sampler.py `emitted_tokens` makes them."""
     logits, uniform = logits.contiguous(), uniform.to(torch.float64).contiguous()
     batch, vocab = len(num_drafts), logits.shape[1]
     probs = torch.empty_like(logits)
@@ -110,7 +126,18 @@ def verify_sampled(
     kept, out = (ctypes.c_int64 * batch)(), (ctypes.c_int64 * batch)()
     q = draft_probs.data_ptr() if draft_probs is not None else None
     cpu_kernels.require().tandem_verify_sampled(
-        logits.data_ptr(), inverse, probs.data_ptr(), q, ids, counts, uniform.data_ptr(),
-        int(block), batch, vocab, kept, out, torch.get_num_threads(),
-    )  # fmt: skip
+        logits.data_ptr(),
+        inverse,
+        probs.data_ptr(),
+        q,
+        ids,
+        counts,
+        uniform.data_ptr(),
+        int(block),
+        batch,
+        vocab,
+        kept,
+        out,
+        torch.get_num_threads(),
+    )
     return list(kept), list(out)

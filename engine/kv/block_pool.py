@@ -1,12 +1,8 @@
 """A fixed set of KV blocks with reference counts, a free queue and a prefix-hash map.
 
-A block is either referenced (ref_cnt > 0, held by that many block tables) or free. A free
-block may still carry the hash of the verified tokens it holds: it stays findable by prefix
-lookups until it is reallocated. The free queue hands out blocks that hold nothing
-reusable first (never hashed, e.g. a lookahead block that held only rejected drafts, given
-back after every verification), then the least recently freed cached block, so cached
-prefixes survive as long as possible and speculation's churn never evicts one.
-"""
+A free block may still carry the hash of the verified tokens it holds and stays findable until
+reallocated. The free queue hands out unhashed blocks first, then the least recently freed
+cached one, so speculation's churn of rejected-draft blocks never evicts a cached prefix."""
 
 from __future__ import annotations
 
@@ -78,11 +74,8 @@ class BlockPool:
             self.block_hash[block] = None
 
     def check_invariants(self, block_tables: Iterable[list[int]]) -> None:
-        """Raise AssertionError if the accounting is broken.
-
-        Every block is free xor referenced; a block's ref_cnt equals the number of block tables
-        holding it; the hash map and the per-block hashes agree.
-        """
+        """Raise AssertionError unless every block is free xor referenced, ref_cnt equals the
+        number of tables holding it, and the hash map agrees with the per-block hashes."""
         held = Counter(block for table in block_tables for block in table)
         for block in range(self.num_blocks):
             refs = self.ref_cnt[block]

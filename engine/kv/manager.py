@@ -1,10 +1,6 @@
-"""Request -> block table. Ref counts stay inside; callers see block ids and integers.
-
-Prefix caching: a full block of *verified* tokens is hashed by its content chain
-(hash of the previous block's hash and this block's tokens) and registered in the pool. A new
-request walks its prompt block by block and shares every block whose chain hash is cached.
-Draft tokens are never hashed: only the first `num_cacheable` tokens a caller passes in are.
-"""
+"""Request -> block table; callers see block ids and integers, not ref counts. A full block of
+verified tokens is registered under its chain hash (previous block's hash + its tokens), and a
+new request shares every cached block of its prompt; draft tokens are never hashed."""
 
 from __future__ import annotations
 
@@ -43,11 +39,8 @@ class KVCacheManager:
         return self.block_tables.get(request_id, [])
 
     def find_cached_prefix(self, req: Request) -> list[int]:
-        """Cached blocks holding a prefix of req's tokens (no side effects).
-
-        At least one token is always left to compute, so the step that admits the request
-        produces logits for its next token.
-        """
+        """Cached blocks holding a prefix of req's tokens (no side effects); at least one token
+        is left to compute, so admission's step produces the next token's logits."""
         if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return []
         tokens = req.all_token_ids
@@ -68,11 +61,8 @@ class KVCacheManager:
         num_lookahead: int = 0,
         cached_blocks: list[int] | None = None,
     ) -> bool:
-        """Make room for num_new_tokens (+ num_lookahead draft tokens) after the computed ones
-        (and after cached_blocks, a prefix from find_cached_prefix that req starts sharing).
-
-        All or nothing: returns False and changes nothing when too few blocks are free.
-        """
+        """Make room for num_new_tokens + num_lookahead drafts after the computed tokens (and
+        cached_blocks from find_cached_prefix); all or nothing: False changes nothing."""
         cached = cached_blocks or []
         table = self.block_tables.get(req.request_id, [])
         total = (
@@ -97,10 +87,8 @@ class KVCacheManager:
         return True
 
     def trim(self, req: Request, num_keep_tokens: int) -> int:
-        """Release the blocks past the first num_keep_tokens tokens; return how many.
-
-        After verification these blocks hold only rejected draft tokens.
-        """
+        """Release the blocks past the first num_keep_tokens tokens (rejected drafts only);
+        return how many."""
         table = self.block_tables.get(req.request_id)
         if not table:
             return 0

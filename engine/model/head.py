@@ -1,10 +1,6 @@
-"""A restricted LM head: logits for the tokens a model may ever propose, not its whole vocabulary.
-
-A model directory may hold `head_tokens.json` ({"token_ids": [...]}): the runner then computes
-logits for those tokens only (a draft whose LM head covers the tokens it may ever propose, as
-in frequency-ranked drafting) and gives every other token a logit of -1e30, so callers still
-see the full vocabulary and a sampled draft's q is exactly the distribution it drew from.
-"""
+"""A restricted LM head (`head_tokens.json` in a model directory: {"token_ids": [...]}): logits
+for those tokens only, every other token at `OUTSIDE_HEAD`, so callers still see the full
+vocabulary and a sampled draft's q is exactly the distribution it drew from."""
 
 from __future__ import annotations
 
@@ -14,9 +10,7 @@ from pathlib import Path
 import torch
 
 HEAD_TOKENS_FILE = "head_tokens.json"
-# The logit of a token outside a restricted head: probability exactly 0 next to any real
-# logit, finite so that penalties and temperature keep it finite (no NaN even if a mask
-# removed every head token).
+# Probability exactly 0 next to any real logit, yet finite so penalties and temperature give no NaN.
 OUTSIDE_HEAD = -1e30
 
 
@@ -31,8 +25,7 @@ def restrict_head(model: torch.nn.Module, model_path: str) -> torch.Tensor | Non
     ids = json.loads(path.read_text())["token_ids"]
     if not ids or len(set(ids)) != len(ids) or not all(0 <= i < vocab for i in ids):
         raise ValueError(f"{path}: token_ids must be distinct token ids below {vocab}")
-    # In increasing order, so the first of equal largest logits is the same token in the
-    # head's columns as in the vocabulary's (the draft's greedy pick reads the columns).
+    # Increasing, so greedy ties pick the same token in the head's columns as in the vocabulary.
     index = torch.tensor(sorted(ids), dtype=torch.long, device=full.weight.device)
     head = torch.nn.Linear(full.in_features, len(ids), bias=full.bias is not None)
     with torch.no_grad():

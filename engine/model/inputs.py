@@ -9,26 +9,19 @@ from engine.attention.paged import Tree
 
 @dataclass
 class SeqInput:
-    """What one request feeds a forward pass."""
-
     token_ids: list[int]
     start_pos: int
-    """Cache slot (and, in a chain, position) of token_ids[0]; the request's keys before it
-    are already cached."""
+    """Cache slot (and, in a chain, position) of token_ids[0]; earlier keys are cached."""
     block_table: list[int]
     logit_offsets: list[int] = field(default_factory=list)
     """Indices into token_ids whose next-token logits are wanted."""
     tree: list[int] | None = None
-    """A draft tree instead of a chain: per token, a bitmask of the cache slots from
-    `tree_base` on that it sees (its ancestors and itself; engine/attention/paged.py `Tree`).
-    The tokens still fill the cache slots start_pos.. in order; only their positions and
-    visibility follow the tree."""
+    """A draft tree instead of a chain: per token, a bitmask of the slots from `tree_base` on
+    that it sees (attention/paged.py `Tree`); the tokens still fill slots start_pos.. in order."""
     tree_base: int | None = None
-    """The slot of bit 0 of `tree` (None = start_pos): earlier slots are seen by every node,
-    so a tree can be fed over several passes."""
+    """The slot of bit 0 of `tree` (None = start_pos); every node sees earlier slots."""
     positions: list[int] | None = None
-    """Each token's position (rotary embedding); None = start_pos + index, a chain. A tree
-    gives a node the position start_pos + its depth."""
+    """Each token's position; None = start_pos + index (a chain)."""
 
     @property
     def context_len(self) -> int:

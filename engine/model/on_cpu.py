@@ -1,9 +1,6 @@
-"""A loaded model switched onto Tandem's C kernels (float32 on the CPU): with the native
-forward every step of a layer, probed against transformers again (or, for a layer the fused
-path does not cover, its linear layers); otherwise the linear layers of the Hugging Face
-module. Packed linears then move onto quantized blocks where they hold exactly the layer's
-weights: a converted GGUF model's own blocks (`--gguf-blocks`, engine/cpu/gguf_blocks.py),
-or the blocks of a `--quantization int8/int4` model (engine/model/quantization.py)."""
+"""A loaded model switched onto Tandem's C kernels (float32 on the CPU): the native forward's
+every step (probed against transformers again) or else the linear layers, then onto quantized
+blocks where they hold exactly the layer's weights (`--gguf-blocks`, `--quantization`)."""
 
 from __future__ import annotations
 
@@ -29,10 +26,8 @@ logger = logging.getLogger(__name__)
 def draft_beside_gguf_blocks(
     config: EngineConfig, device: torch.device, dtype: torch.dtype
 ) -> bool:
-    """Whether --draft-quantization auto rounds the draft to int4: the target (a prepared
-    directory) will run its linears on the blocks of the GGUF file it was converted from (the
-    CPU kernels in float32 with --gguf-blocks on), and the draft is a Hugging Face checkpoint
-    (a draft converted from a GGUF file runs on its own blocks)."""
+    """Whether --draft-quantization auto rounds the draft to int4: the target will run on its
+    GGUF file's blocks and the draft is a Hugging Face checkpoint."""
     model, draft = config.model, config.spec.draft_model
     return (
         device.type == "cpu"
@@ -46,9 +41,8 @@ def draft_beside_gguf_blocks(
 
 
 def use_cpu_kernels(runner: ModelRunner, gguf_blocks: bool = True) -> str:
-    """Switch `runner` onto the kernels; returns (and keeps in `runner.kernels`) what now
-    runs on them, for the log. A native forward whose logits drift on the kernels falls back
-    to transformers' (or, under `--model-impl native`, stops the start)."""
+    """Switch `runner` onto the kernels; returns (and keeps in `runner.kernels`) what runs on
+    them. A native forward that drifts falls back to transformers' (`native`: stops the start)."""
     runner.kernels = _switch(runner, gguf_blocks)
     return runner.kernels
 

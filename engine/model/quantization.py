@@ -1,23 +1,8 @@
-"""Weight-only quantization of a Hugging Face checkpoint's linear layers (`--quantization`).
-
-It changes the served model, on purpose and once: at load, every float32 `nn.Linear` weight of
-both models is replaced by its rounded values, and from then on every path (the native or the
-transformers forward, the reference attention, the CPU kernels) computes that one model.
-Speculation stays lossless with respect to it: the draft proposes, the rounded target decides.
-Activations, the KV cache and the sums stay float32.
-
-- `bf16`: each weight rounded to the nearest bfloat16 (round to nearest even). The CPU
-  kernels read such weights from bfloat16 panels and widen them exactly (engine/cpu/linear.py).
-- `int8`: GGUF's Q8_0 layout: per block of 32 weights along a row, a float16 scale
-  d = max|w| / 127 and 32 int8 values round(w / d). Run on gemm_quant.c's Q8_0 kernel.
-- `int4`: GGUF's Q4_1 layout: per block of 32, a float16 scale and a float16 minimum and 32
-  4-bit values. The LM head is rounded to int8 instead, as llama.cpp's 4-bit mixes keep their
-  output layer at higher precision: a 4-bit head costs the most quality per byte saved.
-
-The blocks are computed with the reference quantizers of the `gguf` package, so an `int8`
-model holds the weights `llama-quantize` would write as Q8_0 from the same checkpoint. An
-embedding tied to the LM head takes the head's rounded values too (one tensor).
-"""
+"""Weight-only quantization of the linear layers (`--quantization`): at load, every float32
+`nn.Linear` weight is replaced once by its rounded values (bf16, GGUF Q8_0 blocks for int8, Q4_1
+for int4 with the LM head in int8, since a 4-bit head costs the most quality per byte), so every
+path computes that one model and speculation stays lossless with respect to it. The blocks come
+from the `gguf` package's reference quantizers."""
 
 from __future__ import annotations
 
@@ -58,9 +43,9 @@ def check_runs_here(flag: str, method: str, device: torch.device, dtype: torch.d
 
 @torch.no_grad()
 def round_weights(model: nn.Module, method: str) -> dict[str, int]:
-    """Replace, in place, the weight of every float32 `nn.Linear` of `model` by the values
-    `method` serves; returns how many layers went to each format. A layer whose input width
-    is not a multiple of 32 cannot take int8/int4 blocks and is rounded to bfloat16 instead."""
+    """Round, in place, every float32 `nn.Linear` weight of `model` as `method` serves it;
+    returns how many layers went to each format (bfloat16 where the width is not a multiple of
+    32)."""
     if method not in METHODS:
         raise ValueError(f"--quantization must be one of {', '.join(METHODS)} (got {method!r})")
     if method == "none":
@@ -87,10 +72,9 @@ def round_weights(model: nn.Module, method: str) -> dict[str, int]:
 
 
 def use_blocks(module: nn.Module, method: str) -> dict[str, int]:
-    """Switch every `PackedLinear` of `module` (weights rounded by `round_weights`, possibly
-    fused since) onto the kernel blocks that hold exactly its weights; returns how many layers
-    went to each type. A layer whose weights no block type reproduces exactly stays on its
-    float panels: same outputs, more bytes."""
+    """Switch every `PackedLinear` of `module` (rounded by `round_weights`) onto the blocks
+    that hold exactly its weights; returns how many layers went to each type. A layer no block
+    type reproduces exactly stays on its float panels."""
     if method not in _BLOCKS:
         return {}
     switched: dict[str, int] = {}

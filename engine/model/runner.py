@@ -1,17 +1,9 @@
-"""Runs one Hugging Face causal LM on the paged KV cache. No policy lives here.
+"""Runs one Hugging Face causal LM on the paged KV cache; no policy lives here.
 
-The runner loads any `AutoModelForCausalLM` whose attention goes through transformers'
-AttentionInterface, owns that model's KV tensors, and turns a list of `SeqInput`s (what each
-request feeds this step) into one packed forward that returns the logits asked for. Small
-batches (each request feeding a few tokens: decodes, verifications, draft passes and trees)
-can run on fixed shapes (CUDA graphs on CUDA; engine/model/decode_graphs.py) once
-`enable_decode_graphs` has been called. For
-architectures registered in engine/model/native/, the pass can run Tandem's own forward on the same
-weights (`model_impl`), checked against transformers' on a probe batch first.
-
-A model directory may hold `head_tokens.json`: the runner then computes logits for those
-tokens only (engine/model/head.py).
-"""
+The runner owns the model's KV tensors and turns a list of `SeqInput`s into one packed forward
+that returns the logits asked for: through transformers' AttentionInterface, or Tandem's own
+forward for architectures in engine/model/native/ (`model_impl`), and for small steps on fixed
+shapes (engine/model/decode_graphs.py)."""
 
 from __future__ import annotations
 
@@ -226,11 +218,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def enable_decode_graphs(self, max_batch: int, max_query_len: int, max_model_len: int) -> bool:
-        """Run batches of up to max_batch requests that each feed at most max_query_len
-        tokens on padded fixed shapes, captured as CUDA graphs on CUDA. Call after
-        allocate_kv. Needs a graph-safe backend (triton: its metadata is all tensors) and a
-        model whose logits are its LM head applied to its body's output; returns whether it
-        is on."""
+        """Run small batches on padded fixed shapes (CUDA graphs on CUDA); call after
+        allocate_kv. Needs a graph-safe backend and a model whose logits are its LM head on its
+        body's output; returns whether it is on."""
         if not self.attention_backend.graph_safe:
             return False
         if self.native is None and not self._head_is_plain():

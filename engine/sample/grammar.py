@@ -1,24 +1,12 @@
 """Structured output: grammars compiled by llguidance, one matcher per constrained request.
 
-A constrained request's every sampled position is masked to the tokens its grammar allows
-after the output so far plus the drafts before that position (`RowSpec.prior_drafts`), in
-the draft model's rows and the target's alike (engine/sample/sampler.py applies the mask).
-The target's verified distribution at each position is therefore the target's distribution
-constrained by the grammar, and rejection sampling against it keeps the output exactly that
-distribution; greedy output is the constrained argmax, whatever was drafted.
-
-`GrammarState` keeps one llguidance matcher per request. The matcher follows the emitted
-output (`commit`) and, during a step, the drafts being proposed or verified: asking for the
-mask after a draft prefix rolls the matcher back to the longest prefix it shares with what it
-holds and consumes the rest. llguidance rolls back cheaply, which is what speculation needs:
-after verification the rejected drafts are rolled back and the emitted tokens committed.
-
-A draft the grammar refuses (an n-gram lookup, or tokens after a draft end of sequence) is
-cut off before verification (`valid_prefix`); a row after such a draft, or after the grammar
-ended, may only stop (its mask holds the end-of-sequence tokens) and is never kept.
-
-Grammars compile once per distinct spec (`Grammars`, an LRU of ready matchers copied per
-request); compiling happens in `check`, which the server runs off its event loop.
+Every sampled position of a constrained request, in the draft's rows and the target's, is
+masked to what its grammar allows after the output plus the drafts before it, so rejection
+sampling keeps the output exactly the target's constrained distribution. `GrammarState`'s
+matcher follows the committed output and rolls back cheaply to follow a step's drafts. A draft
+the grammar refuses is cut off before verification (`valid_prefix`); a row past the grammar's
+end may only stop. Grammars compile once per spec (`Grammars`, an LRU), in `check`, which the
+server runs off its event loop.
 """
 
 from __future__ import annotations

@@ -13,17 +13,12 @@ Block verification (Sun et al., ICLR 2025) decides the block jointly. With weigh
   r_i = sum_x max(0, w_i p_i(x) - q_i(x))   (the mass the target still owes after x_1..x_i),
   h_i = r_i / (r_i + 1 - w_i) for i < K,  h_K = w_K,
 it keeps x_1..x_tau for the largest tau with u_tau < h_tau (tau = 0 if none), then emits a
-token ~ norm(max(0, w_tau p_tau - q_tau)), or the bonus ~ p_K when tau = K. A draft that token
-verification would reject can still be kept when the drafts after it make up for it; the
-emitted text is distributed exactly as the target's (docs/VERIFICATION.md has the argument,
-tests/test_rejection_sampler.py checks it exactly on small vocabularies) and the expected
-number of kept drafts is never lower than token verification's. Same target pass, same
-draws; the extra work is one vocabulary-wide residual per draft.
+token ~ norm(max(0, w_tau p_tau - q_tau)), or the bonus ~ p_K when tau = K. The output is
+distributed exactly as the target's (docs/VERIFICATION.md) and keeps at least as many drafts
+as token verification, for one vocabulary-wide residual per draft.
 
-Greedy rows arrive with p one-hot at the argmax: both rules then keep drafts while they equal
-the argmax and emit the argmax, i.e. exactly the target's greedy output (so do seeded rows,
-one-hot at their coupled sample: engine/sample/sampler.py). A model-free drafter has no q:
-it is one-hot on the draft token, so acceptance is p(x) and the residual is p with x removed.
+Greedy (and seeded) rows arrive one-hot, so both rules reproduce the target's own output. A
+model-free drafter's q is one-hot on the draft token.
 """
 
 from __future__ import annotations
@@ -71,16 +66,11 @@ def emitted_tokens(
     uniform: torch.Tensor,
     method: str = "token",
 ) -> list[list[int]]:  # per request: its kept drafts, then the recovered or bonus token
-    """`rejection_sample` as lists (what the verifier reads). The per-request decisions run
-    on Python scalars (a handful per draft) and only the vocabulary-wide work on tensors: at a
-    few requests per step, a vectorised layout costs about a hundred small tensor operations.
-    The scalars are the tensors' own values (one copy to the host for all of them; on the
-    CPU read through numpy views), and float32 arithmetic is done in float32 (numpy), so the
-    decisions are the ones the tensor formulas give. On the CPU the recovered and bonus tokens
-    come from one kernel call (engine/cpu/sampling.py `sample_final`) that draws what the
-    residual's tensors and `sample_from` would: at concurrency 1 with a draft and T = 0.7 this
-    function took 0.17-0.28 ms a step against 0.55-0.71 ms for the tensor path (in-process,
-    2-core AMD EPYC, 2026-11-28)."""
+    """`rejection_sample` as lists (what the verifier reads). The per-request decisions run on
+    the tensors' own values as Python scalars, in float32 (numpy), so they match the tensor
+    formulas, and only vocabulary-wide work runs on tensors: a few requests a step would pay
+    for a vectorised layout's many small operations. On the CPU the final tokens come from one
+    kernel call that draws what the tensor path would."""
     device = target_probs.device
     batch = len(num_draft_tokens)
     row_start, draft_start, row, drafted = [], [], 0, 0
@@ -133,15 +123,25 @@ def emitted_tokens(
         for r, j in zip(rejected, reject_idx, strict=True):
             which[r] = j
         final_tokens = cpu_sampling.sample_final(
-            target_probs, final_rows, draft_probs, which,
-            [ids[j] if j >= 0 else 0 for j in which], [float(w) for w in weight],
-            [u[i] for i in last_rows],
-        )  # fmt: skip
+            target_probs,
+            final_rows,
+            draft_probs,
+            which,
+            tokens=[ids[j] if j >= 0 else 0 for j in which],
+            weights=[float(w) for w in weight],
+            uniform=[u[i] for i in last_rows],
+        )
     else:
         final_tokens = _final_tokens(
-            target_probs, draft_token_ids, draft_probs, final_rows, rejected, reject_idx,
-            [weight[r] for r in rejected], uniform[last_rows],
-        )  # fmt: skip
+            target_probs,
+            draft_token_ids,
+            draft_probs,
+            final_rows,
+            rejected,
+            reject_idx,
+            weights=[weight[r] for r in rejected],
+            uniform=uniform[last_rows],
+        )
     return [
         ids[draft_start[r] : draft_start[r] + kept] + [token]
         for r, (kept, token) in enumerate(zip(num_kept, final_tokens, strict=True))
@@ -157,17 +157,19 @@ def verify_sampled(
     uniform: torch.Tensor,
     method: str = "token",
 ) -> list[list[int]] | None:  # as emitted_tokens; None where the CPU kernel does not apply
-    """`emitted_tokens` of softmax(logits / T) rows in one CPU kernel call
-    (engine/cpu/sampling.py `verify_sampled`): the softmax rows, the decisions and the final
-    token, with this module's arithmetic (float32 weights and tests, float64 draws). Each
-    step's few scalars and vocabulary-wide passes otherwise take a dozen tensor and numpy
-    operations, each paying for caches a forward has just emptied."""
+    """`emitted_tokens` of softmax(logits / T) rows in one CPU kernel call, with this module's
+    arithmetic: one call instead of a dozen operations on caches a forward just emptied."""
     if not _kernel_takes(logits, draft_probs):
         return None
     kept, final = cpu_sampling.verify_sampled(
-        logits, [1.0 / t for t in temperatures], draft_probs, draft_token_ids,
-        num_draft_tokens, uniform, block=method == "block",
-    )  # fmt: skip
+        logits,
+        [1.0 / t for t in temperatures],
+        draft_probs,
+        draft_token_ids,
+        num_draft_tokens,
+        uniform,
+        block=method == "block",
+    )
     out, at = [], 0
     for k, n, token in zip(num_draft_tokens, kept, final, strict=True):
         out.append(draft_token_ids[at : at + n] + [token])
@@ -226,9 +228,7 @@ def _block_lengths(
             ratio = _F32(p_x[j]) / max(_F32(q_x[j]), _TINY) if q_x[j] > 0 else _F32(0.0)
             w.append(min(w[-1] * ratio, _F32(1.0)))
         weights.append(w)
-    # h_i for a draft that is not its request's last (i = its position + 1 < K) and w_i > 0
-    # needs the vocabulary-wide residual r_i = sum_x max(0, w_i p_i(x) - q_i(x)): row i of
-    # the target and q_i, the distribution x_{i+1} was drawn from.
+    # h_i for i < K with w_i > 0 needs the vocabulary-wide r_i = sum_x max(0, w_i p_i - q_i).
     inner = [
         (r, i) for r, k in enumerate(num_draft_tokens) for i in range(1, k) if weights[r][i] > 0
     ]
@@ -274,10 +274,8 @@ def greedy_verify(
     target_argmax: list[int],  # per verified row, request by request (k + 1 rows each)
     draft_token_ids: list[list[int]],  # per request, its drafts
 ) -> list[list[int]]:  # per request: accepted drafts, then the recovered or bonus token
-    """`rejection_sample` for all-greedy rows without the vocabulary-wide tensors: with p
-    one-hot at the argmax, keep drafts while they equal their row's argmax, then emit the
-    argmax of the first row that did not match (or of the last row). Both verification
-    methods reduce to this on one-hot rows."""
+    """`rejection_sample` for all-greedy rows (both methods reduce to it): keep drafts while
+    they equal their row's argmax, then emit the argmax of the first row that did not match."""
     emitted, row = [], 0
     for drafts in draft_token_ids:
         n = 0

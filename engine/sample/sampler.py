@@ -1,24 +1,14 @@
 """From logits to the distribution a request samples from, plus logprobs.
 
-Every verified position of a request is a "row". A row's distribution is the request's own
-(penalties, min_tokens masking, temperature, top-k, top-p); greedy rows become one-hot at the
-argmax, which lets the rejection sampler treat greedy and sampled requests alike.
+Every verified position of a request is a "row" with the request's own processing (penalties,
+min_tokens, temperature, top-k, top-p); greedy rows become one-hot at the argmax, so the
+rejection sampler treats greedy and sampled requests alike. Sampling inverts the CDF with one
+u ~ U[0, 1) per row (not one per vocabulary entry) from the request's own generator.
 
-Sampling inverts the cumulative distribution: a row's token is the first whose cumulative
-mass exceeds u times the row's total, for one u ~ U[0, 1) per row (a token of mass 0 is never
-chosen). One draw per row, not one per vocabulary entry as an exponential race needs: on a
-49K vocabulary that race's noise was most of a sampled step's cost outside the forward. The
-draws come from the request's own generator, so a request's samples do not depend on the rest
-of the batch.
-
-A request with a `seed` is sampled differently, so that its text is the same whatever K, the
-drafts or the batch: its token at output position t is argmax_x p_t(x) / E_t(x), with
-E_t(x) ~ Exp(1) drawn from a generator keyed by (seed, t) alone (the exponential race, i.e.
-Gumbel-max: exactly a sample of p_t). Its rows become one-hot at that token, so verification
-treats them as greedy rows: a draft is kept iff it equals the target's own sample, and the
-emitted text is the one plain decoding with this seed produces. A draft model proposes with
-the same noise, argmax_x q_t(x) / E_t(x), which is how its drafts get accepted: where q_t is
-close to p_t the two races mostly pick the same token (the Gumbel coupling).
+A request with a `seed` yields the same text whatever K, drafts or batch: its token at output
+position t is argmax_x p_t(x) / E_t(x) with E_t ~ Exp(1) keyed by (seed, t) alone (an exact
+sample of p_t), and its rows become one-hot at that token. The draft proposes with the same
+noise, so where q_t is close to p_t the two races mostly agree (the Gumbel coupling).
 """
 
 from __future__ import annotations
@@ -106,11 +96,7 @@ def _masks_stops(row: RowSpec) -> bool:
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows]
     """The first index of each row's largest value (a NaN counting as the largest), as
-    `Tensor.argmax` documents it. Greedy steps pay this every step. On the CPU numpy's
-    argmax does it over a 49K vocabulary in 4 us a row, against 45 us for `Tensor.argmax`
-    and 62 us for `max(dim).indices`; in a process holding the default model, 9 against
-    86 us for `max(dim).indices` (2-core AMD EPYC, 2026-11-27; on the 2-core Xeon `max(dim)`
-    had taken a third of argmax's time, 24 against 62 us)."""
+    `Tensor.argmax` documents it; on the CPU through numpy, whose argmax is far cheaper."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
     return logits.max(dim=-1).indices
@@ -180,9 +166,8 @@ def _mix64(x: int) -> int:
 def position_uniforms(
     seed: int, positions: list[int], vocab: int, cache: dict[int, Any] | None = None
 ) -> list[np.ndarray]:
-    """U[0, 1) noise over the vocabulary for output positions of a seeded request, each from
-    a generator keyed by (seed, position) alone. `cache` (the request's) keeps them by
-    position, so the draft and the target, and the next step after a rejection, draw once."""
+    """U[0, 1) noise over the vocabulary per output position of a seeded request, keyed by
+    (seed, position) alone; `cache` (the request's) keeps them so each is drawn once."""
     base = _mix64(seed & _MASK64)
     cache = {} if cache is None else cache
     out = []
@@ -201,10 +186,9 @@ def coupled_tokens(
     probs: torch.Tensor,  # [n, vocab] rows of seeded requests
     rows: list[RowSpec],  # each row's request and place: its noise is (seed, output position)
 ) -> list[int]:  # argmin E / p with E = -log(u): a sample of each row, fixed by (seed, position)
-    """The exponential race without a logarithm per token: with m the race time of the most
-    likely token, a token x can only beat it if -log u(x) < m p(x), and since -log u >= 1 - u
-    that needs 1 - u(x) < m p(x). Only those few candidates get their exact race time. (Row
-    by row: vocabulary-sized temporaries stay small enough for the allocator to reuse.)"""
+    """The exponential race without a logarithm per token: with m the most likely token's
+    race time, x can only win if -log u(x) < m p(x), which needs 1 - u(x) < m p(x) (as
+    -log u >= 1 - u); only those few candidates get their exact time."""
     vocab = probs.shape[1]
     tokens = []
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -265,12 +249,9 @@ def request_uniforms(
 
 def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """[rows, vocab] (any non-negative mass) x [rows] U[0, 1) -> [rows] token ids distributed
-    as probs: the first token whose cumulative mass exceeds u times the row's total.
-
-    On the CPU, Tandem's kernel (engine/cpu/csrc/sample.c) does it without the row's whole
-    float64 CDF (a row of 49K: about 6 against 200 us). It sums in another order, so the two
-    paths can pick neighbouring tokens for a u within a float64 rounding of a boundary; each
-    path is the exact sampler of the distribution up to that rounding."""
+    as probs: the first token whose cumulative mass exceeds u times the row's total. The CPU
+    kernel sums in another order, so the paths may differ for a u within a float64 rounding of
+    a boundary; each is exact up to that rounding."""
     if kernel_rows(probs):
         return cpu_sampling.sample_rows(probs, uniform)
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
@@ -292,12 +273,9 @@ def sample_logits(
     temperatures: list[float],  # per row, > 0
     uniform: torch.Tensor,  # [rows] U[0, 1)
 ) -> torch.Tensor:  # [rows] token ids
-    """A token per row drawn from softmax(logits / T) with its draw u, as `sample_from` draws
-    from that softmax: a plain sampling step's whole path from logits to tokens. On the CPU
-    Tandem's kernel (engine/cpu/csrc/sample.c) samples the softmax's numerators without
-    writing the distribution out: one call instead of a division, a softmax and a sampling
-    pass, each of which pays for cold caches after a forward (a 49K row: 81 against 152 us
-    isolated, 2-core AMD EPYC, 2026-11-28)."""
+    """A token per row drawn from softmax(logits / T) as `sample_from` draws it; on the CPU one
+    kernel call that never writes the distribution out (each pass after a forward meets cold
+    caches)."""
     if kernel_rows(logits):
         return cpu_sampling.sample_logits(logits, [1.0 / t for t in temperatures], uniform)
     scale = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[:, None]

@@ -1,27 +1,16 @@
 """Lossless verification of a draft tree: the longest accepted path, then one more token.
 
-A request's tree has its last committed token at node 0 (the root) and drafts below it; a
-node's children are alternative next tokens. The target's pass gives every node a row p_v,
-its distribution of the token after v. Verification walks down from the root:
+Node 0 (the root) is the last committed token; a node's children are alternative next tokens,
+drawn from q_v without replacement, and the target gives every node a row p_v. Walking down
+from the root with r = p_v, child i (token x, drawn from q^(i): q_v without the earlier
+children, renormalised) is accepted with probability min(1, r(x) / q^(i)(x)); on rejection
+r becomes norm(max(0, r - q^(i))). When every child is rejected the walk emits a token from
+r; at a leaf, a bonus from p_leaf. This is recursive rejection sampling (Jeon et al.), exact
+for the target's distribution. A model-free drafter's children are one-hot; greedy and seeded
+rows are one-hot, so the walk keeps the path that matches the target.
 
-- at node v, with r = p_v, test v's children in the order they were drafted. A draft model
-  draws a node's children from q_v without replacement, so child i was drawn from q_v with
-  the earlier children removed and renormalised (q^(i)). Child i with token x is accepted
-  with probability min(1, r(x) / q^(i)(x)); then the walk moves to it. On rejection
-  r becomes norm(max(0, r - q^(i))) and the next child is tested;
-- when every child is rejected the walk emits a token from r; at a leaf it emits a bonus
-  token from p_leaf.
-
-This is recursive rejection sampling over drafts drawn without replacement (Jeon et al.,
-2024): the emitted tokens are distributed exactly as the target's. A model-free drafter's
-children (distinct n-gram continuations) have q^(i) one-hot on their token: a child is
-accepted with probability r(x), and a rejection removes x from r. With one child per node it
-is token verification of a chain. Greedy and seeded rows are one-hot, so the walk keeps the
-child equal to the target's token: the longest path that matches the target.
-
-A "top" tree's root (`fixed_root_children`) has the draft's top tokens as fixed children and
-one child drawn from q without them (the greedy draft sampler of Hu et al., 2025); it gets
-the verifier that reaches the optimal acceptance for those drafts (`_verify_top_drafts`).
+A "top" tree's root (`fixed_root_children`: the draft's top tokens fixed, one child drawn from
+the rest) gets the optimal verifier for those drafts (`_verify_top_drafts`).
 """
 
 from __future__ import annotations
@@ -141,12 +130,10 @@ def verify_tree(
 def _verify_top_drafts(
     tree: DraftTree, p: torch.Tensor, q: torch.Tensor, uniform: torch.Tensor
 ) -> int:
-    """The root of a "top" tree (Hu et al. 2025's greedy draft sampler: the top n - 1 tokens
-    of q fixed, the last child X drawn from q' = q without them), verified optimally: keep X
-    with probability min(1, p(X) / q'(X)); else draw y from p on the fixed tokens and
-    max(0, p - q') elsewhere. A y among the fixed tokens is that child (kept); any other y
-    is emitted. Reaches 1 - sum over x outside the top of max(0, p(x) - q'(x)), the best any
-    verifier can do with these drafts. Returns the kept child, or -1 - the emitted token."""
+    """The root of a "top" tree (top n - 1 tokens of q fixed, the last child X drawn from
+    q' = q without them), verified optimally: keep X with probability min(1, p(X) / q'(X)),
+    else draw y from p on the fixed tokens and max(0, p - q') elsewhere; a fixed y is kept,
+    any other emitted. Returns the kept child, or -1 - the emitted token."""
     children = tree.children(0)
     fixed, last = children[: tree.fixed_root_children], children[-1]
     top = [tree.tokens[c] for c in fixed]

@@ -12,17 +12,12 @@ from engine.types.request import Request
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
-    """Tokens taken from all_token_ids this step (a prefill chunk, or 1 when decoding)."""
-    num_draft_tokens: int = 0
-    """K for this request and step; the proposer may fill fewer."""
-    branches: int = 1
-    """Draft-tree candidates for the next token, each continued to depth K: the request has
-    K x branches draft slots this step."""
+    num_new_tokens: int  # from all_token_ids: a prefill chunk, or 1 when decoding
+    num_draft_tokens: int = 0  # K; the proposer may fill fewer
+    branches: int = 1  # draft-tree candidates for the next token, each to depth K
+    # Drafts that replace the proposer's this step: a grammar's forced tokens, or with
+    # `looked_up`, what followed the context's suffix earlier in it.
     forced: list[int] | None = None
-    """Drafts that replace the proposer's this step (the proposer skips the request): the
-    tokens a constrained request's grammar forces next (engine/sample/grammar.py), or, with
-    `looked_up`, what followed the context's suffix earlier in it (`speculative.ngram_assist`)."""
     looked_up: bool = False
     reason: str | None = None
     """Why K is below K_max this step (the policy's reason or the scheduler's cut), or None."""

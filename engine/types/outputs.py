@@ -21,19 +21,16 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None
-    """stop | length | abort | error (set when finished)."""
+    finish_reason: str | None = None  # stop | length | abort | error
     new_logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    """Only in the first output of a request that asked for them; the first entry is None."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # in the first output only
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
     error: str | None = None
-    error_code: str | None = None
-    """invalid_grammar when the request's own grammar failed (a 400, not an engine error)."""
+    error_code: str | None = None  # invalid_grammar: the request's own grammar failed (a 400)
 
     @classmethod
     def make(cls, request_id: str = "r0", new_token_ids: list[int] | None = None) -> RequestOutput:

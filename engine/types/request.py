@@ -1,10 +1,5 @@
-"""One mutable record per request; progress is counters, not phase flags.
-
-The KV cache holds `num_computed_tokens` tokens of `all_token_ids`. A step schedules the
-tokens after that: a prefill chunk, or (decoding) the last sampled token plus K draft tokens
-to verify. Verification is therefore just scheduling 1 + K tokens, and rejection is rolling
-`num_computed_tokens` back to what was accepted.
-"""
+"""One mutable record per request; progress is counters, not phase flags: verification is
+scheduling 1 + K tokens after `num_computed_tokens`, rejection is rolling that counter back."""
 
 from __future__ import annotations
 
@@ -26,50 +21,38 @@ class InvalidRequest(ValueError):
         self.code = code
 
 
-GREEDY_BELOW = 1e-5
-"""Temperatures below this decode greedily."""
+GREEDY_BELOW = 1e-5  # temperatures below this decode greedily
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+# Constrained JSON as json.dumps lays it out: no free whitespace, which small models fill forever.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-"""How constrained JSON is laid out (llguidance's options): as json.dumps writes it, with no
-free whitespace, which small models fill without end."""
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What a constrained request's output must match (engine/sample/grammar.py compiles it).
-
-    kind: json_schema (source: the schema as JSON text), json_object (any JSON object),
-    regex, choice (source: a JSON list of the allowed strings) or lark (llguidance's Lark
-    dialect, which may embed JSON schemas with %json)."""
+    """What a constrained request's output must match: `kind` one of GRAMMAR_KINDS, `source`
+    the schema as JSON text, a regex, a JSON list of choices, or a Lark grammar."""
 
     kind: str
     source: str = ""
-    param: str = field(default="response_format", compare=False)
-    """The request field it came from, named by the 400 a bad grammar gets."""
+    param: str = field(default="response_format", compare=False)  # named by a bad grammar's 400
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0
-    """0 (or below GREEDY_BELOW) = greedy."""
+    temperature: float = 1.0  # below GREEDY_BELOW: greedy
     top_p: float = 1.0
-    top_k: int = 0
-    """0 = no top-k cut."""
-    min_tokens: int = 0
-    """Stop tokens are masked out until this many tokens were generated."""
+    top_k: int = 0  # 0: no cut
+    min_tokens: int = 0  # stop tokens are masked until this many were generated
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: int | None = None
-    """None = none; N >= 0 = the sampled token's logprob plus the top N."""
-    prompt_logprobs: int | None = None
-    """Same for the prompt tokens (echo + logprobs); disables prefix-cache hits."""
+    logprobs: int | None = None  # N: the sampled token's logprob plus the top N
+    prompt_logprobs: int | None = None  # the same for the prompt; disables prefix-cache hits
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     grammar: GrammarSpec | None = None
-    """Structured output: every token is masked to what the grammar allows next."""
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the field (engine/types/validation.py runs this)."""
@@ -135,8 +118,7 @@ class SpecStats:
 
     drafted: int = 0
     accepted: int = 0
-    trials: int = 0
-    """Drafts actually judged: the accepted ones plus the rejection that ended each run."""
+    trials: int = 0  # drafts judged: the accepted plus the rejection that ended each run
     verify_passes: int = 0
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
@@ -165,30 +147,19 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0
-    """Tokens of all_token_ids whose K/V are in the cache (verified only)."""
-    num_draft_computed_tokens: int = 0
-    """Tokens whose K/V the draft model holds (it may lag when K was 0 for a while)."""
-    draft_features: Any = None
-    """A feature draft's store of the target's hidden states it has yet to feed
-    (engine/spec/proposers/eagle.py); None for other proposers."""
-    num_cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache at admission."""
+    num_computed_tokens: int = 0  # tokens of all_token_ids whose K/V are cached (verified)
+    num_draft_computed_tokens: int = 0  # the draft model's (it may lag when K was 0)
+    draft_features: Any = None  # a feature draft's target hidden states yet to feed
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
-    generator: torch.Generator | None = None
-    """Seeded per request so its samples do not depend on what else is in the batch."""
+    generator: torch.Generator | None = None  # seeded: samples independent of the batch
+    # A seeded request's noise by output position, kept from the draft's use to the target's.
     coupled_noise: dict[int, Any] = field(default_factory=dict)
-    """A seeded request's noise by output position (engine/sample/sampler.py), kept from the
-    draft's use to the target's and for positions a rejection leaves to the next step."""
-    prompt_logprobs: list | None = None
-    """Prompt-token logprobs gathered chunk by chunk (echo + logprobs); None until asked for."""
-    grammar: Any = None
-    """A constrained request's GrammarState (engine/sample/grammar.py): the matcher follows
-    the output, and this step's drafts while they are being proposed and verified."""
+    prompt_logprobs: list | None = None  # gathered chunk by chunk; None until asked for
+    grammar: Any = None  # a constrained request's GrammarState (engine/sample/grammar.py)
     error: str | None = None
-    error_code: str | None = None
-    """What kind of error (invalid_grammar: the request's grammar failed; None: the engine)."""
+    error_code: str | None = None  # invalid_grammar: the request's own grammar failed
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -1,12 +1,6 @@
-"""The one check of a request against what the engine can serve, raised as `InvalidRequest`.
-
-`SamplingParams.validate` checks the parameters' own ranges; `check_request` adds what only
-the engine knows (its vocabulary, context length and KV pool). The engine runs it on every
-request it is handed, and the server runs the same function through
-`EngineClient.validate` before it submits any choice of a request, so a bad prompt among
-several refuses the whole request and nothing starts. Messages follow the OpenAI API's
-wording where it has one; `param` names the field to change and `code` the error kind.
-"""
+"""The one check of a request against what the engine can serve (vocabulary, context length, KV
+pool, plus `SamplingParams.validate`), raised as `InvalidRequest`. The server runs it on every
+choice before submitting any, so one bad prompt refuses the whole request."""
 
 from __future__ import annotations
 

@@ -31,12 +31,8 @@
  * thread's next task is most often the next span of the same rows, whose first block it has
  * already asked for.
  * A group whose spans all fell to one thread is merged by it right after its last span; the
- * others after a barrier (none when no group is split).
- * `python -m bench.cpu_kernels attention-vs BASE --threads 2 --repeats 30` (the default
- * model's 30 layers, caches in memory, 2-core AMD EPYC Zen 4, 2026-11-29) against the
- * single-span kernel before: one decode over 600 and 2,000 keys 0.84x the time, one
- * verification of 2 queries 0.74x and 0.69x, over 150 keys 0.92-0.98x at c=1 and
- * 0.94-0.97x at c=16; docs/BENCHMARKS.md, "Attention in spans of keys", has the runs.
+ * others after a barrier (none when no group is split). Splitting the keys lets a few long
+ * requests use every thread (docs/BENCHMARKS.md, "Attention in spans of keys").
  *
  * Per cache block the task scores 8 keys at a time against every row (8 independent FMA
  * chains, summed across lanes by reduce8), then runs an online softmax (running max m,
@@ -47,9 +43,8 @@
  */
 #define QTILE 16
 #define MAX_BLOCK 256
-/* Keys a task attends at most (rounded down to whole blocks, at least one). Over 150 keys at
- * c=1, spans of 128 split the work 278:172 between 2 threads (3 kv heads, spans of 128 and 22
- * keys) and ran 1.01-1.08x the single-span kernel's time; spans of 64 0.92-0.98x. */
+/* Keys a task attends at most (rounded down to whole blocks, at least one): small enough that
+ * short contexts still split evenly between threads. */
 #define SPLIT_KEYS 64
 /* Partial results up to this size live on the caller's stack. */
 #define STACK_BYTES 32768
@@ -61,18 +56,8 @@
  * a token at a time in the block's p * v loop (value_rows). Asked for both at once, the
  * misses filled the core's queue while its arithmetic waited behind them; spread out, they
  * arrive while it works. A tile of one or two rows has too little arithmetic a block to hide
- * them behind and asks for both at the block's start.
- *
- * `python -m bench.cpu_kernels attention-pass --threads 2` (the default model's 30 layers, every
- * layer's cache in memory), run at the commit before and after this in turn, three runs each,
- * a 2-core AMD EPYC (Zen 4), 2026-11-27, bits unchanged: 16 decodes over 150 keys 5.3 against
- * 6.1-6.2 ms a pass, over 400 keys 13.2-13.5 against 15.2; 16 verifications of 5 queries over
- * 150 keys 11.2-11.3 against 12.1; one decode the same (0.36 ms over 150 keys); one request's
- * 5 queries 0.89 against 0.84 (tiles of 4 rows spread their requests, with less to hide
- * them behind). docs/BENCHMARKS.md, "The C attention over a pass", has the table.
- * Before, asking one block ahead at all had taken 16 decodes over 150 keys from 10.1-12.0 to
- * 6.2-8.8 ms. In trials, two blocks ahead did no better, and the L1 hint (prefetcht0) gained
- * 1-9% (likely: more lines than L1 keeps in flight). */
+ * them behind and asks for both at the block's start. One block ahead is enough; the outer
+ * caches, not L1, because a block is more lines than L1 keeps in flight. */
 INLINE void prefetch_rows(const int kv, const void *base, int64_t at, int64_t tokens,
                           int64_t ks, int64_t D) {
   const int64_t size = kv == KV_F32 ? 4 : 2; /* bytes an element */
@@ -85,11 +70,7 @@ INLINE void prefetch_rows(const int kv, const void *base, int64_t at, int64_t to
 
 /* Rows that share each key or value load: two where there are 32 vector registers (their 16
  * accumulators and the loads fit), else one. A row's arithmetic is the same either way (the
- * outputs are the same bits). One layer of the default model's shapes with its cache in L2, 2
- * threads, a 2-core AMD EPYC (Zen 4), 2026-11-27, three runs alternated with one row at a
- * time: 16 decodes over 400 keys 186-212 us against 207-222, 16 verifications of 5 queries
- * over 150 keys 309-329 against 348-379. With the cache in memory (`python -m
- * bench.cpu_kernels attention-pass`) the memory's speed hid the difference. */
+ * outputs are the same bits); pairs halve the loads when the cache is in L2. */
 #ifdef __AVX512F__
 #define PAIR 2
 #else

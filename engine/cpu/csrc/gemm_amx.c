@@ -1,8 +1,8 @@
 #include "vec.h"
 
 /* ---------------------------------------------------------------------------------------
- * gemm_quant.c's GGUF linears (Q4_1, Q8_0) on AMX tiles, Intel's matrix unit (Sapphire
- * Rapids and later), for calls of AMX_MIN_ROWS rows of x or more; the same panels.
+ * gemm_quant.c's GGUF linears (Q4_1, Q8_0) on AMX tiles, the matrix unit of recent Intel
+ * CPUs, for calls of AMX_MIN_ROWS rows of x or more; the same panels.
  *
  * Why: gemm_quant.c widens every weight to float32 and spends a vector multiply-add per 16
  * weights and row of x. A pass of a few rows is bound by reading the weights, but from about
@@ -38,8 +38,7 @@
 #define AROWS 16  /* rows of x per tile pass */
 #define APANELS 2 /* panels per pass, each with its own B and C tiles (A is shared) */
 /* Blocks ahead whose quants are prefetched: the tile work per block leaves the hardware
- * prefetcher behind (in a trial with every call on tiles, a one-token pass of the default
- * model took 6.5-6.8 ms without it, 5.0-5.6 ms with it). */
+ * prefetcher behind. */
 #define PREFETCH 4
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18

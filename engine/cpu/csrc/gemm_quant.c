@@ -14,8 +14,7 @@
  * matrix of the dequantized weights would be (as close to the exact sum in
  * tests/test_cpu_kernels.py, from a few blocks on closer). No weight is dequantized: per 16
  * weights a mask and a conversion (Q4_1) widen the quants, and each row of x costs one
- * multiply-add (dequantizing w = d * q + m first was one more per 16 weights: 10-17% slower
- * at 1-3 rows).
+ * multiply-add (dequantizing w = d * q + m first would cost one more per 16 weights).
  * Every tile shape sums a row the same way, so a row's result does not depend on the others.
  * engine/cpu/panels.py repacks the blocks once into panels of QPANEL output rows, so a
  * vector lane is an output column (as in gemm.c) and one unpacked vector of weights serves
@@ -29,9 +28,7 @@
  * The scales stay the file's float16 and are widened in registers (exact), so the kernel
  * reads the file's own 5 (Q4_1) or 8.5 (Q8_0) bits per weight instead of float32's 32 (widened
  * scales were a sixth more bytes). A one-row pass is then bound by the memory or by these
- * instructions, by the machine: on a 2-core Zen 4 EPYC of 2026-11-29 the weights took about
- * as long from the caches as from memory (docs/BENCHMARKS.md, "The Q4_1 quants widened by a
- * mask").
+ * instructions, depending on the machine.
  */
 #define QPANEL 16
 #define QBLOCK 32
@@ -131,12 +128,8 @@ INLINE v16 q8_quants_row(const uint8_t *quants, int k) {
  * sums of q * 2^s * x are then 2^s times the sums of q * x, rounded alike (a power of 2
  * scales each rounding exactly), and the block's scale d times 2^-s (exact) undoes it: the
  * same bits as shifting each nibble down first (unless a block's sum of q * x passes 2^100,
- * where 2^s times it overflows; as the AVX2 tile below). Shifting down took a shift and a
- * permute per 16 weights (a permute of 0..15 by the shifted word); the mask is the same bits
- * and cheaper: on a 2-core AMD EPYC (Zen 4), 2026-11-29, `python -m bench.cpu_kernels gguf-vs
- * BASE --rows 1 2 3 5 16 --threads 2 --repeats 60` against the shift (four runs, 1 and 2
- * threads) gave 0.95-0.98x the time at 1 row, 0.91-0.96x at 2-16 rows, and the same outputs
- * (docs/BENCHMARKS.md, "The Q4_1 quants widened by a mask"). */
+ * where 2^s times it overflows; as the AVX2 tile below). The mask gives the same bits as
+ * shifting each nibble down, without a shift and a permute per 16 weights. */
 INLINE v16 q4_quants(const uint8_t *quants, int k) {
   uint64_t bytes;
   memcpy(&bytes, quants + k * 8, 8);
@@ -158,15 +151,8 @@ INLINE v16 q4_quants(const uint8_t *quants, int k) {
  * the first block for blocks 0..QAHEAD as well. A tile reads its panels as np streams that
  * each cross a 4 KiB page every 13 (Q4_1) or 8 (Q8_0) blocks, where the hardware prefetcher
  * (likely) loses them, and a tile of few rows does too little work per block to hide a miss.
- * On this repository's 2-core AVX-512 machine, alternated (`python -m bench.cpu_kernels gguf
- * --rows 1 2 4 --threads 2`): the default model's linears at 1 row 3.6-3.8 ms against
- * 3.8-4.9 without, 2 and 4 rows 5-10% faster. Prefetching only ahead, without the first
- * blocks, gained about half of that; 2 or 6 blocks ahead did no better than 4.
- * The hint is for the outer caches (prefetcht2), not L1 (prefetcht0): on a 2-core AMD EPYC
- * (Zen 4), 2026-11-26, `python -m bench.cpu_kernels gguf --rows 1 2 5 16 --threads 2` at 1 row
- * took 4.1-4.3 ms against 6.1-6.7 ms with
- * prefetcht0, and the LM head alone 0.85-0.99 against 1.4 ms (likely: 4 blocks of 4 panels
- * ahead are more lines than L1 keeps in flight, and there they held up the tile's loads). */
+ * The hint is for the outer caches (prefetcht2), not L1: blocks of several panels ahead are
+ * more lines than L1 keeps in flight, and there they would hold up the tile's loads. */
 INLINE void prefetch_blocks(const int type, const int np, const uint8_t *panel,
                             int64_t pstride, int64_t b, int64_t nb) {
   prefetch_panels(panel, np, pstride, block_bytes(type), b, nb, QAHEAD);
@@ -175,9 +161,8 @@ INLINE void prefetch_blocks(const int type, const int np, const uint8_t *panel,
 #if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
 /* AVX2 (no AVX-512): a panel's 16 columns are two 8-lane vectors, h = 0 (columns 0-7) and
  * h = 1 (8-15), and the quants are widened with AVX2's own instructions. Written with the
- * 16-lane types, as below, GCC 12 split each vector through the stack: on a 2-core AMD EPYC
- * (Zen 3, AVX2) the default model's linears took ~100 ms at 1 row (`python -m
- * bench.cpu_kernels gguf --rows 1 --threads 2`). Same products, sums and order per column. */
+ * 16-lane types, as below, GCC splits each vector through the stack on AVX2, far slower.
+ * Same products, sums and order per column. */
 #define HALF 8
 
 /* Q8_0: row k's 16 quants (16 int8s), as float32, in two halves. */
@@ -352,12 +337,9 @@ INLINE void quant_tile(const int type, const int np, const int rows, const float
 
 /* Panels per tile of `rows` rows. A row and panel has two accumulators, the block's sum and
  * the total; the totals are touched once a block, so where the registers run short (AVX-512
- * from 3 rows of 4 panels) the compiler keeps them in memory for little. Measured, 2 threads,
- * the default model's linears (`python -m bench.cpu_kernels gguf`): 4 panels up to 4 rows
- * beat 2 panels at 3-4 rows and 1 at 5 (4.85 against 5.89 ms at 3 rows). AVX2 (16
- * registers): 2 panels up to 2 rows, 1 from 3; on a 2-core AMD EPYC (Zen 3), 2026-11-28,
- * `python -m bench.cpu_kernels gguf-vs BASE --rows 2 --repeats 100` with 1 panel at 2 rows
- * took 1.13x the time (2 threads; 1.14x with 1), and 2 panels at 3 rows 1.03x. */
+ * from 3 rows of 4 panels) the compiler keeps them in memory for little. More panels share
+ * each row's loads until the accumulators outgrow the registers: AVX-512 4 panels up to 4
+ * rows, AVX2 (16 registers) 2 up to 2 rows; 1 beyond (`python -m bench.cpu_kernels gguf`). */
 INLINE int tile_panels(const int rows) {
 #if QROWS == 8
   return rows <= 4 ? 4 : 2;
@@ -457,9 +439,8 @@ static const float *block_sums(const float *x, int64_t M, int64_t K) {
 
 /* Calls of this many rows of x or more run on AMX tiles where the CPU has them (gemm_amx.c:
  * the same sums in another rounding order). 6: at concurrency 1 a step decodes 1 token or
- * verifies 1 + at most 4 by default, so those steps keep this kernel's numbers; at 16 rows
- * the default model's linears take 12 ms on the tiles against 19 ms here (2 threads,
- * `python -m bench.cpu_kernels gguf`). */
+ * verifies 1 + at most 4 by default, so those steps keep this kernel's numbers; from about
+ * ten rows the tiles' multiply-adds win. */
 #define AMX_MIN_ROWS 6
 int tandem_amx_active(void);
 void tandem_amx_linear(int q4, int64_t stride, const float *x, const uint8_t *panels,

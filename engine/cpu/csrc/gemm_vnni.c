@@ -10,12 +10,7 @@
  * float32: per 16 weights a shift and a permute (Q4_1) or a widening load and a conversion
  * (Q8_0), then a multiply-add per row of x. VPDPBUSD multiplies 64 unsigned bytes by 64
  * signed bytes and adds the products four by four into 16 int32 lanes: per 64 weights a
- * permute and one or two bit operations, then three instructions per row of x. On a 2-core
- * AMD EPYC (Zen 4), the default model's linears and head (`python -m bench.cpu_kernels gguf
- * --rows 1 2 5 16 --threads 2`, 2026-11-26, three runs): 1 row 4.1-4.4 ms against 4.3-4.7 in
- * float32 (a one-row pass is near the memory's speed either way), 2 rows 5.2-5.6 against
- * 5.3-5.6, 5 rows 9.4-10.3 against 10.2-10.6, 16 rows 22.8-23.0 against 26.1 (a third run
- * of 16 rows, 34.7 against 31.8, came in a slow stretch of the machine).
+ * permute and one or two bit operations, then three instructions per row of x.
  *
  * Exactness: per row of x and block of 32, x is scaled to integers of at most 23 bits plus
  * sign, X_k = round(x_k * L / max|x|) with L = 8355710 and s = max|x| / L, and X is split
@@ -37,14 +32,9 @@
  * 32 * (c % 2) + 4 * (c / 2) of row k's 8 bytes) the bytes holding the nibbles, then a
  * per-lane shift and a mask.
  *
- * Off by default since 2026-11-28: gemm_quant.c's float32 kernel has got faster since the
- * figures above (the guided schedule, the prefetches), and on the 2-core AMD EPYC (Zen 4)
- * it is now within 4% at 1 row and faster at every other count (`python -m bench.cpu_kernels
- * gguf --rows 1 2 3 4 5 --threads 2`, three runs: 1 row 2.64-2.75 ms against 2.54-2.68 here,
- * 2 rows 2.71-2.76 against 3.01-3.16, 3 rows 2.96-3.02 against 3.29-3.46, 5 rows 3.93-3.99
- * against 5.05-5.13; 16 rows 10.4 against 12.4-12.5). A verification pass of 2-5 rows is
- * the commonest call after a decode at concurrency 1. `TANDEM_VNNI=1` in the environment
- * turns it on (a CPU not measured here, e.g. an Intel one, may do better with it).
+ * Off by default: gemm_quant.c's float32 kernel is as fast at 1 row and faster at the 2-5
+ * rows of a verification pass on the machines measured (docs/BENCHMARKS.md).
+ * `TANDEM_VNNI=1` in the environment turns it on.
  */
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -274,12 +264,8 @@ void tandem_vnni_linear(const int q4, const float *x, const float *xsum, const u
    * quarter..., the last ones one at a time. So each reads the weights as one long stream
    * (the prefetcher keeps up, and the tile prefetches into its successor), and a worker the
    * OS preempts (the server's event loop shares these cores) is made up for at the end.
-   * Handed out one at a time instead (dynamic), the workers' reads interleave work item by
-   * work item. On a 2-core AMD EPYC (Zen 4), 2026-11-27, `python -m bench.cpu_kernels gguf
-   * --rows 1 2 3 4 --threads 2` at 5227e0d and at this change in turn, three times: in two
-   * of the three pairs 1 row 5.1 -> 3.7-3.9 ms, 2 rows 5.7-7.6 -> 4.5-4.8, 3 rows 9.9-10.3
-   * -> 5.7-6.3, 4 rows 12.1-12.3 -> 6.6-6.8; the first pair caught the change in a slow
-   * spell of the machine (4.9, 7.0, 9.4, 9.1 against 4.1, 5.5, 7.3, 8.0). */
+   * Handed out one at a time instead (dynamic), the workers' reads would interleave work
+   * item by work item. */
 #pragma omp parallel for num_threads(nthreads) schedule(guided, 1) if (nthreads > 1)
   for (int64_t g = 0; g < num_groups; g++) {
     const int64_t p0 = g * group;

@@ -4,8 +4,7 @@
  * Inverse-CDF sampling, row by row: for each row of non-negative mass p[vocab] and a draw
  * u in [0, 1), the first index i whose cumulative mass exceeds u times the row's total
  * (engine/sample/sampler.py `sample_from`, whose torch path builds the whole float64 CDF of
- * every row: about 200 us a row over a 49K vocabulary on the 2-core Xeon, most of a sampled
- * step's verification).
+ * every row).
  *
  * Here the mass is summed in float64 by blocks of SAMPLE_BLOCK (8 lanes each, then the lanes
  * in order), the block totals in order give the row's total and the block the point falls in,
@@ -91,9 +90,8 @@ void tandem_sample_rows(const float *probs, const double *uniform, int64_t rows,
  * or all -inf, or a +inf logit has no finite mass: out is vocab, as sample_rows answers for
  * torch's softmax of such a row (NaN throughout). */
 
-/* w[i] = exp((x[i] - m) * inv_t), i < n <= SAMPLE_BLOCK: 16 lanes at a time (vec.h exp16).
- * Drawing from a 49K row of logits (tandem_sample_logits, warm caches) took 41 us with 8
- * lanes and 31 us with 16 (2-core AMD EPYC Zen 5, 2026-11-29). */
+/* w[i] = exp((x[i] - m) * inv_t), i < n <= SAMPLE_BLOCK: 16 lanes at a time (vec.h exp16),
+ * fewer dependent steps than 8. */
 static void block_weights(const float *x, int64_t n, float m, float inv_t, float *w) {
   const v8 vm = splat(m), vt = splat(inv_t);
   int64_t i = 0;

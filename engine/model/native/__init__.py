@@ -1,19 +1,11 @@
-"""Tandem's own forward passes for common architectures (`--model-impl`).
+"""Tandem's own forward passes for registered architectures (`--model-impl`), on the loaded
+Hugging Face weights: fewer operators and far less Python per pass than transformers, which is
+most of a small model's cost on the CPU.
 
-Any `AutoModelForCausalLM` runs through transformers with Tandem's paged attention plugged
-into its AttentionInterface (engine/attention/paged.py). For the architectures registered here the
-runner can instead run a forward written for the packed batch, on the same loaded weights:
-fewer operators and far less Python per pass, which is most of a small model's cost on the
-CPU. `auto` uses it when the architecture is registered, its configuration is supported and
-it gives transformers' logits on a probe batch (engine/model/runner.py); `transformers`
-never uses it; `native` insists on it.
-
-Rules for an implementation: build from the loaded Hugging Face model and share its weights;
+Rules for an implementation: build from the loaded model and share its weights;
 `forward(input_ids [tokens], positions [tokens], metadata)` returns the body's hidden states
-[tokens, hidden] for the packed batch, writing each layer's new keys/values into
-`metadata.kv_caches` at `metadata.slot_mapping` and attending through `metadata.backend`,
-exactly as the Hugging Face path does; `logits(hidden [rows, hidden])` returns [rows, vocab].
-"""
+[tokens, hidden], writing each layer's keys/values at `metadata.slot_mapping` and attending
+through `metadata.backend`; `logits(hidden [rows, hidden])` returns [rows, vocab]."""
 
 from __future__ import annotations
 

@@ -1,24 +1,8 @@
-"""A CPU pass built straight from the runner's lists, for batches the C layer stack takes whole.
-
-`ModelRunner.forward` normally turns a batch into an AttentionMetadata (a slot tensor, the
-attention kernel's tables and lengths, each its own tensor) and runs the native forward's
-embedding operator on an id tensor. When every request is one the C attention kernel takes
-(at most `MAX_KERNEL_QUERY` tokens, no draft tree) and the native forward runs its layers in
-one C call (`LlamaForward.run_stack`), none of that is needed: here the batch's integers
-(positions, cache slots, query starts and lengths, context lengths, block tables) go into one
-numpy array that the C batch points into, and a plain embedding's rows are copied by numpy
-indexing (an input layer of another kind runs as a module). When every row is a logit row (a
-decode, a verification), the final norm and the LM head run in the same C call. The kernels
-and their inputs are the same, so the numbers are the same bits (tests/test_native_models.py
-compares the paths).
-
-Why: right after a pass has streamed the weights through the caches, the host code before the
-next pass costs by the operations it runs, each one's code and data coming from memory again.
-On the default pair at concurrency 1 (2-core AMD EPYC, 2026-11-28; passes over 150 cached
-tokens, the two paths alternating pass by pass, 1,480 each, medians of two runs), a one-token
-target pass took 7.29-7.43 ms against 7.58-7.91 on the metadata path, and a draft pass
-0.73-0.78 ms against 0.87-0.92 (docs/BENCHMARKS.md, "A c=1 step's host code").
-"""
+"""A CPU pass built straight from the runner's lists, for batches the C layer stack takes whole
+(no draft tree, at most `MAX_KERNEL_QUERY` tokens a request): the batch's integers go into one
+numpy array the C batch points into, with no AttentionMetadata tensors, because right after a
+pass has streamed the weights, host code costs by the operations it runs. Same kernels and
+inputs, so the same bits as the metadata path."""
 
 from __future__ import annotations
 
@@ -70,10 +54,21 @@ def forward_lists(
     ints = np.array(positions + slots + starts + query_lens + context_lens + padded, np.int64)
     at = ints.ctypes.data
     batch = cpu_kernels.Batch(
-        at, at + 8 * n, stack.cos, stack.sin, at + 8 * (2 * n + 3 * seqs), width,
-        at + 8 * 2 * n, at + 8 * (2 * n + seqs), at + 8 * (2 * n + 2 * seqs),
-        seqs, bs, None, None, stack.kv_type,
-    )  # fmt: skip
+        positions=at,
+        slots=at + 8 * n,
+        cos=stack.cos,
+        sin=stack.sin,
+        tables=at + 8 * (2 * n + 3 * seqs),
+        width=width,
+        q_starts=at + 8 * 2 * n,
+        q_lens=at + 8 * (2 * n + seqs),
+        ctx_lens=at + 8 * (2 * n + 2 * seqs),
+        num_seqs=seqs,
+        block_size=bs,
+        tree=None,
+        tree_base=None,
+        kv_type=stack.kv_type,
+    )
     if stack.embed_rows is not None:  # a plain lookup: the rows, copied
         hidden = torch.from_numpy(stack.embed_rows[token_ids])
     else:  # an input layer of its own (a feature draft's: engine/spec/proposers/eagle.py)

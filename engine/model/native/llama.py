@@ -1,19 +1,7 @@
-"""The Llama family's forward pass, written for Tandem's packed batch.
-
-Covers `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` (q/k/v biases) and
-`Qwen3ForCausalLM` (per-head q/k norms): a pre-norm decoder of RMSNorm, rotary attention and a
-gated SiLU MLP. The weights are the loaded Hugging Face model's own. q/k/v and gate/up are each
-fused into one linear layer, and the Hugging Face projections are re-pointed at slices of the
-fused weights, so both forwards keep working and no weight is stored twice.
-
-Why not just call the Hugging Face module: on the CPU, a small model's pass is dominated by
-per-call Python, not arithmetic. The default draft (2 layers) runs about 670 torch operators
-in 1.2 ms per pass through transformers' Llama, against 0.7 ms here; a verification pass
-saves one linear call per layer for q/k/v and one for gate/up. The runner checks this forward
-against transformers' on a probe batch before using it (engine/model/native/__init__.py).
-On CUDA the same is true of kernel launches rather than Python: `forward_triton` runs a
-layer as about nine kernels (engine/model/native/triton_ops.py) instead of about 35.
-"""
+"""The Llama family's forward pass (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with q/k
+norms), written for the packed batch on the loaded model's weights. q/k/v and gate/up are fused,
+and the Hugging Face projections re-pointed at slices of the fused weights, so both forwards
+keep working and no weight is stored twice."""
 
 from __future__ import annotations
 
@@ -136,9 +124,7 @@ class _Layer(nn.Module):
         sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """`forward` on CUDA through engine/model/native/triton_ops.py: the norms, rotary +
-        cache write and SiLU x up as one kernel each, the residuals added in the GEMMs.
-        Needs no q/k norms and no biases on o_proj and down_proj."""
+        """`forward` on CUDA through triton_ops; needs no q/k norms and no o/down biases."""
         from engine.model.native import triton_ops
 
         n, heads, d = hidden.shape[0], self.num_heads, self.head_dim
@@ -146,9 +132,17 @@ class _Layer(nn.Module):
         qkv = self.qkv(triton_ops.rms_norm(hidden, norm.weight, norm.variance_epsilon))
         key_cache, value_cache = metadata.kv_caches[self.layer_idx]
         q = triton_ops.rotary_cache(
-            qkv, cos, sin, positions, metadata.slot_mapping, key_cache, value_cache,
-            heads, self.num_kv_heads, d,
-        )  # fmt: skip
+            qkv,
+            cos,
+            sin,
+            positions,
+            metadata.slot_mapping,
+            key_cache,
+            value_cache,
+            heads,
+            self.num_kv_heads,
+            d,
+        )
         attn = metadata.backend.attend(q, key_cache, value_cache, metadata, self.scaling)
         hidden = torch.addmm(hidden, attn.view(n, heads * d), self.o_proj.weight.t())
         norm = self.post_norm
@@ -163,17 +157,22 @@ class _Layer(nn.Module):
         sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """`forward` through Tandem's C kernels: one call per step (norms, projections with
-        the residual added in the GEMM, rotary + cache write, SiLU x up) instead of chains
-        of torch operators. Needs packed linears and no q/k norms."""
+        """`forward` through the C kernels, one call per step; needs packed linears and no q/k
+        norms."""
         n = hidden.shape[0]
         norm = self.input_norm
         x = cpu_kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon)
         key_cache, value_cache = metadata.kv_caches[self.layer_idx]
         q = cpu_kernels.rotary_cache(
-            self.qkv.rows(x), positions, metadata.slot_mapping, cos, sin, self.num_heads,
-            key_cache, value_cache,
-        )  # fmt: skip
+            self.qkv.rows(x),
+            positions,
+            metadata.slot_mapping,
+            cos,
+            sin,
+            self.num_heads,
+            key_cache,
+            value_cache,
+        )
         attn = metadata.backend.attend(q, key_cache, value_cache, metadata, self.scaling)
         hidden = self.o_proj.rows(attn.reshape(n, self.num_heads * self.head_dim), hidden)
         norm = self.post_norm
@@ -197,8 +196,7 @@ class LlamaForward(nn.Module):
         )
         self.norm = base.norm
         self.lm_head = hf_model.get_output_embeddings()
-        # cos/sin for every position, computed once in float32 as transformers computes them
-        # per step (then cast to the model's dtype, as it does).
+        # cos/sin for every position, in float32 then cast, as transformers computes them per step
         rope = base.rotary_emb
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         inv_freq = rope.inv_freq.detach().to("cpu", torch.float32)
@@ -210,11 +208,10 @@ class LlamaForward(nn.Module):
         self.register_buffer("sin", (emb.sin() * scaling).to(device, dtype), persistent=False)
         self.cpu_kernels = self.triton_ops = self.one_call = False
         self._stack: LayerStack | None = None
-        """What `cpu_kernels.layers` needs; see `layer_stack`."""
 
     def use_cpu_kernels(self) -> bool:
-        """Pack the linears and run each layer through `_Layer.forward_cpu` (float32 on the
-        CPU, no q/k norms); False, changing nothing, where that does not apply."""
+        """Pack the linears and run each layer through `_Layer.forward_cpu`; False, changing
+        nothing, where that does not apply."""
         weight = self.embed_tokens.weight
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             return False
@@ -223,17 +220,23 @@ class LlamaForward(nn.Module):
         pack_linears(self)
         self.cpu_kernels = True
         shapes = {
-            (x.num_heads, x.num_kv_heads, x.head_dim, x.intermediate, x.scaling,
-             x.input_norm.variance_epsilon, x.post_norm.variance_epsilon)
+            (
+                x.num_heads,
+                x.num_kv_heads,
+                x.head_dim,
+                x.intermediate,
+                x.scaling,
+                x.input_norm.variance_epsilon,
+                x.post_norm.variance_epsilon,
+            )
             for x in self.layers
-        }  # fmt: skip
-        self.one_call = len(shapes) == 1
-        """Whether `_forward_stack` may run the layers: they share shapes and norm epsilon."""
+        }
+        self.one_call = len(shapes) == 1  # `_forward_stack` needs one shape for every layer
         return True
 
     def use_triton_ops(self) -> bool:
-        """Run each layer through `_Layer.forward_triton` (CUDA with Triton, no q/k norms, no
-        o/down biases); False, changing nothing, where that does not apply."""
+        """Run each layer through `_Layer.forward_triton`; False, changing nothing, where that
+        does not apply."""
         from engine.attention.backends import triton_available
 
         layers_ok = all(
@@ -269,18 +272,24 @@ class LlamaForward(nn.Module):
     def _forward_stack(
         self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        """`forward` on the C kernels as one call (cpu_kernels.layers): the steps of
-        `_Layer.forward_cpu`, same kernels in the same order, without Python between them."""
+        """`forward` as one C call: `_Layer.forward_cpu`'s kernels with no Python between."""
         seqs, stack = metadata.kernel_seqs, self.layer_stack(metadata.kv_caches)
         batch = cpu_kernels.Batch(
-            positions.data_ptr(), metadata.slot_mapping.data_ptr(), stack.cos, stack.sin,
-            seqs.tables.data_ptr(), seqs.tables.shape[1],
-            seqs.q_starts.data_ptr(), seqs.q_lens.data_ptr(), seqs.ctx_lens.data_ptr(),
-            seqs.tables.shape[0], stack.block_size,
+            positions.data_ptr(),
+            metadata.slot_mapping.data_ptr(),
+            stack.cos,
+            stack.sin,
+            seqs.tables.data_ptr(),
+            seqs.tables.shape[1],
+            seqs.q_starts.data_ptr(),
+            seqs.q_lens.data_ptr(),
+            seqs.ctx_lens.data_ptr(),
+            seqs.tables.shape[0],
+            stack.block_size,
             None if seqs.tree is None else seqs.tree.data_ptr(),
             None if seqs.tree_base is None else seqs.tree_base.data_ptr(),
             stack.kv_type,
-        )  # fmt: skip
+        )
         self.run_stack(hidden := hidden.contiguous(), batch, stack)
         return hidden
 
@@ -291,19 +300,22 @@ class LlamaForward(nn.Module):
         stack: LayerStack,  # `layer_stack` of the caches the batch's slots and tables index
         with_logits: bool = False,
     ) -> torch.Tensor | None:
-        """Every layer over `hidden` in one C call (cpu_kernels.layers), for `batch`'s layout
-        (from the metadata here, or from the runner's lists: engine/model/native/lists.py).
-        `with_logits`: the final norm and the LM head follow in the same call, and every
-        row's logits are returned (what `logits(hidden)` gives); else None."""
+        """Every layer over `hidden` in one C call for `batch`'s layout; `with_logits`: the
+        final norm and LM head follow and every row's logits are returned, else None."""
         head = (stack.head, stack.final_norm, stack.final_eps, stack.width) if with_logits else None
         return cpu_kernels.layers(
-            stack.layers, batch, hidden, stack.shape, stack.eps, stack.scale, head,
+            stack.layers,
+            batch,
+            hidden,
+            stack.shape,
+            stack.eps,
+            stack.scale,
+            head,
             scratch=stack.scratch_for,
-        )  # fmt: skip
+        )
 
     def layer_stack(self, kv_caches: list) -> LayerStack:
-        """What `run_stack`'s call needs (engine/model/native/stack.py), built again when the
-        caches or any packed panels changed."""
+        """What `run_stack` needs, rebuilt when the caches or any packed panels changed."""
         key = stack_key(kv_caches)
         if self._stack is None or self._stack.key != key:
             self._stack = build_stack(self, kv_caches, key)

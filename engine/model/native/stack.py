@@ -1,13 +1,6 @@
-"""What the C layer stack's call needs of a native Llama forward, built once and kept.
-
-`LlamaForward.run_stack` runs every layer in one `cpu_kernels.layers` call. Its arguments are
-the layers' weights and caches as ctypes structures, the model's shapes and epsilons, the LM
-head, the rotary tables, the cache's block size and element type, and a scratch buffer: none
-of them changes from one pass to the next until the caches are reallocated or a linear's
-panels are repacked. Read afresh for every pass they cost a few dozen Python operations, each
-of which runs on caches the previous pass has just emptied (bench/results/step_host_cpu.md);
-kept here, a pass reads one attribute per argument.
-"""
+"""The arguments of `cpu_kernels.layers` for a native Llama forward, built once and kept until
+the caches are reallocated or a linear's panels repacked, so a pass reads one attribute per
+argument instead of rebuilding them."""
 
 from __future__ import annotations
 
@@ -27,11 +20,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class LayerStack:
+    # PackedLinear.changes and the caches' list by identity, length and first/last addresses
     key: tuple
-    """PackedLinear.changes and the caches' list by identity, length and the addresses of its
-    first and last tensors (reading all ~60 addresses would cost ~30 us a pass)."""
-    layers: ctypes.Array
-    """One `cpu_kernels.Layer` per decoder layer: its packed linears, norms and caches."""
+    layers: ctypes.Array  # one `cpu_kernels.Layer` per decoder layer
     head: cpu_kernels.Weight
     shape: tuple[int, int, int, int]  # heads, kv_heads, head_dim, intermediate size
     eps: float
@@ -66,9 +57,11 @@ def build_stack(native: LlamaForward, kv_caches: list, key: tuple) -> LayerStack
     for entry, layer in zip(layers, native.layers, strict=True):
         key_cache, value_cache = kv_caches[layer.layer_idx]
         for name, linear in (
-            ("qkv", layer.qkv), ("o", layer.o_proj),
-            ("gate_up", layer.gate_up), ("down", layer.down_proj),
-        ):  # fmt: skip
+            ("qkv", layer.qkv),
+            ("o", layer.o_proj),
+            ("gate_up", layer.gate_up),
+            ("down", layer.down_proj),
+        ):
             packed: PackedLinear = linear
             weight = cpu_kernels.weight(packed.panels, packed.packed_bias, packed.quant)
             setattr(entry, name, weight)
@@ -78,11 +71,18 @@ def build_stack(native: LlamaForward, kv_caches: list, key: tuple) -> LayerStack
     lm: PackedLinear = native.lm_head
     first, key_cache, embed = native.layers[0], kv_caches[0][0], native.embed_tokens
     return LayerStack(
-        key, layers, cpu_kernels.weight(lm.panels, lm.packed_bias, lm.quant),
+        key,
+        layers,
+        cpu_kernels.weight(lm.panels, lm.packed_bias, lm.quant),
         (first.num_heads, first.num_kv_heads, first.head_dim, first.intermediate),
-        first.input_norm.variance_epsilon, first.scaling,
-        native.norm.weight, native.norm.variance_epsilon, lm.out_features,
-        native.cos.data_ptr(), native.sin.data_ptr(),
-        key_cache.shape[1], cpu_kernels.kv_type(key_cache.dtype),
+        first.input_norm.variance_epsilon,
+        first.scaling,
+        native.norm.weight,
+        native.norm.variance_epsilon,
+        lm.out_features,
+        native.cos.data_ptr(),
+        native.sin.data_ptr(),
+        key_cache.shape[1],
+        cpu_kernels.kv_type(key_cache.dtype),
         embed.weight.detach().numpy() if type(embed) is torch.nn.Embedding else None,
-    )  # fmt: skip
+    )

@@ -1,23 +1,8 @@
-"""Fused steps of the native Llama forward on CUDA, as Triton kernels.
-
-On a GPU a small model's decode pass is a chain of tiny kernels, each costing a few
-microseconds whatever its size: through torch operators a Llama layer is about 35 of them
-(an RMSNorm alone is seven: upcast, square, mean, add, rsqrt, multiply, downcast and
-scale). A CUDA graph removes the launches' host cost but not the kernels' own. These
-kernels merge them: an RMSNorm is one kernel, rotary embedding of q and k with the write of
-k and v into the paged cache is one, SiLU x up is one, and the residual adds ride in the
-projections' GEMMs (`addmm`), so a layer runs about nine.
-
-Each kernel computes what the torch operators it replaces compute, in the same precision:
-in half types the RMSNorm normalises in float32 and scales in the input type, as
-transformers does, and the rotary products and their sum are rounded to the input type
-one at a time, as torch's operators round them. Only reduction order differs (the norm's
-sum of squares), which is why the runner's start-up probe keeps checking this forward
-against transformers'.
-
-Under TRITON_INTERPRET=1 (tests/conftest.py, on a machine without CUDA) the kernels run on
-the CPU in Triton's interpreter, which is how CI checks them.
-"""
+"""Fused steps of the native Llama forward on CUDA, as Triton kernels: a small model's decode
+is a chain of tiny kernels each with a fixed cost, so an RMSNorm, rotary + cache write, and
+SiLU x up are one kernel each (residual adds ride in the GEMMs). Each computes what the torch
+operators compute, in the same precision; only reduction order differs, hence the start-up
+probe. Tests run them in Triton's interpreter (TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
@@ -28,9 +13,16 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
-    BLOCK: tl.constexpr, HALF: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    stride_x,
+    stride_out,
+    n_cols,
+    eps,
+    BLOCK: tl.constexpr,
+    HALF: tl.constexpr,
+):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -59,11 +51,23 @@ def _rotate_half(x1, x2, cos1, cos2, sin1, sin2, dtype: tl.constexpr):
 
 @triton.jit
 def _rotary_cache_kernel(
-    qkv_ptr, stride_qkv, q_ptr, key_cache_ptr, value_cache_ptr,
-    cos_ptr, sin_ptr, stride_rope, positions_ptr, slots_ptr,
-    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-):  # fmt: skip
+    qkv_ptr,
+    stride_qkv,
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_rope,
+    positions_ptr,
+    slots_ptr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
     tok = tl.program_id(0)
     dtype = q_ptr.dtype.element_ty
     half = HEAD_DIM // 2
@@ -148,11 +152,23 @@ def rotary_cache(
     tokens = qkv.shape[0]
     q = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     _rotary_cache_kernel[(tokens,)](
-        qkv, qkv.stride(0), q, key_cache, value_cache, cos, sin, cos.stride(0), positions, slots,
-        HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(heads), KV_HEADS_PAD=triton.next_power_of_2(kv_heads),
+        qkv,
+        qkv.stride(0),
+        q,
+        key_cache,
+        value_cache,
+        cos,
+        sin,
+        cos.stride(0),
+        positions,
+        slots,
+        HEADS=heads,
+        KV_HEADS=kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(heads),
+        KV_HEADS_PAD=triton.next_power_of_2(kv_heads),
         HALF_PAD=triton.next_power_of_2(max(head_dim // 2, 1)),
-    )  # fmt: skip
+    )
     return q
 
 
