@@ -26,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.cpu import sampling as cpu_sampling
-from engine.sample.sampler import kernel_rows, sample_from
+from engine.sample.backends import backend_for
+from engine.sample.sampler import sample_from, sample_logits
 
 PAD = -1
 
@@ -68,10 +68,11 @@ def emitted_tokens(
 ) -> list[list[int]]:  # per request: its kept drafts, then the recovered or bonus token
     """`rejection_sample` as lists (what the verifier reads). The per-request decisions run on
     the tensors' own values as Python scalars, in float32 (numpy), so they match the tensor
-    formulas, and only vocabulary-wide work runs on tensors: a few requests a step would pay
-    for a vectorised layout's many small operations. On the CPU the final tokens come from one
-    kernel call that draws what the tensor path would."""
-    device = target_probs.device
+    formulas; the vocabulary-wide work (gathering p(x) and q(x), the final draws) goes through
+    the sampling backend that takes these tensors (engine/sample/backends.py)."""
+    if not any(num_draft_tokens):  # nothing to verify: each request's bonus from its row
+        return [[t] for t in sample_from(target_probs, uniform).tolist()]
+    backend = backend_for(target_probs, draft_probs)
     batch = len(num_draft_tokens)
     row_start, draft_start, row, drafted = [], [], 0, 0
     for k in num_draft_tokens:
@@ -80,24 +81,9 @@ def emitted_tokens(
         row, drafted = row + k + 1, drafted + k
     # Draft j of request r (x_{j+1}) is checked against row row_start[r] + j.
     draft_rows = [row_start[r] + j for r, k in enumerate(num_draft_tokens) for j in range(k)]
-    n = len(draft_rows)
-    kernel = _kernel_takes(target_probs, draft_probs)
-    if kernel:  # the scalars through numpy views of the rows: no tensor operations
-        u, ids = uniform.tolist(), draft_token_ids.tolist()
-        p_x = target_probs.numpy()[draft_rows, ids].tolist()
-        q_x = draft_probs.numpy()[range(n), ids].tolist() if draft_probs is not None else [1.0] * n
-    else:
-        scalars = [uniform.to(torch.float64)]  # float64 holds every float32 and token id
-        if n:
-            p_x = target_probs[torch.tensor(draft_rows, device=device), draft_token_ids]
-            scalars += [draft_token_ids.to(torch.float64), p_x.to(torch.float64)]
-            if draft_probs is not None:
-                q_x = draft_probs.gather(1, draft_token_ids[:, None])[:, 0]
-                scalars.append(q_x.to(torch.float64))
-        host = torch.cat(scalars).tolist()
-        u, rest = host[: len(uniform)], host[len(uniform) :]
-        ids = [int(t) for t in rest[:n]]
-        p_x, q_x = rest[n : 2 * n], rest[2 * n :] if draft_probs is not None else [1.0] * n
+    u, ids, p_x, q_x = backend.draft_scalars(
+        target_probs, draft_token_ids, draft_probs, draft_rows, uniform
+    )
 
     if method == "block":
         layout = (num_draft_tokens, row_start, draft_start)
@@ -113,35 +99,20 @@ def emitted_tokens(
                 kept += 1
             num_kept.append(kept)
 
-    final_rows = [row_start[r] + num_kept[r] for r in range(batch)]
-    rejected = [r for r in range(batch) if num_kept[r] < num_draft_tokens[r]]
-    # The draft after the kept ones: the residual removes its q.
-    reject_idx = [draft_start[r] + num_kept[r] for r in rejected]
-    last_rows = [row_start[r] + k for r, k in enumerate(num_draft_tokens)]
-    if kernel:  # the recovered or bonus tokens in one call
-        which = [-1] * batch
-        for r, j in zip(rejected, reject_idx, strict=True):
-            which[r] = j
-        final_tokens = cpu_sampling.sample_final(
-            target_probs,
-            final_rows,
-            draft_probs,
-            which,
-            tokens=[ids[j] if j >= 0 else 0 for j in which],
-            weights=[float(w) for w in weight],
-            uniform=[u[i] for i in last_rows],
-        )
-    else:
-        final_tokens = _final_tokens(
-            target_probs,
-            draft_token_ids,
-            draft_probs,
-            final_rows,
-            rejected,
-            reject_idx,
-            weights=[weight[r] for r in rejected],
-            uniform=uniform[last_rows],
-        )
+    # The draft after the kept ones, if rejected: the residual removes its q.
+    rejected = [
+        draft_start[r] + num_kept[r] if num_kept[r] < k else -1
+        for r, k in enumerate(num_draft_tokens)
+    ]
+    final_tokens = backend.final_tokens(
+        target_probs,
+        ids,
+        draft_probs,
+        final_rows=[row_start[r] + num_kept[r] for r in range(batch)],
+        rejected=rejected,
+        weights=weight,
+        uniform=[u[row_start[r] + k] for r, k in enumerate(num_draft_tokens)],
+    )
     return [
         ids[draft_start[r] : draft_start[r] + kept] + [token]
         for r, (kept, token) in enumerate(zip(num_kept, final_tokens, strict=True))
@@ -156,59 +127,22 @@ def verify_sampled(
     num_draft_tokens: list[int],
     uniform: torch.Tensor,
     method: str = "token",
-) -> list[list[int]] | None:  # as emitted_tokens; None where the CPU kernel does not apply
-    """`emitted_tokens` of softmax(logits / T) rows in one CPU kernel call, with this module's
-    arithmetic: one call instead of a dozen operations on caches a forward just emptied."""
-    if not _kernel_takes(logits, draft_probs):
-        return None
-    kept, final = cpu_sampling.verify_sampled(
-        logits,
-        [1.0 / t for t in temperatures],
-        draft_probs,
-        draft_token_ids,
-        num_draft_tokens,
-        uniform,
-        block=method == "block",
+) -> list[list[int]]:  # as emitted_tokens
+    """`emitted_tokens` of softmax(logits / T) rows: in one backend call where the backend has
+    one (the CPU kernel never writes the distribution out), else on the softmax rows."""
+    if not any(num_draft_tokens):
+        return [[t] for t in sample_logits(logits, temperatures, uniform).tolist()]
+    backend = backend_for(logits, draft_probs)
+    out = backend.verify_logits(
+        logits, temperatures, draft_token_ids, draft_probs, num_draft_tokens, uniform, method
     )
-    out, at = [], 0
-    for k, n, token in zip(num_draft_tokens, kept, final, strict=True):
-        out.append(draft_token_ids[at : at + n] + [token])
-        at += k
-    return out
-
-
-def _kernel_takes(target_probs: torch.Tensor, draft_probs: torch.Tensor | None) -> bool:
-    """Whether engine/cpu/csrc/sample.c draws the final tokens (float32 rows in memory)."""
-    rows = [t for t in (target_probs, draft_probs) if t is not None]
-    return all(kernel_rows(t) and t.is_contiguous() for t in rows)
-
-
-def _final_tokens(
-    target_probs: torch.Tensor,
-    draft_token_ids: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    final_rows: list[int],  # per request: its row after the kept drafts
-    rejected: list[int],  # the requests whose next draft was rejected
-    reject_idx: list[int],  # their rejected drafts' indices
-    weights: list[np.float32],  # their residuals' weights
-    uniform: torch.Tensor,  # per request: the final draw
-) -> list[int]:
-    """The recovered or bonus token per request, on tensors (any device)."""
-    p_final = target_probs[final_rows]  # [batch, vocab]
-    if rejected:
-        kept_rows = p_final[rejected]
-        device = target_probs.device
-        if draft_probs is None:
-            q_rej = torch.zeros_like(kept_rows)
-            q_rej[torch.arange(len(rejected), device=device), draft_token_ids[reject_idx]] = 1.0
-        else:
-            q_rej = draft_probs[reject_idx]
-        w = torch.tensor(weights, dtype=target_probs.dtype, device=device)
-        residual = (w[:, None] * kept_rows - q_rej).clamp(min=0)
-        # An empty residual has probability 0 in exact arithmetic; guard the division anyway.
-        empty = residual.sum(dim=-1, keepdim=True) <= 0
-        p_final[rejected] = torch.where(empty, kept_rows, residual)
-    return sample_from(p_final, uniform).tolist()
+    if out is not None:
+        return out
+    per_row = [t for t, k in zip(temperatures, num_draft_tokens, strict=True) for _ in range(k + 1)]
+    scale = torch.tensor(per_row, dtype=logits.dtype, device=logits.device)[:, None]
+    ids = torch.tensor(draft_token_ids, dtype=torch.long, device=logits.device)
+    probs = torch.softmax(logits / scale, dim=-1)
+    return emitted_tokens(probs, ids, draft_probs, num_draft_tokens, uniform, method)
 
 
 def _block_lengths(

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from engine.cpu import kernels as cpu_kernels
-from engine.cpu import sampling as cpu_sampling
+from engine.sample.backends import backend_for
 from engine.types.outputs import TokenLogprob
 from engine.types.request import Request, SamplingParams
 
@@ -249,17 +249,10 @@ def request_uniforms(
 
 def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """[rows, vocab] (any non-negative mass) x [rows] U[0, 1) -> [rows] token ids distributed
-    as probs: the first token whose cumulative mass exceeds u times the row's total. The CPU
-    kernel sums in another order, so the paths may differ for a u within a float64 rounding of
-    a boundary; each is exact up to that rounding."""
-    if kernel_rows(probs):
-        return cpu_sampling.sample_rows(probs, uniform)
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-    total = cdf[:, -1:]
-    point = uniform.to(torch.float64)[:, None] * total
-    # Strictly below the total, so a token with mass follows (u * total may round up to it).
-    point = torch.minimum(point, total.nextafter(torch.zeros_like(total)))
-    return torch.searchsorted(cdf, point, right=True)[:, 0]
+    as probs: the first token whose cumulative mass exceeds u times the row's total, on the
+    sampling backend that takes the rows (engine/sample/backends.py)."""
+    probs = probs.contiguous()
+    return backend_for(probs).sample(probs, uniform)
 
 
 def plain_sampling(params: SamplingParams) -> bool:
@@ -273,13 +266,10 @@ def sample_logits(
     temperatures: list[float],  # per row, > 0
     uniform: torch.Tensor,  # [rows] U[0, 1)
 ) -> torch.Tensor:  # [rows] token ids
-    """A token per row drawn from softmax(logits / T) as `sample_from` draws it; on the CPU one
-    kernel call that never writes the distribution out (each pass after a forward meets cold
-    caches)."""
-    if kernel_rows(logits):
-        return cpu_sampling.sample_logits(logits, [1.0 / t for t in temperatures], uniform)
-    scale = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[:, None]
-    return sample_from(torch.softmax(logits / scale, dim=-1), uniform)
+    """A token per row drawn from softmax(logits / T) as `sample_from` draws it (the CPU
+    backend never writes the distribution out)."""
+    logits = logits.contiguous()
+    return backend_for(logits).sample_logits(logits, temperatures, uniform)
 
 
 def token_logprobs(

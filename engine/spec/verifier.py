@@ -24,8 +24,6 @@ from engine.sample.sampler import (
     logits_to_probs,
     plain_sampling,
     request_uniforms,
-    sample_from,
-    sample_logits,
     token_logprobs,
 )
 from engine.sample.tree_verifier import DraftTree, verify_tree, verify_tree_greedy
@@ -134,12 +132,12 @@ class Verifier:
         if samplers:  # (a single part, as at concurrency 1, need not be copied)
             rows = sample_parts[0] if len(sample_parts) == 1 else torch.cat(sample_parts)
             if trees:
-                self._sample_trees(samplers, rows, drafts, trees, runner, result)
+                self._verify_trees(samplers, rows, drafts, trees, runner, result)
             else:
-                self._sample(samplers, rows, drafts, result)
+                self._verify_chains(samplers, rows, drafts, result)
         return result
 
-    def _sample(
+    def _verify_chains(
         self,
         samplers: list[tuple[Request, list[int]]],  # (request, its drafts)
         logits: torch.Tensor,  # [sum(1 + k_i), vocab]
@@ -158,43 +156,27 @@ class Verifier:
             self.speed_of_light.observe_distributions(logits[first_rows.to(logits.device)])
         wants_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw = logits.clone() if wants_logprobs else logits
-        if all(r.params.greedy for r in reqs):
-            best = argmax(apply_penalties_and_masks(logits, rows)).tolist()
-            emitted = greedy_verify(best, drafted)
-            self._emit(reqs, num_drafts, emitted, raw, result)
-            return
         logits = apply_penalties_and_masks(logits, rows)
-        uniform = request_uniforms(reqs, [k + 1 for k in num_drafts], self.device)
-        plain = all(plain_sampling(r.params) for r in reqs)
-        temperatures = [r.params.temperature for r in reqs]
-        if plain and not any(num_drafts):
-            # Plain sampling, the distribution never written out: what rejection_sample's
-            # bonus draw does from the same draws.
-            emitted = [[t] for t in sample_logits(logits, temperatures, uniform).tolist()]
-            self._emit(reqs, num_drafts, emitted, raw, result)
-            return
-        draft_probs = drafts.probs if drafts is not None else None
-        if plain:  # softmax rows, decisions and final tokens in one CPU kernel call
+        if all(r.params.greedy for r in reqs):  # one-hot rows: the argmax decides
+            emitted = greedy_verify(argmax(logits).tolist(), drafted)
+        else:
+            uniform = request_uniforms(reqs, [k + 1 for k in num_drafts], self.device)
+            draft_probs = drafts.probs if drafts is not None else None
             ids = [t for d in drafted for t in d]
-            emitted = verify_sampled(
-                logits, temperatures, ids, draft_probs, num_drafts, uniform, self.method
-            )
-            if emitted is not None:
-                self._emit(reqs, num_drafts, emitted, raw, result)
-                return
-        probs = couple_seeded_rows(logits_to_probs(logits, rows), rows)
-        if not any(num_drafts):  # with top-k/top-p, seeded or greedy rows among them
-            emitted = [[t] for t in sample_from(probs, uniform).tolist()]
-            self._emit(reqs, num_drafts, emitted, raw, result)
-            return
-        draft_ids = torch.tensor(
-            [t for d in drafted for t in d], dtype=torch.long, device=self.device
-        )
-        # Only sampling (decoding) requests get drafts, so the probs line up with reqs.
-        emitted = emitted_tokens(probs, draft_ids, draft_probs, num_drafts, uniform, self.method)
+            if all(plain_sampling(r.params) for r in reqs):  # softmax(logits / T) rows
+                temperatures = [r.params.temperature for r in reqs]
+                emitted = verify_sampled(
+                    logits, temperatures, ids, draft_probs, num_drafts, uniform, self.method
+                )
+            else:  # top-k/top-p, seeded (coupled) or greedy rows among them
+                probs = couple_seeded_rows(logits_to_probs(logits, rows), rows)
+                draft_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+                emitted = emitted_tokens(
+                    probs, draft_ids, draft_probs, num_drafts, uniform, self.method
+                )
         self._emit(reqs, num_drafts, emitted, raw, result)
 
-    def _sample_trees(
+    def _verify_trees(
         self,
         samplers: list[tuple[Request, list[int]]],  # (request, its drafts)
         logits: torch.Tensor,  # [sum(1 + nodes_i), vocab]
