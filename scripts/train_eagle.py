@@ -43,13 +43,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.llama.modeling_llama import (
+    LlamaConfig,
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    repeat_kv,
+    rotate_half,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.model.files import prepare  # noqa: E402
 from engine.model.head import HEAD_TOKENS_FILE  # noqa: E402
-from engine.spec.proposers.eagle import MARKER  # noqa: E402
+from engine.spec.proposers.eagle import MARKER, FeatureEmbedding  # noqa: E402
 from scripts.train_draft import (  # noqa: E402
     DEFAULT_TARGET,
     docstring_text,
@@ -108,63 +115,46 @@ def extract_features(target_dir: str, seqs: list[list[int]], work: Path) -> list
 
 
 def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple:
+    """cos, sin [L, head_dim] of the default (rotate-half) rotary embedding."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     freqs = positions.float()[:, None] * inv[None]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()  # [L, head_dim]
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+    return emb.cos(), emb.sin()
 
 
 class FeatureDraft(nn.Module):
-    """The draft as trained: the same arithmetic as transformers' LlamaDecoderLayer under
-    the engine (rotate-half rotary, grouped-query attention, SiLU MLP, RMSNorm)."""
+    """The draft as trained: the modules engine/spec/proposers/eagle.py serves, under the
+    names it loads (`model.embed_tokens.fc`, a transformers LlamaDecoderLayer as
+    `model.layers.0`, `model.norm`), without the target's embedding and head, which training
+    keeps frozen outside. Only the attention of depths past the first is its own
+    (`unrolled`): the served draft attends through the paged cache instead."""
 
     def __init__(self, hidden: int, inter: int, heads: int, kv_heads: int, eps: float) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.d, self.eps = heads, kv_heads, hidden // heads, eps
-        d = self.d
-        lin = lambda i, o: nn.Linear(i, o, bias=False)  # noqa: E731
-        self.fc = lin(2 * hidden, hidden)
-        self.q_proj, self.k_proj = lin(hidden, heads * d), lin(hidden, kv_heads * d)
-        self.v_proj, self.o_proj = lin(hidden, kv_heads * d), lin(heads * d, hidden)
-        self.gate_proj, self.up_proj = lin(hidden, inter), lin(hidden, inter)
-        self.down_proj = lin(inter, hidden)
-        self.input_norm = nn.Parameter(torch.ones(hidden))
-        self.post_norm = nn.Parameter(torch.ones(hidden))
-        self.norm = nn.Parameter(torch.ones(hidden))
+        config = LlamaConfig(
+            hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
+            num_key_value_heads=kv_heads, rms_norm_eps=eps, num_hidden_layers=1, vocab_size=1,
+            bos_token_id=None, eos_token_id=None,
+        )  # fmt: skip
+        fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.model = nn.Module()
+        # The target's embedding is not part of the draft: an empty tensor stands in for it.
+        self.model.embed_tokens = FeatureEmbedding(torch.empty(0, hidden), fc)  # type: ignore[arg-type]
+        self.model.layers = nn.ModuleList([LlamaDecoderLayer(config, layer_idx=0)])
+        self.model.norm = LlamaRMSNorm(hidden, eps=eps)
+        self.heads, self.kv_heads, self.d = heads, kv_heads, hidden // heads
+
+    @property
+    def fc(self) -> nn.Linear:
+        return self.model.embed_tokens.fc
+
+    @property
+    def layer(self) -> LlamaDecoderLayer:
+        return self.model.layers[0]
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The weights under the names engine/spec/proposers/eagle.py loads."""
-        own = dict(self.named_parameters())
-        return {
-            new: own[old].detach().to(torch.bfloat16).contiguous()
-            for old, new in self._names().items()
-        }
-
-    @staticmethod
-    def _names() -> dict[str, str]:
-        """Parameter name here -> name in the saved file."""
-        layer = "model.layers.0."
-        names = {
-            "fc.weight": "model.embed_tokens.fc.weight",
-            "input_norm": layer + "input_layernorm.weight",
-            "post_norm": layer + "post_attention_layernorm.weight",
-            "norm": "model.norm.weight",
-        }
-        for p in ("q", "k", "v", "o"):
-            names[f"{p}_proj.weight"] = f"{layer}self_attn.{p}_proj.weight"
-        for p in ("gate", "up", "down"):
-            names[f"{p}_proj.weight"] = f"{layer}mlp.{p}_proj.weight"
-        return names
+        """The weights, bfloat16, under the names engine/spec/proposers/eagle.py loads."""
+        return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.state_dict().items()}
 
     @classmethod
     def load(cls, path: str | Path) -> FeatureDraft:
@@ -175,28 +165,28 @@ class FeatureDraft(nn.Module):
         c = AutoConfig.from_pretrained(path)
         model = cls(c.hidden_size, c.intermediate_size, c.num_attention_heads,
                     c.num_key_value_heads, c.rms_norm_eps)  # fmt: skip
-        names = {new: old for old, new in model._names().items()}
         weights = load_file(str(Path(path) / "model.safetensors"))
-        model.load_state_dict({names[k]: v.float() for k, v in weights.items()})
+        model.load_state_dict({k: v.float() for k, v in weights.items()})
         return model.eval()
 
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         b, n, _ = h.shape
-        x = rms(h, self.input_norm, self.eps).to(h.dtype)
-        q = self.q_proj(x).view(b, n, self.heads, self.d).transpose(1, 2)
-        k = self.k_proj(x).view(b, n, self.kv_heads, self.d).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.kv_heads, self.d).transpose(1, 2)
+        attn = self.layer.self_attn
+        x = self.layer.input_layernorm(h)
+        q = attn.q_proj(x).view(b, n, self.heads, self.d).transpose(1, 2)
+        k = attn.k_proj(x).view(b, n, self.kv_heads, self.d).transpose(1, 2)
+        v = attn.v_proj(x).view(b, n, self.kv_heads, self.d).transpose(1, 2)
         rep = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        return rotate(q, cos, sin), rotate(k, cos, sin), v  # [B, heads, L, d]
+        k, v = repeat_kv(k, rep), repeat_kv(v, rep)
+        q = q * cos + rotate_half(q) * sin
+        return q, k * cos + rotate_half(k) * sin, v  # [B, heads, L, d]
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual, MLP, final norm: the predicted feature."""
         b, n, _ = h.shape
-        h = h + self.o_proj(attn.transpose(1, 2).reshape(b, n, -1))
-        x = rms(h, self.post_norm, self.eps).to(h.dtype)
-        h = h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return rms(h, self.norm, self.eps)
+        h = h + self.layer.self_attn.o_proj(attn.transpose(1, 2).reshape(b, n, -1))
+        h = h + self.layer.mlp(self.layer.post_attention_layernorm(h))
+        return self.model.norm(h)
 
     def unrolled(self, emb: torch.Tensor, feats: torch.Tensor, depth: int, theta: float) -> list:
         """Predicted features [B, L, H] per depth 1..depth; depth d's row p predicts the
@@ -204,7 +194,7 @@ class FeatureDraft(nn.Module):
         b, n, hidden = emb.shape
         cos, sin = rotary(torch.arange(n), self.d, theta)
         prev = torch.cat([feats.new_zeros(b, 1, hidden), feats[:, :-1]], dim=1)
-        h = self.fc(torch.cat([emb, prev.to(emb.dtype)], -1))
+        h = self.fc(torch.cat([emb, prev.to(emb.dtype)], -1))  # FeatureEmbedding's [x ; f]
         q, k, v = self.qkv(h, cos, sin)
         keys = [(k, v)]
         outs = [self.finish(h, F.scaled_dot_product_attention(q, k, v, is_causal=True))]
@@ -356,7 +346,7 @@ def write_draft(model: FeatureDraft, target_config, out: Path, head: list[int] |
     config = target_config.to_dict()
     for key in ("_name_or_path", "_model_name_or_path", "transformers_version", "dtype"):
         config.pop(key, None)
-    config.update(num_hidden_layers=1, intermediate_size=model.down_proj.in_features,
+    config.update(num_hidden_layers=1, intermediate_size=model.layer.mlp.down_proj.in_features,
                   dtype="bfloat16", architectures=["LlamaForCausalLM"])  # fmt: skip
     config[MARKER] = {"kind": "eagle", "feature_size": target_config.hidden_size}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

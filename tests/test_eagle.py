@@ -124,8 +124,8 @@ def test_a_full_head_draft_leaves_the_targets_head_as_it_is(tiny_dirs, tmp_path)
 
 
 def test_a_saved_draft_loads_back_as_trained(feature_draft):
-    """FeatureDraft.load (bench/draft_agreement.py's draft) reads every weight write_draft
-    wrote, under its own name, into the module it was trained as."""
+    """FeatureDraft.load reads every weight write_draft wrote, under its own name, into the
+    module it was trained as."""
     from scripts.train_eagle import FeatureDraft
 
     draft_dir, trained = feature_draft
