@@ -194,7 +194,6 @@ def speed(
     draft: str = DRAFT,
     kv_cache_dtype: str = "auto",
     draft_quantization: str = "auto",
-    draft_min_prob: float = 0.0,
 ) -> None:
     seeded = verification == "seeded"
     spec = replace(CONFIGS[name], verification="block" if seeded else verification)
@@ -203,10 +202,7 @@ def speed(
         spec = replace(spec, draft_branches=branches, tree_drafts=tree_drafts)
     if spec.method == "draft":
         chains = branches is None and is_feature_draft(draft)  # a feature draft drafts chains
-        spec = replace(
-            spec, draft_model=draft, draft_branches=1 if chains else branches,
-            draft_min_prob=draft_min_prob,
-        )  # fmt: skip
+        spec = replace(spec, draft_model=draft, draft_branches=1 if chains else branches)
     eng = engine(spec, model, quantization, kv_cache_dtype)
     # Warm-up requests (other prompts, same concurrency) first: they capture the CUDA graphs
     # of the shapes the run will use, which a long-running server has done long before.
@@ -224,8 +220,6 @@ def speed(
         eng, list(enumerate(prompts[:requests])), concurrency, params, steps
     )
     s = _since(eng.stats(), before)
-    cut = s.draft_length_reasons.get("draft_unsure", 0)
-    cut -= before.draft_length_reasons.get("draft_unsure", 0)
     accepted = " / ".join(
         f"{a} of {d}"
         for a, d in zip(s.spec_accepted_by_position, s.spec_drafted_by_position, strict=True)
@@ -235,7 +229,6 @@ def speed(
     lookup = spec.ngram_assist > 0
     label = f"{name} {verification}" if name != "off" else name
     label += f" draft {draft_quantization}" if draft_quantization != "auto" else ""
-    label += f" P={spec.draft_min_prob}" if spec.draft_min_prob else ""
     if name != "off" and spec.draft_branches != 1:
         label += f" x{spec.draft_branches or 'auto'}"
         label += " sampled" if tree_drafts == "sampled" else ""
@@ -243,8 +236,7 @@ def speed(
         f"{label:>15}  c={concurrency} T={temperature}: {tokens / seconds:6.1f} tok/s  "
         f"accepted by position: {accepted or '-'}  tokens per verifying pass {per_pass:.2f}  "
         f"draft {100 * share:.0f}% of engine time, {s.spec_tree_steps} tree steps"
-        + (f", lookup kept {s.spec_lookup_accepted} of {s.spec_lookup_drafted}" if lookup else "")
-        + (f", {cut} chains cut (--draft-min-prob)" if spec.draft_min_prob else ""),
+        + (f", lookup kept {s.spec_lookup_accepted} of {s.spec_lookup_drafted}" if lookup else ""),
         flush=True,
     )
     if concurrency == 1:  # one request: a step's mean K is its K
@@ -475,10 +467,6 @@ def main(argv: list[str] | None = None) -> None:
         help="draft-passes: the draft's --draft-quantization settings to time (default none "
         "int8); speed: run every draft config with each (default auto)",
     )  # fmt: skip
-    p.add_argument(
-        "--draft-min-probs", nargs="+", type=float, default=[0.0],
-        help="speed: run every draft config with each --draft-min-prob (default 0)",
-    )  # fmt: skip
     p.add_argument("--context", type=int, default=150, help="passes: keys cached per request")
     p.add_argument(
         "--kv-cache-dtypes", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES),
@@ -498,16 +486,13 @@ def main(argv: list[str] | None = None) -> None:
             for name, kv in itertools.product(args.configs, args.kv_cache_dtypes):
                 for verification in args.verification if name != "off" else ["block"]:
                     for branches in args.branches if name != "off" else [None]:
-                        for dq, p_min in itertools.product(
-                            draft_quantizations if name != "off" else ["auto"],
-                            args.draft_min_probs if name != "off" else [0.0],
-                        ):
+                        for dq in draft_quantizations if name != "off" else ["auto"]:
                             if len(args.kv_cache_dtypes) > 1:
                                 print(f"KV cache {kv}:", flush=True)
                             speed(
                                 name, args.requests, args.concurrency, args.max_tokens,
                                 args.model, args.quantization, args.temperature, verification,
-                                branches, args.tree_drafts, args.draft, kv, dq, p_min,
+                                branches, args.tree_drafts, args.draft, kv, dq,
                             )  # fmt: skip
 
 

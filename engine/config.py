@@ -117,7 +117,6 @@ class SpecConfig:
     recalibrate: bool = False
     draft_branches: int | None = 1
     tree_drafts: str = "top"
-    draft_min_prob: float = 0.0
     verification: str = "block"
     draft_quantization: str = "auto"
 
@@ -142,14 +141,6 @@ class SpecConfig:
         _check(
             self.method != "draft" or bool(self.draft_model),
             "--speculative-method draft needs --draft-model (or use ngram / off)",
-        )
-        _check(
-            0.0 <= self.draft_min_prob < 1.0,
-            f"--draft-min-prob must be at least 0 and below 1 (got {self.draft_min_prob})",
-        )
-        _check(
-            self.draft_min_prob == 0.0 or self.method == "draft",
-            "--draft-min-prob needs a draft model (--speculative-method draft)",
         )
         _check(
             0 <= self.ngram_assist <= 16,

@@ -184,14 +184,6 @@ OPTIONS: tuple[Option, ...] = (
         choices=TREE_DRAFTS,
     ),
     Option(
-        "speculative.draft_min_prob",
-        "--draft-min-prob",
-        float,
-        "a draft model's chain stops at the first draft the draft gives its most likely token "
-        "less than P for (softmax at temperature 1); 0 = never. The output is unchanged",
-        metavar="P",
-    ),
-    Option(
         "speculative.verification",
         "--verification",
         str,

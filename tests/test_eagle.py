@@ -157,36 +157,3 @@ def test_sampling_with_a_feature_draft_follows_the_target(tiny_vocab_pair, tmp_p
     assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens
     stat, bound = _chi_square_test(counts, exact, n)
     assert stat < bound, f"chi-square {stat:.1f} >= {bound:.1f}"
-
-
-def test_a_feature_drafts_chains_cut_where_it_is_unsure_keep_greedy_output(
-    tiny_dirs, feature_draft
-):
-    """--draft-min-prob at the median top probability the feature draft gave in a first run
-    (its draft passes' logits, recorded): chains are cut, and the output is the target's own
-    in both runs."""
-    target = tiny_dirs["llama"]
-    prompts = random_prompts([5, 9, 14, 3, 22, 30, 7, 17, 11, 40], vocab=300, seed=11)
-    expected = hf_greedy(target, prompts, 24)
-    tops: list[torch.Tensor] = []
-
-    def run(min_prob: float) -> int:
-        spec = SpecConfig("draft", str(feature_draft[0]), 4, "fixed", draft_min_prob=min_prob)
-        engine = make_engine(target, spec=spec)
-        forward = engine.proposer.runner.forward
-
-        def recording(*args, **kw):
-            logits = forward(*args, **kw)
-            tops.append(logits.float().softmax(-1).amax(-1))
-            return logits
-
-        engine.proposer.runner.forward = recording
-        for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, greedy(24))
-        outputs = drain(engine)
-        assert [outputs[f"r{i}"] for i in range(len(prompts))] == expected
-        engine.check_invariants()
-        return engine.stats().draft_length_reasons.get("draft_unsure", 0)
-
-    assert run(0.0) == 0
-    assert run(float(torch.cat(tops).median())) > 0

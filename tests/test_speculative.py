@@ -117,41 +117,6 @@ def test_greedy_speculative_equals_target_only(
         assert drafted and all(t % 3 == 0 for t in drafted)
 
 
-def _top_probs(model_dir: Path, sequences: list[list[int]]) -> torch.Tensor:
-    """The draft's largest softmax value at every position of `sequences`."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    with torch.no_grad():
-        return torch.cat(
-            [model(torch.tensor([s])).logits[0].softmax(-1).amax(-1) for s in sequences]
-        )
-
-
-def test_chains_cut_where_the_draft_is_unsure_keep_greedy_output(tiny_dirs, prompts_and_reference):
-    """--draft-min-prob at the median of the draft's top probabilities over these texts (as
-    transformers computes them): chains are cut at various depths (K = 1..8 per request), a
-    cut below a chain's first draft leaves the draft's cache one token past the chain, and
-    the output is still the target's own."""
-    prompts, expected = prompts_and_reference
-    draft = tiny_dirs["llama_draft"]
-    top = _top_probs(draft, [p + e for p, e in zip(prompts, expected, strict=True)])
-    min_prob = float(top.median())
-    spec = SpecConfig("draft", str(draft), 8, "fixed", draft_min_prob=min_prob)
-    engine = make_engine(tiny_dirs["llama"], spec=spec, block_size=4, max_num_batched_tokens=96)
-    assert _run_with_ks(engine, prompts) == expected
-    stats = engine.stats()
-    assert stats.draft_length_reasons["draft_unsure"] > 0  # chains were cut
-    assert stats.spec_drafted_tokens > 0 and stats.spec_verify_passes > 0  # and some were not
-    engine.check_invariants()
-
-
-def test_draft_min_prob_is_checked():
-    for bad in (-0.1, 1.0):
-        with pytest.raises(ValueError, match="--draft-min-prob must be"):
-            SpecConfig("draft", "models/draft", draft_min_prob=bad)
-    with pytest.raises(ValueError, match="needs a draft model"):
-        SpecConfig("ngram", draft_min_prob=0.5)
-
-
 @pytest.mark.parametrize("drafter", ["draft_is_target", "ngram"])
 def test_greedy_with_penalties_and_min_tokens_equals_target_only(tiny_dirs, drafter):
     """Each verified row sees the drafts before it as generated: penalties and the
@@ -309,7 +274,6 @@ def _sample_continuations(
     branches: int = 1,
     tree_drafts: str = "sampled",
     ngram_assist: int = 0,
-    min_prob: float = 0.0,
 ):
     """n sampled continuations of PROMPT, drafts from `draft`: (counts, stats, n). With
     `seeded`, request i brings seed i (the coupled sampler: a different path to the target)."""
@@ -322,7 +286,6 @@ def _sample_continuations(
         draft_branches=branches,
         tree_drafts=tree_drafts,
         ngram_assist=ngram_assist,
-        draft_min_prob=min_prob,
     )
     engine = make_engine(
         target,
@@ -446,17 +409,3 @@ def test_a_restricted_head_keeps_its_tokens_in_increasing_order(tiny_dirs, tmp_p
     index = restrict_head(model, str(model_dir))
     assert index.tolist() == [2, 7, 11, 30]
     assert torch.equal(model.get_output_embeddings().weight, full[index])
-
-
-@pytest.mark.parametrize("seeded", [False, True], ids=["sampled", "seeded"])
-def test_sampled_continuations_with_chains_cut_where_the_draft_is_unsure(tiny_vocab_pair, seeded):
-    """--draft-min-prob decides from the draft's logits alone, before a token is drawn from
-    them: the drafts it keeps are still draws from the q they are verified with."""
-    target, draft = tiny_vocab_pair
-    params = _params(temperature=1.0)
-    exact = _exact_distribution(target, params)
-    counts, stats, n = _sample_continuations(target, draft, params, seeded=seeded, min_prob=0.5)
-    assert stats.draft_length_reasons["draft_unsure"] > 0
-    assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens
-    stat, bound = _chi_square_test(counts, exact, n)
-    assert stat < bound, f"chi-square {stat:.1f} >= {bound:.1f}"

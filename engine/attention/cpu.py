@@ -1,7 +1,5 @@
-"""The `cpu` attention backend (float32 models): requests feeding at most `MAX_KERNEL_QUERY`
-tokens are attended by the C kernel (engine/cpu/csrc/attention.c), which reads K/V where they
-sit in the paged cache, with no gather and no mask tensor; longer queries (prefill chunks) go
-to the reference path's SDPA, which multiplies whole tiles at once."""
+"""The `cpu` attention backend (float32): queries of at most `MAX_KERNEL_QUERY` tokens go to the
+C kernel, which reads K/V in place; longer ones (prefill chunks) to the reference SDPA."""
 
 from __future__ import annotations
 

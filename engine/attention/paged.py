@@ -1,7 +1,5 @@
-"""Paged attention behind transformers' AttentionInterface (`attn_implementation=
-"tandem_paged"`): the model runs one packed sequence [1, num_tokens] of all requests' tokens,
-and `paged_attention_forward` writes the new keys/values into their cache slots and hands the
-queries to the metadata's `AttentionBackend`. This module holds the backend contract."""
+"""Paged attention behind transformers' AttentionInterface (`tandem_paged`): new K/V go to
+their cache slots and the queries to the metadata's `AttentionBackend`, whose contract is here."""
 
 from __future__ import annotations
 

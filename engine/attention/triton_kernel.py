@@ -1,13 +1,8 @@
 """Paged attention as one Triton kernel that reads K/V straight from the block tables.
 
-One program handles one request, one block of its query tokens and one KV head; its rows are
-(query token, query head) pairs of that head's GQA group, so they share every K/V tile. It
-keeps an online softmax in fp32 over tiles of BLOCK_N key positions. The grid depends only on
-the number of requests and a bound on the query length, and the loop bound is read on the
-device, so a fixed-shape batch (CUDA graphs) launches the same grid every step.
-
-On CPU tensors it runs only under Triton's interpreter, and TRITON_INTERPRET=1 must be set
-before triton is first imported (triton decorates its own helpers then)."""
+One program per (request, query block, KV head), an fp32 online softmax over BLOCK_N keys; the
+grid depends only on the batch size and a query-length bound, so CUDA graphs can replay it. On
+CPU tensors it needs TRITON_INTERPRET=1 set before triton is first imported."""
 
 from __future__ import annotations
 

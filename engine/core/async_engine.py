@@ -1,10 +1,7 @@
-"""AsyncEngine: the LLMEngine step loop on its own thread, results to asyncio queues. The
-event loop never waits for a step: `generate()` validates on the caller's side, then hands the
-request to the engine thread through an inbox; outputs come back by `call_soon_threadsafe`.
+"""AsyncEngine: the LLMEngine step loop on its own thread, results to asyncio queues.
 
 `from_config` builds the engine on the thread that runs its steps, so one OpenMP pool serves
-every pass: with a second pool (a loading thread's) libgomp manages more threads than cores
-and stops its workers spinning, and every parallel region then waits for one to wake."""
+every pass (a second pool makes libgomp stop its workers spinning)."""
 
 from __future__ import annotations
 

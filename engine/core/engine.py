@@ -1,9 +1,5 @@
-"""LLMEngine: one synchronous step at a time. AsyncEngine (async_engine.py) runs it on a thread.
-
-A step: the scheduler picks the batch and K per request; the proposer drafts; the target
-verifies every request's last token + drafts (and any prefill chunks) in one packed forward;
-the rejection sampler keeps an accepted prefix plus one recovered/bonus token; the scheduler
-advances counters, rolls back rejected drafts and releases the blocks that held only them.
+"""LLMEngine: one synchronous step at a time (schedule, draft, one target pass, verify, book
+the results). AsyncEngine (async_engine.py) runs it on a thread.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Continuous batching under a per-step token budget.
 
-Each step every running request is given the tokens it is missing from the cache: a prefill
-chunk, or its last sampled token plus the K drafts speculation planned for it
-(engine/spec/planner.py), cut to what the budget, the request's length and the KV blocks
-allow. New requests join (FCFS) while budget, sequence slots and blocks last. When blocks run
-out the youngest running request is preempted: its blocks are freed and it is re-queued to be
-recomputed later. After the pass the scheduler advances each request by its verified tokens
-and gives back the blocks that hold only rejected drafts.
+Each step every running request gets the tokens it is missing (a prefill chunk, or its last
+token plus its planned drafts), cut to budget, length and KV blocks; new requests join FCFS;
+when blocks run out the youngest running request is preempted and recomputed later.
 """
 
 from __future__ import annotations

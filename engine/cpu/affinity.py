@@ -1,7 +1,5 @@
-"""Cores of its own for the engine thread on the CPU (`--cpu-bind`), so a step never shares a
-core with the event loop: the engine thread (and the OpenMP workers it creates) takes the first
-`torch.get_num_threads()` allowed cores, the event loop the others; with as many threads as
-cores, nothing is bound."""
+"""Cores of its own for the engine thread (`--cpu-bind`): the first `torch.get_num_threads()`
+allowed cores, the event loop the others; nothing is bound when none would be left."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Compiles engine/cpu/csrc into one shared library for this machine, once, and caches it.
-
-The cache key covers the sources, the compiler, the flags and this CPU's model and feature
-flags, so a shared home directory or a copied cache never hands one CPU a library built for
-another (`-march=native`)."""
+"""Compiles engine/cpu/csrc into one shared library for this machine, cached under a key of
+sources, compiler, flags and CPU features (`-march=native`)."""
 
 from __future__ import annotations
 

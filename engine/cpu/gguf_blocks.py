@@ -1,10 +1,6 @@
-"""A GGUF model's packed linears switched to the file's own Q8_0 / Q4_1 / Q4_0 blocks: the
-same weights for a fraction of the bytes a CPU pass reads (the products are summed in another
-order, so not the same bits as the float32 layer).
-
-Rows are matched by content (hash of the dequantized row), not by name, so the q/k row
-permutation, fused projections and a tied head are covered, and a layer whose rows are not all
-found, or mix tensor types, stays as it was."""
+"""A GGUF model's packed linears switched to the file's own Q8_0 / Q4_1 / Q4_0 blocks. Rows are
+matched by content (a hash of the dequantized row), so permuted, fused and tied weights are
+covered; a layer not wholly found stays as it was."""
 
 from __future__ import annotations
 

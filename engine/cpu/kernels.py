@@ -1,7 +1,5 @@
-"""Tandem's CPU kernels (engine/cpu/csrc): loaded once per process, declared and wrapped for
-ctypes (the sampling kernels' wrappers are in engine/cpu/sampling.py). Without a C compiler
-they are unavailable and the engine keeps torch's paths (`unavailable_reason()` says why).
-Float32 only; each call runs on torch's thread count and releases the GIL."""
+"""Tandem's CPU kernels (engine/cpu/csrc), loaded once and wrapped for ctypes; without a C
+compiler the engine keeps torch's paths (`unavailable_reason()`). Float32; GIL released."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Linear layers on packed weights for the CPU (`--cpu-packed-linear`).
-
-Each float32 `nn.Linear` becomes a `PackedLinear` that also keeps its weight packed into the
-panels of the C GEMM (engine/cpu/csrc/gemm.c), which reads the weight once per call whatever
-the row count (a small-batch pass is bound by reading the weights), in bfloat16 when that is
-exact. A row's result does not depend on the other rows, so verification and plain decode
-compute the same numbers for a token. The packed copy costs 50% (bfloat16) or 100% (float32)
-more memory for the linear weights."""
+"""Linear layers on packed weights for the CPU (`--cpu-packed-linear`): the C GEMM reads each
+weight once per call whatever the row count, in bfloat16 where exact, and a row's result does
+not depend on the other rows (verification and decode agree)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""glibc's malloc told to keep freed memory while a CPU engine runs.
-
-A CPU forward allocates and frees large activations in every layer; with glibc's defaults
-those come from fresh mmap()s and are trimmed back, so every pass page-faults the same pages
-again. Raising the mmap and trim thresholds keeps the memory of the largest pass. Settings made
-through glibc's environment variables win; a libc without `mallopt` is left alone."""
+"""glibc's malloc told to keep freed memory while a CPU engine runs, so each pass does not
+page-fault its activations afresh; glibc's environment settings win."""
 
 from __future__ import annotations
 

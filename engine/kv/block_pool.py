@@ -1,8 +1,5 @@
-"""A fixed set of KV blocks with reference counts, a free queue and a prefix-hash map.
-
-A free block may still carry the hash of the verified tokens it holds and stays findable until
-reallocated. The free queue hands out unhashed blocks first, then the least recently freed
-cached one, so speculation's churn of rejected-draft blocks never evicts a cached prefix."""
+"""A fixed set of KV blocks with reference counts, a free queue and a prefix-hash map. The free
+queue hands out unhashed blocks first, so rejected-draft churn never evicts a cached prefix."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Small steps on fixed shapes: a forward whose requests each feed few tokens is padded to a
-batch and a query-length bucket and run from buffers that never move, captured once per shape
-as a CUDA graph on CUDA (one launch instead of hundreds) and run eagerly elsewhere.
-
-Padding requests have no query tokens and write their K/V into the runner's scratch block, so
-attention skips them. The graph keeps the body's hidden states; the LM head runs after it on
-the rows wanted. Inputs reach the device in three copies (one packed int64 tensor, one int32,
-the block tables). Only a graph-safe backend (metadata all tensors) can run here."""
+"""Small steps on fixed shapes: padded to a batch and query-length bucket and run from fixed
+buffers, captured once per shape as a CUDA graph on CUDA, eager elsewhere. Padding requests
+write into the runner's scratch block; only a graph-safe backend can run here."""
 
 from __future__ import annotations
 

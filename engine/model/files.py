@@ -1,7 +1,5 @@
-"""Where a model's files come from: a Hugging Face directory (used as it is), a file inside an
-installed package (`pkg://PACKAGE/PATH`, found without importing the package), or a `.gguf`
-file, converted once into a float32 Hugging Face directory cached by the file's sha256.
-Every problem is a ValueError that names the flag and says what is wrong."""
+"""Where a model's files come from: a Hugging Face directory, `pkg://PACKAGE/PATH`, or a
+`.gguf` file converted once (cached by sha256). Problems are ValueErrors naming the flag."""
 
 from __future__ import annotations
 

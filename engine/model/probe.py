@@ -1,7 +1,5 @@
-"""The start-up check of a native forward (engine/model/native/) against transformers' on
-the same weights: the largest logit difference over a probe batch, relative to the largest
-logit. Summation order differs (fused projections), so the two are not bit-equal in general;
-`NATIVE_TOLERANCE` is how far they may be."""
+"""The start-up check of a native forward against transformers' on the same weights: the
+largest logit difference relative to the largest logit, within `NATIVE_TOLERANCE`."""
 
 from __future__ import annotations
 

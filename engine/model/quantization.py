@@ -1,8 +1,6 @@
-"""Weight-only quantization of the linear layers (`--quantization`): at load, every float32
-`nn.Linear` weight is replaced once by its rounded values (bf16, GGUF Q8_0 blocks for int8, Q4_1
-for int4 with the LM head in int8, since a 4-bit head costs the most quality per byte), so every
-path computes that one model and speculation stays lossless with respect to it. The blocks come
-from the `gguf` package's reference quantizers."""
+"""Weight-only quantization of the linear layers (`--quantization`): each float32 weight is
+replaced once at load by its rounded values (bf16, Q8_0 for int8, Q4_1 for int4 with an int8
+head), so every path computes that one model and speculation stays lossless against it."""
 
 from __future__ import annotations
 

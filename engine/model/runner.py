@@ -1,9 +1,7 @@
 """Runs one Hugging Face causal LM on the paged KV cache; no policy lives here.
 
-The runner owns the model's KV tensors and turns a list of `SeqInput`s into one packed forward
-that returns the logits asked for: through transformers' AttentionInterface, or Tandem's own
-forward for architectures in engine/model/native/ (`model_impl`), and for small steps on fixed
-shapes (engine/model/decode_graphs.py)."""
+It owns the model's KV tensors and turns `SeqInput`s into one packed forward (transformers',
+or engine/model/native/), with small steps on fixed shapes (decode_graphs.py)."""
 
 from __future__ import annotations
 

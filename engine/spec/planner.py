@@ -1,13 +1,5 @@
-"""Speculation's one seam with the rest of the engine.
-
-Each step the planner tells the scheduler what every decoding request should verify (`plan`:
-K drafts of the proposer, the tokens a grammar forces, or a prompt lookup's, and the tree
-width), the scheduler reserves 1 + K slots per request and may cut K (budget, length,
-memory), the planner drafts for what was scheduled (`draft`), the target verifies, and the
-planner learns from the step's result (`observe`): acceptance for the policy, pass costs for
-the cost model, the target's hidden states for a feature draft. The scheduler then only
-advances counters and rolls back rejected drafts.
-"""
+"""Speculation's one seam with the engine: `plan` what each decoding request verifies, `draft`
+for what was scheduled, `observe` the verified step (acceptance, pass costs, features)."""
 
 from __future__ import annotations
 
@@ -18,7 +10,7 @@ from dataclasses import dataclass, field
 from engine.config import SpecConfig
 from engine.spec.cost.model import CostModel, PassShape
 from engine.spec.policy import DraftLengthPolicy
-from engine.spec.proposers.base import REASON_UNSURE, DraftBatch, Proposer, with_forced_drafts
+from engine.spec.proposers.base import DraftBatch, Proposer, with_forced_drafts
 from engine.spec.proposers.ngram import assist_lookup
 from engine.spec.step import StepResult
 from engine.types.batch import DraftPlan, SchedulerOutput
@@ -32,10 +24,8 @@ FORCED_MAX = 4
 class SpecCounters:
     """What speculation did, engine-wide (EngineStats reads these)."""
 
-    totals: SpecStats = field(default_factory=SpecStats)
-    """The proposer's drafts (not the grammars' or lookups')."""
-    reasons: Counter[str] = field(default_factory=Counter)
-    """Request-steps that got fewer than K_max drafts, by reason."""
+    totals: SpecStats = field(default_factory=SpecStats)  # the proposer's drafts only
+    reasons: Counter[str] = field(default_factory=Counter)  # request-steps with K < K_max
     forced_drafted: int = 0
     forced_accepted: int = 0
     lookup_drafted: int = 0
@@ -55,9 +45,7 @@ class SpecPlanner:
         self.proposer = proposer
         self.cost_model = cost_model
         self.lookup = assist_lookup(spec, proposer)
-        """(context, K) -> up to K prompt-lookup drafts (`speculative.ngram_assist`), or None."""
         self.keeps_draft_kv = proposer is not None and proposer.keeps_kv
-        """A block is shareable through the prefix cache only once the draft's KV is valid too."""
         self.counters = SpecCounters()
         self._step_start = 0.0
         self._last_decode: tuple[float, int, float, bool] | None = None
@@ -68,8 +56,7 @@ class SpecPlanner:
         return self.policy.max_draft_tokens
 
     def plan(self, decoding: list[Request], num_other_tokens: int) -> dict[Request, DraftPlan]:
-        """Per decoding request, what it should verify; `num_other_tokens` prefill tokens
-        share the step."""
+        """Per decoding request, what it should verify."""
         choice = self.policy.choose(decoding, num_other_tokens)
         batch = len(decoding)
         plans = {}
@@ -90,10 +77,7 @@ class SpecPlanner:
     def draft(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch | None:
         """The step's drafts: the proposer's, with given ones (forced, looked up) in place."""
         drafts = self.proposer.propose(sched, block_tables) if self.proposer else None
-        drafts = with_forced_drafts(sched, drafts)
-        if drafts is not None and drafts.cut:
-            self.counters.reasons[REASON_UNSURE] += drafts.cut
-        return drafts
+        return with_forced_drafts(sched, drafts)
 
     def begin_step(self, now: float) -> None:
         """A step starts: the last decode step's time outside its passes is now known."""
@@ -134,8 +118,7 @@ class SpecPlanner:
             self._observe_costs(step)
 
     def end_step(self, left_work: bool, step: StepResult | None) -> None:
-        """The step is booked; a decode-only step that left work is timed to the next start
-        (what the caller does between steps, streaming, counts as the step's)."""
+        """A decode-only step that left work is timed to the next start (streaming included)."""
         if step is None or self.cost_model is None or not step.timed or not left_work:
             return
         sched = step.sched
@@ -146,8 +129,7 @@ class SpecPlanner:
         self._last_decode = (self._step_start, sched.num_decodes, passes, drafted)
 
     def _observe_costs(self, step: StepResult) -> None:
-        """The step's passes, against what the cost model predicted. Called before the
-        scheduler's update, so num_computed_tokens is still this step's start."""
+        """Before the scheduler's update: num_computed_tokens is still this step's start."""
         assert self.cost_model is not None
         sched, drafts = step.sched, step.drafts
         num_drafts, proposed = step.num_drafts, step.proposed
@@ -157,9 +139,7 @@ class SpecPlanner:
             context_lens.append(item.request.num_computed_tokens + item.num_new_tokens + k)
         branches = max((item.branches for item in sched.scheduled), default=1)
         if drafts is not None and (any(proposed) or drafts.fed_tokens):
-            # Every token the draft model ran counts, prompt chunks included (a step that only
-            # fed the draft prompts is one pass): each kind is priced apart (DraftCost).
-            num_proposed = sum(proposed) + drafts.cut  # a cut chain's dropped draft was paid
+            num_proposed = sum(proposed)
             self.cost_model.observe_draft(
                 max(step.draft_passes, 1),
                 num_proposed,
@@ -172,9 +152,8 @@ class SpecPlanner:
         self.cost_model.observe_target(shape, step.target_seconds, branches)
 
     def _may_look_up(self, req: Request, k: int, batch: int) -> bool:
-        """With `speculative.ngram_assist`, for a request without a grammar that drafts this
-        step or decodes alone (in a batch the policy's search priced the rows: a lookup takes
-        them)."""
+        """For a request without a grammar that drafts or decodes alone (in a batch a lookup
+        takes the rows the search priced)."""
         usable = self.lookup is not None and req.grammar is None and not req.is_prefill
         return usable and (k > 0 or batch == 1)
 

@@ -1,10 +1,8 @@
 """A live "speed of light" for speculation (docs/ARCHITECTURE.md, "Speculation in brief").
 
-Over a sliding window it tracks the mean entropy mu of the target's verified distributions,
-their second log-moment mu2 = E[(log p)^2], and the tokens each verification pass produced.
-With the verifier capacity P from the cost model, no deterministic drafter can average more
-than about (mu + mu2) ln(P) / mu^2 + O(1) accepted tokens per pass; the measured figure sits
-beside that bound.
+Over a window: the target's mean entropy mu, its log-moment mu2 = E[(log p)^2] and tokens per
+pass; with capacity P no deterministic drafter averages more than about (mu + mu2) ln(P) / mu^2
+accepted tokens per pass.
 """
 
 from __future__ import annotations
@@ -17,19 +15,15 @@ import torch
 
 class SpeedOfLight:
     def __init__(self, window: int = 512, every: int = 32) -> None:
+        # One pass in `every` is read: a full-vocabulary entropy is dear, a sample estimates
+        # the window's means as well.
         self.every = every
-        """Distributions are read on one verification pass in `every`: the entropy of a
-        full-vocabulary softmax costs a few percent of a small model's step, and a sample of
-        passes estimates the window's means as well. (One in 8 cost the default model's c=1
-        greedy steps 0.07 ms each on average, 0.7% of a step, on the 2-core AMD EPYC: its
-        nine small tensor operations run on caches a forward has just emptied.)"""
         self._passes = 0
         self._entropy: deque[float] = deque(maxlen=window)
         self._log_moment: deque[float] = deque(maxlen=window)
         self._tokens_per_pass: deque[int] = deque(maxlen=window)
 
     def due(self) -> bool:
-        """Whether this verification pass should report its distributions."""
         self._passes += 1
         return self._passes % self.every == 1 or self.every == 1
 
@@ -64,7 +58,6 @@ class SpeedOfLight:
             "verifier_capacity": float(capacity),
             "bound_tokens_per_pass": bound,
             "measured_tokens_per_pass": measured,
-            # The bound counts accepted drafts (plus an O(1) term it leaves out); the bonus or
-            # recovered token each pass also emits is not part of it.
+            # The bound counts accepted drafts, not the bonus token each pass emits.
             "measured_accepted_per_pass": max(measured - 1.0, 0.0),
         }

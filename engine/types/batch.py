@@ -1,6 +1,4 @@
-"""What one engine step runs: the requests the scheduler picked, with each one's new tokens and
-draft slots. Speculation plans each decoding request's drafts (`DraftPlan`), the scheduler
-builds the batch from the plans, and the proposers, the verifier and the engine read it."""
+"""What one engine step runs: the scheduled requests, their new tokens and drafts."""
 
 from __future__ import annotations
 

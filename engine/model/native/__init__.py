@@ -1,11 +1,9 @@
-"""Tandem's own forward passes for registered architectures (`--model-impl`), on the loaded
-Hugging Face weights: fewer operators and far less Python per pass than transformers, which is
-most of a small model's cost on the CPU.
+"""Tandem's own forward passes for registered architectures (`--model-impl`), sharing the
+loaded Hugging Face weights.
 
-Rules for an implementation: build from the loaded model and share its weights;
-`forward(input_ids [tokens], positions [tokens], metadata)` returns the body's hidden states
-[tokens, hidden], writing each layer's keys/values at `metadata.slot_mapping` and attending
-through `metadata.backend`; `logits(hidden [rows, hidden])` returns [rows, vocab]."""
+An implementation's `forward(input_ids [tokens], positions [tokens], metadata)` returns hidden
+states [tokens, hidden], writing K/V at `metadata.slot_mapping` and attending through
+`metadata.backend`; `logits(hidden [rows, hidden])` returns [rows, vocab]."""
 
 from __future__ import annotations
 

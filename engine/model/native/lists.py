@@ -1,8 +1,6 @@
-"""A CPU pass built straight from the runner's lists, for batches the C layer stack takes whole
-(no draft tree, at most `MAX_KERNEL_QUERY` tokens a request): the batch's integers go into one
-numpy array the C batch points into, with no AttentionMetadata tensors, because right after a
-pass has streamed the weights, host code costs by the operations it runs. Same kernels and
-inputs, so the same bits as the metadata path."""
+"""A CPU pass built straight from the runner's lists for batches the C layer stack takes whole
+(no tree, at most `MAX_KERNEL_QUERY` tokens a request): same kernels and bits as the metadata
+path, less host work."""
 
 from __future__ import annotations
 

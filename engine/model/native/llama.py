@@ -1,7 +1,5 @@
-"""The Llama family's forward pass (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with q/k
-norms), written for the packed batch on the loaded model's weights. q/k/v and gate/up are fused,
-and the Hugging Face projections re-pointed at slices of the fused weights, so both forwards
-keep working and no weight is stored twice."""
+"""The Llama family's forward pass (Llama, Mistral, Qwen2, Qwen3) on the packed batch; q/k/v
+and gate/up are fused, the Hugging Face projections re-pointed at slices of the fused weights."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Fused steps of the native Llama forward on CUDA, as Triton kernels: a small model's decode
-is a chain of tiny kernels each with a fixed cost, so an RMSNorm, rotary + cache write, and
-SiLU x up are one kernel each (residual adds ride in the GEMMs). Each computes what the torch
-operators compute, in the same precision; only reduction order differs, hence the start-up
-probe. Tests run them in Triton's interpreter (TRITON_INTERPRET=1)."""
+"""Fused steps of the native Llama forward on CUDA as Triton kernels (RMSNorm, rotary + cache
+write, SiLU x up): the same math as the torch operators, only reduction order differs."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The cost model's start-up calibration: target and draft passes of known shapes timed
-before any request runs (`calibrate_runners`), fitted into an engine/spec/cost/model.py
-`CostModel`, and cached per machine, models and settings (`calibration_key`,
-`cached_calibration`) so later starts skip it."""
+"""The cost model's start-up calibration: passes of known shapes timed and fitted into a
+`CostModel`, cached per machine, models and settings so later starts skip it."""
 
 from __future__ import annotations
 
@@ -31,10 +29,7 @@ _CALIBRATION_CONTEXTS = (64, 256)
 
 
 def calibration_key(runners: list[ModelRunner], settings: dict) -> str:
-    """What a calibration's timings depend on: this machine (CPU model and flags, torch and
-    its thread count, what the CPU kernels run on), the engine's code, each model's config
-    and weight files, and the settings that shape the timed passes. Any change gives another
-    key."""
+    """A hash of what the timings depend on: machine, torch, engine code, models, settings."""
     from engine.cpu import kernels as cpu_kernels
     from engine.cpu.build import cpu_identity
 
@@ -85,8 +80,10 @@ def cached_calibration(
             logger.info(
                 "cost model from %s (calibrated earlier on this machine; --recalibrate on to "
                 "redo it): target pass %.2f ms (1 token), verifier capacity P=%d",
-                path, cost.target_seconds[0] * 1e3, cost.capacity(),
-            )  # fmt: skip
+                path,
+                cost.target_seconds[0] * 1e3,
+                cost.capacity(),
+            )
             return cost
         except FileNotFoundError:
             pass
@@ -104,9 +101,7 @@ def cached_calibration(
 
 
 def calibrate(runners: list[ModelRunner], fresh: bool, **shape: int) -> CostModel:
-    """The cost model of `runners` (the target, then the draft model if any) for passes of
-    `shape` (see `calibrate_runners`): from this machine's cache unless `fresh`, else timed;
-    traced when $TANDEM_COST_TRACE names a file (engine/spec/cost/trace.py)."""
+    """The cost model of `runners` (target, then draft): cached unless `fresh`, else timed."""
     target, draft = runners[0], (runners[1] if len(runners) > 1 else None)
     cost = cached_calibration(
         calibration_key(runners, shape),
@@ -126,12 +121,8 @@ def calibrate_runners(
     max_context: int,
     repeats: int = 5,
 ) -> CostModel:
-    """Time target and draft passes of known shapes before any request runs.
-
-    The KV written and read here is garbage in blocks nobody holds yet; real requests
-    overwrite it. Sequences get distinct blocks while the pool lasts (then they wrap), so the
-    keys a decode batch reads are as spread out as in real use.
-    """
+    """Time target and draft passes of known shapes, writing garbage KV into blocks nobody
+    holds yet (distinct per sequence while the pool lasts, spread out as in real use)."""
     device = target.device
     started = time.perf_counter()
 
@@ -180,10 +171,8 @@ def calibrate_runners(
     cost.kv_coef, cost.qk_coef = _nonneg_lstsq(np.array(rows), np.array(residuals))
 
     if draft is not None:
-        # Draft passes as steps run them: decode batches (a draft token and its logits per
-        # row) and prompt chunks (tokens fed without logits, as catch-ups are), fitted to
-        # passes, drafts, query x key pairs and fed tokens; each row weighted by its time, so
-        # the small passes of concurrency 1 are fitted as closely as the batches.
+        # Draft passes as steps run them (decode batches, prompt chunks), each row weighted
+        # by 1 / its time so small passes fit as closely as big ones.
         rows, times = [], []
         for b in sorted({1, 2, 4, min(8, max_batch), min(16, max_batch), max_batch}):
             for ctx in contexts:
@@ -201,11 +190,18 @@ def calibrate_runners(
         "cost model calibrated in %.1fs: target pass %.2f ms (1 token) .. %.2f ms (%d) "
         "+ %.2f us/key + %.4f us/score; draft pass %.2f ms + %.3f ms/draft + %.4f us/score "
         "+ %.3f ms/token fed; verifier capacity P=%d",
-        time.perf_counter() - started, cost.target_seconds[0] * 1e3,
-        cost.target_seconds[-1] * 1e3, int(cost.sizes[-1]), cost.kv_coef * 1e6,
-        cost.qk_coef * 1e6, cost.draft.fixed * 1e3, cost.draft.per_token * 1e3,
-        cost.draft.per_pair * 1e6, cost.draft.per_fed * 1e3, cost.capacity(),
-    )  # fmt: skip
+        time.perf_counter() - started,
+        cost.target_seconds[0] * 1e3,
+        cost.target_seconds[-1] * 1e3,
+        int(cost.sizes[-1]),
+        cost.kv_coef * 1e6,
+        cost.qk_coef * 1e6,
+        cost.draft.fixed * 1e3,
+        cost.draft.per_token * 1e3,
+        cost.draft.per_pair * 1e6,
+        cost.draft.per_fed * 1e3,
+        cost.capacity(),
+    )
     return cost
 
 

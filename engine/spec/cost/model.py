@@ -1,40 +1,9 @@
-"""What a step costs on this machine, measured rather than assumed.
+"""What a step costs on this machine: a start-up fit (calibration.py), rescaled online.
 
-A pass's cost has two parts that grow with different things, and a draft-length policy has to
-see both: speculation adds tokens to a pass but no sequences.
-
-- target pass: `table(num_tokens) + kv_coef * kv_tokens + qk_coef * qk_pairs`, where the table
-  is timed at start-up over log-spaced token counts (short sequences, so it holds the weights'
-  cost: flat while they are memory-bound, then rising), `kv_tokens` is the sum of the context
-  lengths of the pass's sequences (keys read) and `qk_pairs` the sum of query x context
-  (scores computed). The two coefficients are fitted at start-up from decode batches.
-- draft part: `fixed * passes + per_token * drafts + per_pair * pairs + per_fed * fed`
-  (engine/spec/cost/draft.py), fitted at start-up over batch sizes, context lengths and
-  prompt chunks; `fed` are tokens fed without a draft (catch-ups, prompt chunks).
-
-The start-up fit (engine/spec/cost/calibration.py) is cached per machine, models and settings, so
-later starts skip it; `--recalibrate on` forces a fresh one. Every real step then rescales its
-prediction by the measured/predicted ratio (a running mean at first, an EMA after that,
-one step's ratio clipped to [0.5, 2] so a pause on a shared machine moves the model a little,
-not a lot; each of the draft's four parts gets a ratio of its own). Target passes of up to
-`SMALL_PASS` tokens also learn a factor per token count, and bigger ones a factor per
-power-of-two range of sizes (9-16, 17-32, ...).
-Steps with draft trees of N branches learn one more factor each for target and
-draft: what they cost beyond that prediction (walking a tree's nodes on the host, a draft
-pass of N rows per level), so `--draft-branches auto` stops choosing trees on a machine
-where they do not pay.
-
-A step also costs time outside both models' passes: scheduling, sampling, bookkeeping, and
-whatever its caller does before the next step (a server streams the step's outputs to its
-clients). That part is paid once a step, however many tokens the step makes, so it is part
-of what speculation amortizes: measured per decoding batch size from the interval between the
-starts of consecutive decode steps, less their passes (`observe_step`, `step_overhead`), and
-apart for steps that drafted and steps that did not (a drafting step also verifies its drafts
-and rolls back what was rejected: on the default pair at concurrency 1 in-process, the
-engine's own estimates were 0.27 and 0.16 ms on a 2-core AMD EPYC, 2026-11-26).
-
-The verifier capacity P is the number of tokens a target pass takes for about the cost of a
-single-token pass (within `CAPACITY_SLACK`).
+Target pass: `table(num_tokens) + kv_coef * kv_tokens + qk_coef * qk_pairs`; the draft's part
+is DraftCost (draft.py). Each step rescales the prediction by measured / predicted, per pass
+size and per tree width, and times what a decode step costs outside both passes, once per
+step whatever it makes (docs/ADAPTIVE_K.md, "The cost model").
 """
 
 from __future__ import annotations
@@ -49,13 +18,9 @@ from engine.spec.cost.draft import DraftCost
 CAPACITY_SLACK = 1.25
 _EMA = 0.05
 SMALL_PASS = 8
-"""Target passes of up to this many tokens (every step at concurrency 1: the last token and
-its drafts) learn an online scale per token count, not only the shared one. The start-up table
-times each count once, in a quiet moment; at these sizes the policy decides on what one more
-verified token adds (on the CPU a multiply-add per weight, plus its sampling), and one shared
-factor corrects the table's level, not that difference. Bigger passes learn one per range
-of sizes (`size_bucket`): a shared one averaged different misfits (bench/results/
-gpu_cost_trace_h100.txt: 9-64 tokens within 10%, 65-256 at 1.2-1.6x, 257-2048 at 0.5-0.7x)."""
+"""Target passes of up to this many tokens learn a scale per token count (the policy decides
+on what one more token adds, which one shared factor does not fit); bigger ones per
+`size_bucket`."""
 _SMALL_MIN_OBSERVED = 8
 _BUCKETS = 40
 _OVERHEAD_MIN_OBSERVED = 8
@@ -68,8 +33,7 @@ def size_bucket(num_tokens: int) -> int:
 
 def overhead_key(batch: int) -> int:
     """Batches of up to SMALL_PASS requests measure their step overhead apart, bigger ones
-    per range of sizes: at concurrency 16 each size of 9-16 saw too few steps to average a
-    time that a server's streaming makes 0.4 ms one step and 4 ms the next."""
+    per size range (too few steps per size to average a noisy time)."""
     return batch if batch <= SMALL_PASS else -size_bucket(batch)
 
 
@@ -78,10 +42,8 @@ class PassShape:
     """What a forward pass holds, in the units the cost model charges for."""
 
     num_tokens: int
-    kv_tokens: int = 0
-    """Sum over sequences of the context each one attends to (keys read)."""
-    qk_pairs: int = 0
-    """Sum over sequences of query tokens x context (attention scores)."""
+    kv_tokens: int = 0  # keys read: the sum of context lengths
+    qk_pairs: int = 0  # scores computed: the sum of query x context
 
     @classmethod
     def of(cls, query_lens: list[int], context_lens: list[int]) -> PassShape:
@@ -93,14 +55,13 @@ class PassShape:
 
 
 class _Scale:
-    """Measured / predicted, averaged: a running mean over the first observations (so an
-    unlucky calibration is replaced outright), an EMA after that (so drift is followed)."""
+    """Measured / predicted: a running mean at first (an unlucky calibration is replaced
+    outright), then an EMA (drift is followed); one ratio is clipped to [0.5, 2] x the mean."""
 
     def __init__(self) -> None:
         self.value, self.count = 1.0, 0
 
     def observe(self, measured: float, calibrated: float) -> None:
-        """`calibrated`: the start-up fit's prediction for what took `measured` seconds."""
         if calibrated <= 0:
             return
         self.count += 1
@@ -110,9 +71,8 @@ class _Scale:
 
 
 class _Seconds:
-    """Seconds averaged as `_Scale` averages ratios: a running mean over the first
-    observations, an EMA after that; one observation counts for at most twice the average
-    (a pause on a shared machine moves it a little, not a lot)."""
+    """Seconds averaged as `_Scale` averages ratios; one observation counts for at most twice
+    the mean."""
 
     def __init__(self) -> None:
         self.value, self.count = 0.0, 0
@@ -149,16 +109,13 @@ class CostModel:
         self.qk_coef = qk_coef
         self.draft = DraftCost(draft_fixed, draft_per_token, draft_per_pair, draft_per_fed)
         self.target_scale = _Scale()
+        # Per token count, then per size_bucket; used once seen _SMALL_MIN_OBSERVED times.
         self.small_scales = [_Scale() for _ in range(SMALL_PASS + 1)]
-        """Index n: the scale of target passes of n tokens, used once observed
-        `_SMALL_MIN_OBSERVED` times (before that, `target_scale`)."""
         self.size_scales = [_Scale() for _ in range(_BUCKETS)]
-        """Index `size_bucket(n)`: as `small_scales`, for the bigger passes in that range."""
+        # Per tree width N > 1: (target, draft) cost beyond the scales above.
         self.tree_scales: dict[int, tuple[_Scale, _Scale]] = {}
-        """Per tree width N > 1: (target, draft) cost beyond the two scales above."""
+        # Per (overhead_key(batch), drafted): a decode step's time outside both passes.
         self.overheads: dict[tuple[int, bool], _Seconds] = {}
-        """Per decoding batch size (`overhead_key`) and whether the step drafted: what a step
-        costs outside both models' passes."""
 
     def target_time(
         self,
@@ -171,7 +128,6 @@ class CostModel:
         return scale * self._target_calibrated(num_tokens, kv_tokens, qk_pairs)
 
     def _target_scales(self, num_tokens: np.ndarray | float) -> np.ndarray:
-        """The online scale of target passes of `num_tokens` (elementwise)."""
         n = np.asarray(num_tokens)
         by_count = np.array([self.target_scale_at(i) for i in range(SMALL_PASS + 1)])
         small = by_count[np.clip(n, 0, SMALL_PASS).astype(np.int64)]
@@ -197,17 +153,15 @@ class CostModel:
         branches: int = 1,
         fed: np.ndarray | float = 0.0,
     ) -> np.ndarray:
-        """Seconds for `num_passes` draft passes proposing `num_drafts` tokens in total and
-        fed `fed` tokens more (catch-ups, prompt chunks), whose queries attend `qk_pairs` keys
-        in total (as trees of `branches` when > 1)."""
+        """Seconds for `num_passes` draft passes proposing `num_drafts` tokens and fed `fed`
+        more (catch-ups, prompt chunks), `qk_pairs` in all."""
         return self._tree_scale(branches, 1) * self.draft.time(
             num_passes, num_drafts, qk_pairs, fed
         )
 
     def step_overhead(self, batch: int, drafting: bool = False) -> float:
-        """Seconds a decode step of `batch` requests costs outside both models' passes, as
-        measured (`observe_step`) for steps that drafted (`drafting`) or did not; until
-        `_OVERHEAD_MIN_OBSERVED` such steps were, the other kind's, else 0."""
+        """Seconds a decode step of `batch` requests costs outside both passes; the other
+        kind's (drafting or not) until `_OVERHEAD_MIN_OBSERVED` steps were seen, else 0."""
         for kind in (drafting, not drafting):
             seen = self.overheads.get((overhead_key(batch), kind))
             if seen is not None and seen.count >= _OVERHEAD_MIN_OBSERVED:
@@ -224,7 +178,6 @@ class CostModel:
         kv_tokens: np.ndarray | float,
         qk_pairs: np.ndarray | float,
     ) -> np.ndarray:
-        """The start-up fit alone, before the online scale."""
         return (
             self._table(num_tokens)
             + self.kv_coef * np.asarray(kv_tokens, dtype=np.float64)
@@ -232,7 +185,7 @@ class CostModel:
         )
 
     def _table(self, num_tokens: np.ndarray | float) -> np.ndarray:
-        # Linear inside the table, linear extrapolation past its end (compute-bound regime).
+        # Linear inside the table and past its end (compute-bound).
         n = np.asarray(num_tokens, dtype=np.float64)
         table = self.target_seconds
         inside = np.interp(n, self.sizes, table)
@@ -242,8 +195,7 @@ class CostModel:
         return inside
 
     def capacity(self) -> int:
-        """Verifier capacity P: most tokens a pass holds within CAPACITY_SLACK x one token, in
-        the calibrated table (fixed, so found once: engine stats read it every step)."""
+        """Verifier capacity P: most tokens a pass holds within CAPACITY_SLACK x one token."""
         return self._capacity
 
     def best_chain_length(
@@ -256,13 +208,10 @@ class CostModel:
         overhead: tuple[float, float] = (0.0, 0.0),
         free_drafts: bool = False,
     ) -> int:
-        """For one request drafting a chain (`gains[d - 1]`: the chance that its d-th draft is
-        kept, `context` tokens cached) in a pass of `base_tokens` other tokens (its own last
-        included): the K in 0..max_drafts with the most expected tokens per second (the first
-        of ties). Drafting feeds the draft `catch_up` tokens (its lag, policy/catch_up.py)
-        unless the drafts are `free_drafts` (a prompt lookup's); every K pays the step's
-        `overhead` outside the passes (plain steps' for K = 0, drafting steps' for K > 0). The
-        policy's vectorised search for a batch of one, in plain Python (c=1 decides often)."""
+        """The K in 0..max_drafts with the most expected tokens per second (first of ties)
+        for one request's chain (`gains[d - 1]`: the chance its d-th draft is kept) in a pass
+        of `base_tokens` other tokens; K > 0 feeds `catch_up` tokens unless `free_drafts`,
+        and `overhead` is (plain, drafting) step time. The batch search for a batch of one."""
         tokens, rates = 1.0, []
         for k in range(max_drafts + 1):
             tokens += gains[k - 1] if k else 0.0
@@ -274,8 +223,7 @@ class CostModel:
             rates.append(tokens / seconds)
         return rates.index(max(rates))
 
-    # observe_* and best_chain_length take plain numbers: Python arithmetic, not numpy's
-    # per-call cost on scalars (the formula of _target_calibrated; DraftCost.at).
+    # Scalar twins of the numpy formulas: numpy's per-call cost dominates on scalars.
     def _target_at(self, num_tokens: float, kv_tokens: float, qk_pairs: float) -> float:
         return self._table_at(num_tokens) + self.kv_coef * kv_tokens + self.qk_coef * qk_pairs
 
@@ -294,9 +242,7 @@ class CostModel:
     def observe_step(
         self, batch: int, interval: float, passes: float, drafting: bool = False
     ) -> None:
-        """A decode step of `batch` requests (that drafted, or not): `interval` seconds from its
-        start to the next step's start, `passes` of them in the target's and the draft's
-        passes."""
+        """`interval`: from a decode step's start to the next's; `passes`: of it in passes."""
         seen = self.overheads.setdefault((overhead_key(batch), drafting), _Seconds())
         seen.observe(max(interval - passes, 0.0))
 
@@ -309,8 +255,6 @@ class CostModel:
         branches: int = 1,
         fed: int = 0,
     ) -> None:
-        """The draft's part of a step took `seconds`: `num_passes` passes proposing
-        `num_drafts` tokens, fed `fed` more (catch-ups, prompt chunks), `qk_pairs` in all."""
         if branches > 1:  # a tree's cost beyond what chains of as many drafts cost
             tree = self.tree_scales.setdefault(branches, (_Scale(), _Scale()))
             tree[1].observe(seconds, self.draft.at(num_passes, num_drafts, qk_pairs, fed))
@@ -318,7 +262,6 @@ class CostModel:
         self.draft.observe(num_passes, num_drafts, qk_pairs, fed, seconds)
 
     def _table_at(self, num_tokens: int) -> float:
-        """`_table` at one token count."""
         sizes, table = self._sizes_list, self._table_list
         i = bisect.bisect_right(sizes, num_tokens) - 1
         if i < 0:
@@ -336,15 +279,23 @@ class CostModel:
         return {
             "sizes": [int(s) for s in self.sizes],
             "target_seconds": [float(t) for t in self.target_seconds],
-            "kv_coef": self.kv_coef, "qk_coef": self.qk_coef, "draft_fixed": self.draft.fixed,
-            "draft_per_token": self.draft.per_token, "draft_per_pair": self.draft.per_pair,
+            "kv_coef": self.kv_coef,
+            "qk_coef": self.qk_coef,
+            "draft_fixed": self.draft.fixed,
+            "draft_per_token": self.draft.per_token,
+            "draft_per_pair": self.draft.per_pair,
             "draft_per_fed": self.draft.per_fed,
-        }  # fmt: skip
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
         return cls(
-            data["sizes"], data["target_seconds"], data["draft_fixed"], data["draft_per_token"],
-            kv_coef=data["kv_coef"], qk_coef=data["qk_coef"],
-            draft_per_pair=data["draft_per_pair"], draft_per_fed=data.get("draft_per_fed"),
-        )  # fmt: skip
+            data["sizes"],
+            data["target_seconds"],
+            data["draft_fixed"],
+            data["draft_per_token"],
+            kv_coef=data["kv_coef"],
+            qk_coef=data["qk_coef"],
+            draft_per_pair=data["draft_per_pair"],
+            draft_per_fed=data.get("draft_per_fed"),
+        )

@@ -1,22 +1,8 @@
 """The cost model's predictions beside what was measured, step by step, for diagnosis.
 
-With `TANDEM_COST_TRACE=FILE` in its environment an engine that runs adaptive K appends one
-JSON line to FILE per observation its cost model learns from, with the model's prediction
-for the same thing made just before it learns (so the first observations show the start-up
-fit alone, the later ones the fit with its online scales):
-
-- `{"kind": "target", "tokens", "kv", "qk", "branches", "measured", "predicted"}`: a target
-  pass (the verifier's whole run: the pass, sampling and verification);
-- `{"kind": "draft", "passes", "drafts", "fed", "qk", "branches", "measured", "predicted"}`:
-  the draft's part of a step (its passes and the proposer's host work; `fed`: tokens it was
-  fed beyond its drafts, catch-ups and prompt chunks);
-- `{"kind": "step", "batch", "drafting", "measured", "predicted"}`: what a decode step cost
-  outside both models' passes (scheduling, bookkeeping, the caller's work until the next step).
-
-Seconds throughout; `t` is `time.perf_counter()` at the observation. `python -m
-bench.cost_trace FILE` summarises a trace: where the predictions the draft-length policy
-decides on are off, and by how much. Off by default; on, it adds about 0.04 ms to a step on
-the CPU (three lines written), which its step records include.
+With `TANDEM_COST_TRACE=FILE` an engine that runs adaptive K appends one JSON line per
+observation its cost model learns from (kind target, draft or step; seconds), beside the
+prediction it made just before learning; `t` is `time.perf_counter()`.
 """
 
 from __future__ import annotations
@@ -51,14 +37,20 @@ class TracedCostModel(CostModel):
 
     def observe_target(self, shape: PassShape, seconds: float, branches: int = 1) -> None:
         n, kv, qk = shape.num_tokens, shape.kv_tokens, shape.qk_pairs
-        # target_time's formula on plain numbers: numpy's per-call cost on scalars would be
-        # most of what a step costs outside its passes, which this trace also measures.
+        # target_time's formula on scalars (numpy would inflate the step time traced).
         scale = self.target_scale_at(n) * self._tree_scale(branches, 0)
         predicted = scale * self._target_at(n, kv, qk)
         self._write(
-            {"kind": "target", "tokens": n, "kv": kv, "qk": qk, "branches": branches,
-             "measured": seconds, "predicted": predicted}
-        )  # fmt: skip
+            {
+                "kind": "target",
+                "tokens": n,
+                "kv": kv,
+                "qk": qk,
+                "branches": branches,
+                "measured": seconds,
+                "predicted": predicted,
+            }
+        )
         super().observe_target(shape, seconds, branches)
 
     def observe_draft(
@@ -73,19 +65,31 @@ class TracedCostModel(CostModel):
         scale = self._tree_scale(branches, 1)  # draft_time's formula
         predicted = scale * self.draft.at(num_passes, num_drafts, qk_pairs, fed)
         self._write(
-            {"kind": "draft", "passes": num_passes, "drafts": num_drafts, "fed": fed,
-             "qk": qk_pairs, "branches": branches, "measured": seconds, "predicted": predicted}
-        )  # fmt: skip
+            {
+                "kind": "draft",
+                "passes": num_passes,
+                "drafts": num_drafts,
+                "fed": fed,
+                "qk": qk_pairs,
+                "branches": branches,
+                "measured": seconds,
+                "predicted": predicted,
+            }
+        )
         super().observe_draft(num_passes, num_drafts, qk_pairs, seconds, branches, fed)
 
     def observe_step(
         self, batch: int, interval: float, passes: float, drafting: bool = False
     ) -> None:
         self._write(
-            {"kind": "step", "batch": batch, "drafting": drafting,
-             "measured": max(interval - passes, 0.0),
-             "predicted": self.step_overhead(batch, drafting)}
-        )  # fmt: skip
+            {
+                "kind": "step",
+                "batch": batch,
+                "drafting": drafting,
+                "measured": max(interval - passes, 0.0),
+                "predicted": self.step_overhead(batch, drafting),
+            }
+        )
         super().observe_step(batch, interval, passes, drafting)
 
 

@@ -1,7 +1,4 @@
-"""How many drafts each decoding request gets: the policy protocol and the fixed policies
-(`base`), and the adaptive policy (`adaptive`), composed of the acceptance it has learned
-(`acceptance`), the batch searches on the cost model (`search`), the draft's catch-up
-(`catch_up`) and decision reuse (`reuse`)."""
+"""How many drafts each decoding request gets: fixed policies (`base`) and the adaptive one."""
 
 from __future__ import annotations
 

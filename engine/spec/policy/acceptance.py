@@ -1,8 +1,5 @@
-"""What the adaptive policy has learned of acceptance: the engine-wide rate, each request's
-estimate, how deep drafts fare against the a^d model, tree roots and prompt lookups.
-
-Every count decays, so the estimates follow a workload that changes.
-"""
+"""What the adaptive policy has learned of acceptance (decayed counts): the engine-wide rate,
+each request's estimate, depth and tree-root corrections, prompt lookups."""
 
 from __future__ import annotations
 
@@ -14,20 +11,12 @@ ACCEPTANCE_DECAY = 0.995
 """Per verified chain, the weight left to the depth, tree-root and lookup counts before it."""
 
 PRIOR_DECAY, REQUEST_WEIGHT = 0.999, 32
-"""The engine-wide rate every request starts from is a mean over ~1,000 chains, weighing 32
-trials in each request's estimate: its own few chains say little of its next ones
-(docs/ADAPTIVE_K.md, "Acceptance estimates")."""
+"""The engine-wide prior's decay and its weight in trials in a request's estimate."""
 
 
 class AcceptanceEstimates:
-    """Per-token acceptance a, engine-wide and per request, and the corrections to the a^d
-    model of a chain's d-th draft (`depth_factors`) and of a tree's root (`root_acceptance`).
-
-    The d-th draft's gain is a^d only as a first guess: drafts are not kept independently (the
-    positions after a hard token are hard too), and a request is drafted deep when its estimate
-    is high, partly by luck. So every verified chain also compares, per depth d, how many d-th
-    drafts were kept with how many a^d predicted, and the gains are a^d times that ratio.
-    """
+    """Per-token acceptance a, engine-wide and per request; a d-th draft's gain is a^d times
+    a measured depth factor (drafts are not kept independently)."""
 
     def __init__(
         self,
@@ -41,12 +30,9 @@ class AcceptanceEstimates:
         self.request_weight = request_weight
         self._accepted = prior * prior_weight  # decayed engine-wide counts
         self._trials = prior_weight
-        self.root_hits: dict[int, float] = {}
-        """Per tree width: decayed counts of steps where some root candidate was kept."""
+        self.root_hits: dict[int, float] = {}  # per tree width: steps a root candidate was kept
         self.root_trials: dict[int, float] = {}
-        # Per depth d: drafts kept, and kept as the a^d model predicted (decayed). Plain floats,
-        # not arrays: observe() runs once per drafting request each step, and numpy's per-call
-        # cost on arrays this small dominates at large batches.
+        # Per depth: drafts kept, and as a^d predicted (floats: numpy is slower at this size).
         self._depth_kept = [0.0] * max_draft_tokens
         self._depth_predicted = [0.0] * max_draft_tokens
         self._depth_cache: tuple[list[float], tuple] | None = None
@@ -58,12 +44,11 @@ class AcceptanceEstimates:
 
     @property
     def lookup_acceptance(self) -> float:
-        """Per-token acceptance of prompt-lookup drafts, engine-wide."""
         return self._lookup[0] / self._lookup[1]
 
     def acceptance(self, req: Request) -> float:
-        """Per-token acceptance: the engine-wide rate (a prior of `request_weight` trials)
-        updated by the request's verified drafts (trials: accepted + the ending rejections)."""
+        """The engine-wide rate (a prior of `request_weight` trials) updated by the request's
+        verified drafts."""
         return self._estimate(req.spec.accepted, req.spec.trials)
 
     def _estimate(self, accepted: float, trials: float) -> float:
@@ -77,15 +62,13 @@ class AcceptanceEstimates:
         return (np.array(self._depth_kept) + w) / (np.array(self._depth_predicted) + w)
 
     def depth_factors_keyed(self) -> tuple[list[float], tuple]:
-        """`depth_factors()` as floats, and rounded to 1/32 for a decision's key (cached until
-        the next observe())."""
+        """`depth_factors()` as floats, and rounded to 1/32 for a decision's key (cached)."""
         if self._depth_cache is None:
             factors = self.depth_factors().tolist()
             self._depth_cache = factors, tuple(round(32 * f) for f in factors)
         return self._depth_cache
 
     def gains_one(self, a: float) -> list[float]:
-        """`gains()` for one request, in plain Python (no array overhead at batch 1)."""
         gains, gain = [], 0.99
         for d, factor in enumerate(self.depth_factors_keyed()[0], start=1):
             gain = min(a**d * factor, 0.99, gain)
@@ -93,16 +76,13 @@ class AcceptanceEstimates:
         return gains
 
     def gains(self, a: np.ndarray) -> np.ndarray:
-        """[requests, K_max]: the chance that each request's d-th draft is kept, a^d times
-        the measured depth factor, never rising with depth."""
+        """[requests, K_max]: the chance each request's d-th draft is kept, non-increasing."""
         raw = a[:, None] ** np.arange(1, self.max_draft_tokens + 1)[None, :]
         return np.minimum.accumulate(np.minimum(raw * self.depth_factors(), 0.99), axis=1)
 
     def root_acceptance(self, a: np.ndarray, n: int) -> np.ndarray:
-        """The chance that one of n root candidates is kept, per request of acceptance a:
-        1 - (1 - a)^n as if the candidates were independent draws, scaled by how the tree
-        steps of n branches measured so far compare with that (candidates of one draft tend
-        to miss together), the formula weighing as a prior."""
+        """The chance one of n root candidates is kept: 1 - (1 - a)^n scaled by `root_factor`
+        (candidates of one draft tend to miss together)."""
         return np.clip((1 - (1 - a) ** n) * self.root_factor(n), 0.0, 0.99)
 
     def root_factor(self, n: int) -> float:
@@ -117,12 +97,10 @@ class AcceptanceEstimates:
     def observe(
         self, request: Request, num_drafted: int, num_accepted: int, branches: int = 1
     ) -> None:
-        """A verified step of `request` (its counts already hold it): drafts of depth
-        num_drafted, num_accepted kept, from a tree of `branches` root candidates (1: a chain)."""
+        """A verified step of `request`, whose counts already hold it (`branches` 1: a chain)."""
         decay = ACCEPTANCE_DECAY
         self._depth_cache = None
         if branches == 1:
-            # The request's estimate before this step.
             trials = num_accepted + (num_accepted < num_drafted)
             a = self._estimate(request.spec.accepted - num_accepted, request.spec.trials - trials)
             n = min(num_drafted, self.max_draft_tokens)
@@ -141,7 +119,6 @@ class AcceptanceEstimates:
         self._trials = PRIOR_DECAY * self._trials + num_accepted + (num_accepted < num_drafted)
 
     def observe_lookup(self, num_drafted: int, num_accepted: int) -> None:
-        """A verified chain of prompt-lookup drafts."""
         decay, counts = ACCEPTANCE_DECAY, self._lookup
         counts[0] = decay * counts[0] + num_accepted
         counts[1] = decay * counts[1] + num_accepted + (num_accepted < num_drafted)

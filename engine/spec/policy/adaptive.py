@@ -13,39 +13,14 @@ from engine.spec.policy.search import BatchSearch
 from engine.types.request import Request
 
 PROBE_STEPS = 8
-"""Consecutive steps a probe drafts (K = 1) for its request: its first step pays the draft's
-catch-up, so one step alone does not measure what drafting costs in steady state."""
+"""Consecutive steps a probe drafts K = 1 (its first pays the catch-up, so one is not enough)."""
 
 
 class AdaptiveDraftLength:
-    """Maximise expected accepted tokens per second for the whole batch.
-
-    With per-token acceptance a_i, the d-th draft of request i adds a_i^d expected tokens (it
-    counts only if drafts 1..d-1 were accepted), corrected by the measured depth factors
-    (`AcceptanceEstimates`). Every increment (i, d) is ranked by that gain; the policy takes
-    the prefix of the ranking that maximises
-        (B + sum of gains) / (T_target(n_other + B + drafts) + T_draft(passes, drafts) + T_step(B))
-    on the measured cost model, which charges a pass for its tokens and for the context its
-    queries attend to, and a step of B requests what such steps cost outside the passes
-    (sampling, bookkeeping, streaming; paid once a step). An empty prefix is plain decoding.
-
-    Giving requests different K has costs the model leaves out (every distinct query count is
-    one more attention call per layer; the deepest draft sets the draft passes for all), so
-    the best single K for the whole batch is used unless the per-request choice is predicted
-    to beat it by more than `uniform_margin`.
-
-    Drafting again after plain decodes first feeds the draft every token it skipped: that
-    catch-up is charged as draft tokens, spread over the drafting steps expected to follow
-    (`CatchUp`).
-
-    When speculation has been off for `probe_interval` steps, one request drafts K = 1 for
-    `PROBE_STEPS` steps: otherwise a pessimistic estimate could never be corrected, since only
-    steps that draft measure the draft's cost and acceptance. A probe takes the request with
-    the least to catch up, and while probes keep confirming K = 0 the interval doubles, up to
-    `max_probe_interval`; the policy choosing drafts on its own resets it.
-
-    A seeded request's tokens are fixed by (seed, position), not by K (engine/sample/sampler.py).
-    """
+    """Maximise the batch's expected accepted tokens per second on the measured cost model:
+    the best prefix of drafts ranked by gain, a single K unless per-request K beats it by
+    `uniform_margin`, catch-ups charged, and probes (K = 1) after `probe_interval` steps
+    without drafts so a pessimistic estimate can be corrected (docs/ADAPTIVE_K.md)."""
 
     def __init__(
         self,
@@ -83,9 +58,8 @@ class AdaptiveDraftLength:
         self.estimates.observe_lookup(num_drafted, num_accepted)
 
     def lookup_length(self, request: Request, k: int, found: int, batch: int) -> int:
-        """Alone in its step, the cost model's best chain of the lookup's drafts at their own
-        measured acceptance, as drafts that cost no draft pass, whatever K the draft model got;
-        in a batch, the draft model's K (its search priced the batch's rows)."""
+        """Alone, the best chain of the lookup's drafts at their own acceptance (no draft
+        pass); in a batch, the draft model's K (its search priced the rows)."""
         if batch > 1:
             return min(k, found)
         rate = self.estimates.lookup_acceptance
@@ -113,8 +87,7 @@ class AdaptiveDraftLength:
         return DraftLengths(list(ks), list(reasons), branches)
 
     def decision_for(self, requests: list[Request], num_other_tokens: int) -> Decision:
-        """The decision for this step's inputs: an earlier one they round alike to, or a new
-        search. Plain Python until a search is needed."""
+        """An earlier decision whose inputs round alike, or a new search."""
         ids = [r.request_id for r in requests]
         a = [self.estimates.acceptance(r) for r in requests]
         context = [r.num_tokens for r in requests]
@@ -151,8 +124,7 @@ class AdaptiveDraftLength:
     def decide(
         self, a: np.ndarray, context: np.ndarray, num_other_tokens: int, catch_up: np.ndarray
     ) -> Decision:
-        """(K per request, why each is below K_max, tree branches): the batch's best rate.
-        `catch_up`: per request, the draft tokens a step pays for its lag (`CatchUp.tokens`)."""
+        """(K per request, why each is below K_max, tree branches): the batch's best rate."""
         batch, k_max, search = len(a), self.max_draft_tokens, self.search
         if batch == 1 and self.max_branches == 1:  # one request: plain numbers, no arrays
             g1 = self.estimates.gains_one(float(a[0]))

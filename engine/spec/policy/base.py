@@ -18,21 +18,15 @@ REASON_MEMORY = "kv_memory"
 @dataclass
 class DraftLengths:
     ks: list[int]
-    reasons: list[str | None] = field(default_factory=list)
-    """Per request: why K < K_max (None when it is not)."""
-    branches: int = 1
-    """Draft-tree candidates for the next token of every drafting request (1 = chains)."""
+    reasons: list[str | None] = field(default_factory=list)  # why K < K_max, else None
+    branches: int = 1  # draft-tree candidates per drafting request (1 = chains)
 
 
 class DraftLengthPolicy(Protocol):
-    """How many drafts (K) each decoding request gets this step.
+    """How many drafts (K) each decoding request gets this step, seen as a whole batch.
 
-    A policy sees the whole decoding batch at once because the right K depends on the batch:
-    speculation that pays at batch 1 wastes compute at batch 64. Rules: `choose` returns one K
-    in [0, max_draft_tokens] per request, in order; K = 0 means a plain decode with no draft
-    work for that request. It must not mutate the requests. `num_other_tokens` is how many
-    non-decode (prefill) tokens the step also carries. The `observe*` calls feed it every
-    verification's outcome (engine/spec/planner.py is their one caller).
+    `choose` returns one K in [0, max_draft_tokens] per request, in order (0: a plain decode)
+    and does not mutate the requests; `num_other_tokens` prefill tokens share the step.
     """
 
     max_draft_tokens: int
@@ -42,23 +36,18 @@ class DraftLengthPolicy(Protocol):
     def observe(
         self, request: Request, num_drafted: int, num_accepted: int, branches: int = 1
     ) -> None:
-        """A verified step of `request`: drafts of depth num_drafted, num_accepted kept, from
-        a tree of `branches` candidates at its root (1: a chain)."""
+        """A verified step of `request` (`branches` 1: a chain)."""
         ...
 
     def lookup_length(self, request: Request, k: int, found: int, batch: int) -> int:
-        """How many of `found` prompt-lookup drafts (`speculative.ngram_assist`) `request`
-        verifies in place of the proposer's, given its K in a batch of `batch` requests."""
+        """How many of `found` prompt-lookup drafts `request` verifies instead of its K."""
         ...
 
-    def observe_lookup(self, num_drafted: int, num_accepted: int) -> None:
-        """A verified chain of prompt-lookup drafts."""
-        ...
+    def observe_lookup(self, num_drafted: int, num_accepted: int) -> None: ...
 
 
 class FixedDraftLength:
-    """Always K_max (the baseline the adaptive policy is measured against), with a fixed
-    number of draft-tree branches."""
+    """Always K_max, with a fixed number of draft-tree branches."""
 
     def __init__(self, max_draft_tokens: int, branches: int = 1) -> None:
         self.max_draft_tokens = max_draft_tokens

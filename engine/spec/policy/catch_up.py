@@ -1,35 +1,21 @@
-"""What a lagging draft costs the step that drafts it again (engine/spec/policy/).
-
-A request given K = 0 costs the draft model nothing that step, so its draft falls behind; when
-it drafts again, the draft is first fed every token it skipped. One speculative step alone
-rarely repays that catch-up, so the policy spreads it over the drafting steps expected to
-follow: the mean length of the runs of consecutive drafting steps it chose for a request,
-measured here, `CATCH_UP_STEPS` as the prior.
-"""
+"""What a lagging draft costs the step that drafts it again: the skipped tokens it is fed,
+spread over the mean measured run of consecutive drafting steps (one step rarely repays it)."""
 
 from __future__ import annotations
 
 from engine.types.request import Request
 
-CATCH_UP_STEPS = 32
-"""The prior of the drafting run's length, counting as its first measurement."""
+CATCH_UP_STEPS = 32  # the prior run length, counted as the first measurement
 
 
 class CatchUp:
-    """The measured mean drafting run (`run_steps`), and per request the catch-up a drafting
-    step is charged (`tokens`)."""
-
     def __init__(self) -> None:
-        self.run_steps = float(CATCH_UP_STEPS)
-        """Mean length of a run of consecutive drafting steps: a running mean over the runs
-        seen (the prior counting as the first) up to 20, an EMA after that."""
+        self.run_steps = float(CATCH_UP_STEPS)  # a running mean up to 20 runs, then an EMA
         self._runs = 1
-        self._open: dict[str, int] = {}
-        """Per request in a run of drafting steps the policy chose: its steps so far."""
+        self._open: dict[str, int] = {}  # per request in a drafting run: its steps so far
 
     def tokens(self, req: Request) -> float:
-        """Draft tokens a step of `req` is charged for the draft's lag: the lag spread over
-        the `run_steps` drafting steps expected to follow (or the steps left, if fewer)."""
+        """Draft tokens a step of `req` is charged: its lag over `run_steps` (or steps left)."""
         behind = req.num_tokens - req.num_draft_computed_tokens - 1  # its last token is fed anyway
         if behind <= 0:
             return 0.0
@@ -37,10 +23,8 @@ class CatchUp:
         return behind / min(left, max(self.run_steps, 1.0))
 
     def count(self, requests: list[Request], ks: list[int], probe: bool) -> None:
-        """A step's K per request: extend the runs of the requests that draft; a run that stops
-        (K = 0) is counted into `run_steps`. Probes' forced steps are no run of the policy's
-        choosing: they start none, and a run a request is in when a probe begins is dropped
-        (as is one whose request finished mid-run: its length was cut short)."""
+        """A step's K per request: a run ends at K = 0 and counts into `run_steps`; a probe
+        drops the open runs (not the policy's choice), as does a request finishing mid-run."""
         if probe:
             self._open.clear()
             return

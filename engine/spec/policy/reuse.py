@@ -1,22 +1,13 @@
-"""When the adaptive policy may reuse a decision instead of searching again.
-
-Two rules, in this order:
-- a decision holds for `reuse_steps` steps of the same requests with no prefill tokens among
-  them: their contexts move by that many tokens, less than the key below rounds them to;
-- otherwise a step whose inputs round alike to an earlier step's (`decision_key`) takes that
-  step's decision.
-"""
+"""When the adaptive policy may reuse a decision: for `reuse_steps` steps of the same requests
+without prefill tokens, else for a step whose inputs round alike (`decision_key`)."""
 
 from __future__ import annotations
 
 from engine.spec.cost.model import CostModel
 from engine.spec.policy.acceptance import AcceptanceEstimates
 
-Decision = tuple[list[int], list[str | None], int]
-"""(K per request, why each is below K_max, tree branches)."""
-
-MAX_CACHED = 4096
-"""Decisions kept by key; the cache starts afresh when full."""
+Decision = tuple[list[int], list[str | None], int]  # (Ks, reasons, tree branches)
+MAX_CACHED = 4096  # decisions kept by key; the cache starts afresh when full
 
 
 class DecisionReuse:
@@ -39,8 +30,6 @@ class DecisionReuse:
         return self._by_key.get(key)
 
     def remember(self, request_ids: list[str], key: tuple | None, decided: Decision) -> None:
-        """`decided` was taken for this step: it serves the next `reuse_steps - 1` steps of the
-        same requests, and any step whose inputs round to `key`."""
         self._last = (request_ids, self.reuse_steps - 1, decided)
         if key is not None:
             if len(self._by_key) >= MAX_CACHED:
@@ -57,10 +46,8 @@ def decision_key(
     num_other: int,
     catch_up: list[float],
 ) -> tuple:
-    """What a decision depends on, rounded (acceptance, depth and tree roots' factors to 1/32,
-    online cost factors to 4%, the step's overhead to 5% of a one-token pass, contexts and
-    other tokens to 32, catch-ups to a token): inputs that close predict rates within a few
-    percent, so a step whose inputs round alike reuses the decision."""
+    """What a decision depends on, rounded so that inputs that round alike predict nearly the
+    same rates."""
     widths = sorted(cost.tree_scales)
     scales = [cost.target_scale, *cost.small_scales, *cost.size_scales]
     scales += [s for n in widths for s in cost.tree_scales[n]]

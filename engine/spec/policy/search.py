@@ -10,10 +10,8 @@ from engine.spec.policy.acceptance import AcceptanceEstimates
 
 
 class BatchSearch:
-    """The searches for a batch's best drafts on the cost model's predicted step time. Every
-    chain search takes `gains` [requests, K_max] (the chance that a request's d-th draft is
-    kept), the requests' contexts, the tokens of other requests in the pass, and `catch_up`:
-    per request, the draft tokens a step that drafts pays for the draft's lag."""
+    """Chain searches take `gains` [requests, K_max] (the chance a d-th draft is kept),
+    contexts, the pass's other tokens and `catch_up` (per request, `CatchUp.tokens`)."""
 
     def __init__(self, cost: CostModel, estimates: AcceptanceEstimates) -> None:
         self.cost = cost
@@ -31,11 +29,8 @@ class BatchSearch:
         fed: np.ndarray | float = 0.0,
         fed_pairs: np.ndarray | float = 0.0,
     ) -> np.ndarray:
-        """Predicted step time of `rows` decoding requests: the target pass holds base_tokens
-        (prefill tokens and every request's last token, each of the latter a query over its
-        context: decode_pairs) plus the drafts, each of which is one more query over its
-        request's context; the draft also feeds `fed` catch-up tokens (`fed_pairs` query x key
-        pairs); and the step's cost outside the passes, measured apart for steps with drafts."""
+        """Predicted step time of `rows` decoding requests: target pass (base_tokens plus the
+        drafts), draft passes (with `fed` catch-up tokens) and the step's overhead."""
         return (
             self.cost.target_time(
                 base_tokens + drafts, decode_pairs, decode_pairs + draft_pairs, branches
@@ -80,9 +75,7 @@ class BatchSearch:
         self, gains: np.ndarray, context: np.ndarray, num_other: int, catch_up: np.ndarray
     ) -> tuple[np.ndarray, float]:
         """K per request from the best prefix of increments ranked by gain, and its expected
-        tokens per second. Each draft adds a token to the target pass, a query over its
-        request's context to both models, and possibly a draft pass (the deepest draft sets
-        how many); the plain-decode part (every request's last token) is paid regardless."""
+        tokens per second (the deepest draft sets the draft passes)."""
         rows, k_max = gains.shape
         order = np.argsort(-gains, axis=None, kind="stable")
         owner = order // k_max
@@ -127,11 +120,8 @@ class BatchSearch:
         catch_up: np.ndarray,
         max_branches: int,
     ) -> tuple[int, int, float]:
-        """The best draft tree for every request (N candidates for the next token, each
-        continued to depth K), and its expected tokens per second. N candidates find the
-        target's token with `root_acceptance` (1 - (1 - a)^N as if independent, corrected by
-        the tree steps measured), the positions after it with a each; the pass pays N x K
-        draft tokens and K draft passes of N rows."""
+        """(N, K, expected tokens per second) of the best tree for every request: the root
+        kept with `root_acceptance`, deeper positions with a each; N x K drafts, K passes."""
         rows, k_max = len(a), self.estimates.max_draft_tokens
         total_context = float(context.sum())
         best = (1, 0, 0.0)

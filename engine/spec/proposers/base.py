@@ -16,30 +16,19 @@ if TYPE_CHECKING:
     from engine.types.batch import SchedulerOutput
 
 
-REASON_UNSURE = "draft_unsure"
-"""The draft_length_reductions label of chains cut by --draft-min-prob (one per chain cut)."""
-
-
 @dataclass
 class DraftBatch:
     token_ids: list[list[int]]
     """Per scheduled request (in SchedulerOutput order): at most its num_proposed_tokens drafts."""
     probs: torch.Tensor | None = None
     """[total drafts, vocab] q for each draft, request by request; None = model-free (one-hot)."""
-    fed_tokens: int = 0
-    """Tokens a draft model processed over all its passes this step: drafts, catch-up tokens
-    and prefill chunks alike (what its measured time paid for)."""
-    fed_pairs: int = 0
-    """Sum over those tokens of the context each attended (query x key pairs)."""
+    fed_tokens: int = 0  # every token the draft's passes processed (drafts, catch-ups, chunks)
+    fed_pairs: int = 0  # their query x key pairs
     parents: list[list[int] | None] | None = None
     """Per scheduled request, None for a chain, or a draft tree: parents[j] is the parent of
     draft j (0 = the request's last token, the root; d + 1 = draft d), drafts listed after
     their parents (engine/sample/tree_verifier.py)."""
-    passes: int = 0
-    """Draft passes that picked drafts this step; 0 = as many as the longest chain returned."""
-    cut: int = 0
-    """Chains cut by --draft-min-prob: each picked one more draft than it returned (the first
-    the draft was unsure of), which the passes above paid for."""
+    passes: int = 0  # draft passes that picked drafts; 0 = the longest chain's length
 
 
 def with_forced_drafts(sched: SchedulerOutput, drafts: DraftBatch | None) -> DraftBatch | None:
@@ -71,28 +60,20 @@ def with_forced_drafts(sched: SchedulerOutput, drafts: DraftBatch | None) -> Dra
         parents = [
             None if item.forced else p for item, p in zip(sched.scheduled, parents, strict=True)
         ]
-    return DraftBatch(
-        token_ids, probs, drafts.fed_tokens, drafts.fed_pairs, parents, drafts.passes, drafts.cut
-    )
+    return DraftBatch(token_ids, probs, drafts.fed_tokens, drafts.fed_pairs, parents, drafts.passes)
 
 
 class Proposer(Protocol):
     """Proposes draft tokens for a scheduled batch.
 
-    Rules: `propose` returns at most `num_proposed_tokens` drafts for each scheduled request, and
-    none for a request whose K is 0 (that request must cost the proposer no work). It may
-    return fewer (a lookup that finds nothing). It must not change what the scheduler owns
-    (num_computed_tokens, block tables); a proposer with a KV cache of its own uses the
-    target's block ids and tracks its progress in `Request.num_draft_computed_tokens`.
-    `observe` sees every verified step before the scheduler moves its requests on.
+    `propose` returns at most `num_proposed_tokens` drafts per scheduled request (none, at no
+    cost, where K is 0) and leaves what the scheduler owns alone; a proposer with its own KV
+    uses the target's block ids and `Request.num_draft_computed_tokens`. `observe` sees every
+    verified step before the scheduler moves its requests on.
     """
 
-    keeps_kv: bool
-    """Whether it keeps a KV cache of its own in the target's blocks (a draft model): a block
-    is then shareable through the prefix cache only once the draft's KV in it is valid too."""
-
-    runner: ModelRunner | None
-    """Its own model's runner (KV sizing, decode graphs, calibration), or None (model-free)."""
+    keeps_kv: bool  # a KV cache of its own in the target's blocks (a draft model)
+    runner: ModelRunner | None  # its own model's runner, or None (model-free)
 
     def kv_bytes_per_block(self, block_size: int) -> int: ...
 

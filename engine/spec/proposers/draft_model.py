@@ -1,32 +1,14 @@
 """A small Hugging Face causal LM that drafts on the target's block tables.
 
-The draft model has its own KV tensors but indexes them with the target's block ids, so one
-allocation, one ref count and one rollback cover both. Its progress is
-`Request.num_draft_computed_tokens`; after verification the scheduler clamps it to the
-verified length, which is the whole rollback.
-
-One step, for every request with K > 0 (others cost nothing here):
-  pass 1: feed the tokens the draft has not seen yet (the last sampled token, plus the last
-          draft of the previous step when all were accepted, plus anything missed while K was
-          0) -> logits -> x_1;
-  pass i: feed x_{i-1} -> x_i, for requests with K >= i (the others drop out).
-With --draft-min-prob P > 0 a chain also stops where the draft is unsure: the first draft
-whose row gives the draft's most likely token less than P (softmax of its logits at
-temperature 1, before masks and sampling settings) is dropped, with every deeper one. The
-test depends only on the draft's logits, never on the token drawn from them, so each draft
-kept is still a draw from the q it is verified with, and the output stays the target's
-(docs/VERIFICATION.md). Trees are never cut.
-Requests still in prefill feed the same chunk as the target in pass 1, so the draft's cache
-stays complete for prompts (and for prefix-cache hits).
-
-Greedy requests draft the argmax, sampling requests a sample of q; a seeded request drafts
-with the noise its target samples with (engine/sample/sampler.py), so its drafts are accepted
-exactly when both races pick the same token.
+Its KV tensors are indexed by the target's block ids, so one allocation and one rollback
+cover both; its progress is `Request.num_draft_computed_tokens`, which the scheduler clamps to
+the verified length. Pass 1 feeds every token the draft has not seen (prefill chunks beside
+the target's); pass i feeds x_{i-1} for requests with K >= i. A seeded request drafts with
+its target's noise, so its drafts are kept exactly when both races agree.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,7 +45,6 @@ class DraftModelProposer:
         runner: ModelRunner,
         target_vocab: int,
         tree_drafts: str = "top",
-        min_prob: float = 0.0,
     ) -> None:
         if runner.vocab_size != target_vocab:
             raise ValueError(
@@ -72,7 +53,6 @@ class DraftModelProposer:
             )
         self.runner = runner
         self.tree_drafts = tree_drafts
-        self.min_prob = min_prob
 
     @classmethod
     def from_config(
@@ -89,7 +69,7 @@ class DraftModelProposer:
         runner = ModelRunner(
             config.draft_model, device, dtype, attention_backend, model_impl, quantization
         )
-        return cls(runner, target.vocab_size, config.tree_drafts, config.draft_min_prob)
+        return cls(runner, target.vocab_size, config.tree_drafts)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.runner.kv_bytes_per_block(block_size)
@@ -141,21 +121,16 @@ class DraftModelProposer:
             i: [[] for _ in range(width[i])] for i, _, _ in drafting
         }
         root = {i: req.num_tokens - 1 for i, req, _ in drafting}  # the root's cache slot
-        stopped: set[int] = set()  # chains cut by --draft-min-prob
         passes = 1 if drafting else 0  # that picked drafts
         logits = forward(seqs)
         picks = self._pick(logits, [(req, [], width[i]) for i, req, _ in drafting], want_q)
-        unsure = self._unsure(logits)
-        for j, ((i, _, _), (tokens, q)) in enumerate(zip(drafting, picks, strict=True)):
-            if width[i] == 1 and unsure[j]:
-                stopped.add(i)
-                continue
+        for (i, _, _), (tokens, q) in zip(drafting, picks, strict=True):
             for b, token in enumerate(tokens):
                 lanes[i][b].append(token)
                 if q is not None:
                     lane_q[i][b].append(q)
         for depth in range(2, max((k for _, _, k in drafting), default=0) + 1):
-            active = [(i, req) for i, req, k in drafting if k >= depth and i not in stopped]
+            active = [(i, req) for i, req, k in drafting if k >= depth]
             if not active:
                 break
             seqs = [self._next_pass(req, lanes[i], block_tables[i], root[i]) for i, req in active]
@@ -163,12 +138,8 @@ class DraftModelProposer:
             logits = forward(seqs)
             passes += 1
             picks = self._pick(logits, entries, want_q)
-            unsure = self._unsure(logits)
             flat_lanes = [(i, b) for i, _ in active for b in range(width[i])]
-            for j, ((i, b), (tokens, q)) in enumerate(zip(flat_lanes, picks, strict=True)):
-                if width[i] == 1 and unsure[j]:
-                    stopped.add(i)
-                    continue
+            for (i, b), (tokens, q) in zip(flat_lanes, picks, strict=True):
                 lanes[i][b].extend(tokens)
                 if q is not None:
                     lane_q[i][b].append(q)
@@ -179,25 +150,15 @@ class DraftModelProposer:
                 drafts[i] = lanes[i][0]
                 flat_q.extend(lane_q[i][0])
                 continue
-            # A tree, breadth first: node (depth d, branch b) is draft (d - 1) * N + b.
-            n = width[i]
+            n = width[i]  # a tree, breadth first: node (d, b) is draft (d - 1) * N + b
             drafts[i] = [lanes[i][b][d] for d in range(k) for b in range(n)]
             parents[i] = [0 if d == 0 else (d - 1) * n + b + 1 for d in range(k) for b in range(n)]
             flat_q.extend(lane_q[i][b][d] for d in range(k) for b in range(n) if want_q)
             # Only the root's draft KV is kept: the accepted drafts are fed again next step.
             req.num_draft_computed_tokens = root[i] + 1
-        # (One row, as at concurrency 1 with K = 1: a view of it, not a copy.)
         probs = (flat_q[0][None] if len(flat_q) == 1 else torch.stack(flat_q)) if flat_q else None
         has_tree = any(p is not None for p in parents)
-        return DraftBatch(drafts, probs, *fed, parents if has_tree else None, passes, len(stopped))
-
-    def _unsure(self, logits: torch.Tensor) -> list[bool]:
-        """Per row of a draft pass: whether the draft's most likely token has a probability
-        below --draft-min-prob (all False when it is 0: nothing computed)."""
-        if self.min_prob <= 0 or logits.shape[0] == 0:
-            return [False] * logits.shape[0]
-        x = logits.float()  # the top probability is exp(max - logsumexp)
-        return (torch.logsumexp(x, -1) - x.amax(-1) > -math.log(self.min_prob)).tolist()
+        return DraftBatch(drafts, probs, *fed, parents if has_tree else None, passes)
 
     def _next_pass(
         self, req: Request, lanes: list[list[int]], table: list[int], root: int
@@ -227,19 +188,16 @@ class DraftModelProposer:
         entries: list[tuple[Request, list[int], int]],  # (request, drafts before, how many)
         want_q: bool,
     ) -> list[tuple[list[int], torch.Tensor | None]]:  # per entry: tokens, the q they came from
-        """Draft tokens from each row: the argmax (greedy), a sample of q, the coupled race
-        (seeded); a tree's root asks for several distinct ones: the top ones for greedy and
-        seeded requests (the race's winner first), a draw without replacement otherwise."""
+        """Draft tokens from each row: the argmax (greedy), a sample of q or the coupled race
+        (seeded); a tree's root asks for several distinct ones (`_siblings`)."""
         if not entries:  # a pass that only fed prefill chunks
             return []
         rows = [RowSpec(req, prior) for req, prior, _ in entries]  # earlier drafts count
         head = self.runner.head_tokens
         chains = all(n == 1 for _, _, n in entries)
         if head is not None and chains and not want_q and not changes_logits(rows):
-            # Greedy chains with nothing to mask: the argmax of the head's own columns (in
-            # increasing token order, so a tie picks the token the vocabulary's row would).
-            # Not widening them to the vocabulary: 39 against 136 us a pick of the default
-            # draft's 8,191 columns (2-core AMD EPYC Zen 3, 2026-11-28, alternated 4,000 times).
+            # The argmax of the head's own columns, not widened (cheaper); they are in
+            # increasing token order, so a tie picks the token the full row would.
             return [([token], None) for token in head[argmax(logits)].tolist()]
         if head is not None and chains and not changes_logits(rows):
             if (picks := self._sample_head(logits, rows)) is not None:
@@ -269,9 +227,8 @@ class DraftModelProposer:
     def _sample_head(
         self, logits: torch.Tensor, rows: list[RowSpec]
     ) -> list[tuple[list[int], torch.Tensor]] | None:
-        """Sampled chains with nothing to mask, cut or couple, on the CPU: q over the restricted
-        head's own columns, widened with zeros, and a token drawn from it, in one kernel call
-        (engine/cpu/sampling.py `sample_head`); None where it does not apply."""
+        """Sampled chains with nothing to mask or couple, on the CPU: one `sample_head` kernel
+        call; None where it does not apply."""
         head = self.runner.head_tokens
         params = [row.request.params for row in rows]
         if not (kernel_rows(logits) and all(plain_sampling(p) for p in params)):
@@ -304,6 +261,5 @@ class DraftModelProposer:
         more = []
         if count:  # the next draws, without replacement (q renormalised over the rest)
             more = torch.multinomial(rest, count, generator=req.generator).tolist()
-        # Too few tokens with mass: repeat one; a repeat has q = 0 after its first, so the
-        # verifier never keeps it.
+        # Too few tokens with mass: a repeat has q = 0 after its first, never kept.
         return ([first] + more + [first] * n)[:n]

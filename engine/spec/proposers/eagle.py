@@ -1,28 +1,11 @@
 """A feature draft (EAGLE, Li et al. 2024): one decoder layer that reads the target's hidden states.
 
-A small draft model has to work out from the tokens alone where the target is heading. This
-one is told: its input at position p is the token x_p (through the target's own embedding)
-beside the target's last hidden state at p - 1, after the target's final norm (the vector the
-target's LM head turned into the logits for x_p). One Llama decoder layer then predicts the
-target's hidden state at p, and the target's LM head rows for the draft's head tokens turn
-that into the draft's logits for x_(p+1). Past the first draft the input is the draft's own
-prediction at p - 1 (scripts/train_eagle.py trains for that). A directory whose config.json
-says `"tandem_draft": {"kind": "eagle"}` holds the layer, the input projection (`fc`) and the
-norm; the embedding and the head rows come from the target at load.
-
-The draft keeps its KV in the target's blocks, as a draft model does
-(engine/spec/proposers/draft_model.py), and `Request.num_draft_computed_tokens` is how far its
-cache holds keys computed from real features. A step, for every request with K > 0:
-  pass 1: feed the tokens the draft has not seen (from num_draft_computed_tokens to the last
-          sampled one), each with the target's feature one position earlier -> x_1;
-  pass i: feed x_(i-1) with the draft's own feature from pass i - 1 -> x_i.
-Keys written from predicted features are not kept: progress goes back to the last sampled
-token, and the next step feeds the verified tokens again with the target's features.
-The target's features come from its verification pass (`observe`, through
-`ModelRunner.last_hidden`); a request keeps those it has not fed yet (`_Features`). Prompts
-are fed when the request first drafts, not beside the target's prefill (their features do not
-exist before it). Drafts are chains; sampling, seeded coupling and the verifiers are those of
-the draft model.
+Its input at position p is the target's embedding of x_p beside the target's final-norm
+feature at p - 1 (past the first draft, its own prediction); the target's LM head turns its
+output into logits. A directory whose config.json says `"tandem_draft": {"kind": "eagle"}`
+holds the layer, `fc` and the norm. It keeps KV in the target's blocks as a draft model does,
+but keys from predicted features are not kept: each step feeds the verified tokens again with
+the target's features, taken in `observe` (`_Features`). Drafts are chains.
 """
 
 from __future__ import annotations
@@ -62,9 +45,8 @@ def is_feature_draft(path: str) -> bool:
 
 
 class FeatureEmbedding(nn.Module):
-    """The draft's input layer: fc([target embedding of x_p ; target feature at p - 1]).
-    `features` [tokens, hidden] is set for a pass by the proposer; absent, they are zero (the
-    start-up probes and the cost model's timings, which need no sensible drafts)."""
+    """fc([target embedding of x_p ; target feature at p - 1]); `features` [tokens, hidden] is
+    set per pass by the proposer, zero when absent (probes and timings)."""
 
     def __init__(self, weight: nn.Parameter, fc: nn.Linear) -> None:
         super().__init__()
@@ -139,8 +121,8 @@ class _Features:
 class EagleProposer(DraftModelProposer):
     keeps_kv = True
 
-    def __init__(self, runner: ModelRunner, target: ModelRunner, min_prob: float = 0.0) -> None:
-        super().__init__(runner, target.vocab_size, min_prob=min_prob)
+    def __init__(self, runner: ModelRunner, target: ModelRunner) -> None:
+        super().__init__(runner, target.vocab_size)
         if target.native is None or runner.native is None:
             raise ValueError(
                 "a feature draft (EAGLE) needs Tandem's native forward for the target and the "
@@ -178,13 +160,14 @@ class EagleProposer(DraftModelProposer):
             with torch.no_grad():  # (a full head is the target's own tensor, left as it is)
                 head = runner.model.get_output_embeddings().weight
                 head.copy_(head.to(torch.bfloat16).to(head.dtype))
-        return cls(runner, target, config.draft_min_prob)
+        return cls(runner, target)
 
     def _norm(self, hidden: torch.Tensor, model: ModelRunner) -> torch.Tensor:
         """Body output -> the feature the LM head reads (float32, on the model's device)."""
         norm = model.native.norm
-        return F.rms_norm(hidden.float(), (hidden.shape[-1],), norm.weight.float(),
-                          norm.variance_epsilon)  # fmt: skip
+        return F.rms_norm(
+            hidden.float(), (hidden.shape[-1],), norm.weight.float(), norm.variance_epsilon
+        )
 
     def observe(self, step: StepResult) -> None:
         """After the target's pass: keep each request's features, row by row as the verifier
@@ -221,11 +204,10 @@ class EagleProposer(DraftModelProposer):
         lanes: dict[int, list[int]] = {i: [] for i, _, _ in drafting}
         lane_q: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in drafting}
         active, out = drafting, torch.empty(0)  # out: the last pass's features, per active row
-        stopped: set[int] = set()  # chains cut by --draft-min-prob
         passes = 0
         for depth in range(1, max(k for _, _, k in drafting) + 1):
             if depth > 1:
-                keep = [j for j, (i, _, k) in enumerate(active) if k >= depth and i not in stopped]
+                keep = [j for j, (i, _, k) in enumerate(active) if k >= depth]
                 if not keep:
                     break
                 out = out[keep]
@@ -251,11 +233,7 @@ class EagleProposer(DraftModelProposer):
             out = self._norm(hidden[rows.to(hidden.device)], self.runner)
             passes += 1
             picks = self._pick(logits, [(req, lanes[i], 1) for i, req, _ in active], want_q)
-            unsure = self._unsure(logits)
-            for (i, _, _), (tokens, q), cut in zip(active, picks, unsure, strict=True):
-                if cut:
-                    stopped.add(i)
-                    continue
+            for (i, _, _), (tokens, q) in zip(active, picks, strict=True):
                 lanes[i].extend(tokens)
                 if q is not None:
                     lane_q[i].append(q)
@@ -266,4 +244,4 @@ class EagleProposer(DraftModelProposer):
             # Keys from predicted features are not kept: the verified tokens are fed again.
             req.num_draft_computed_tokens = req.num_tokens
         probs = torch.stack(flat_q) if flat_q else None
-        return DraftBatch(drafts, probs, *fed, None, passes, len(stopped))
+        return DraftBatch(drafts, probs, *fed, None, passes)
