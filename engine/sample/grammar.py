@@ -1,13 +1,7 @@
-"""Structured output: grammars compiled by llguidance, one matcher per constrained request.
-
-Every sampled position of a constrained request, in the draft's rows and the target's, is
-masked to what its grammar allows after the output plus the drafts before it, so rejection
-sampling keeps the output exactly the target's constrained distribution. `GrammarState`'s
-matcher follows the committed output and rolls back cheaply to follow a step's drafts. A draft
-the grammar refuses is cut off before verification (`valid_prefix`); a row past the grammar's
-end may only stop. Grammars compile once per spec (`Grammars`, an LRU), in `check`, which the
-server runs off its event loop.
-"""
+"""Structured output: grammars compiled by llguidance (once per spec, cached), one matcher per
+constrained request. Every sampled row, the draft's and the target's, is masked to what the
+grammar allows after the output and the drafts before it, so rejection sampling keeps the
+target's constrained distribution (docs/STRUCTURED_OUTPUT.md)."""
 
 from __future__ import annotations
 

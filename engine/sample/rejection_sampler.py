@@ -1,25 +1,8 @@
-"""Lossless verification of draft tokens: token by token, or the block jointly.
-
-Target distribution p, draft distribution q, drafts x_1..x_K of one request; p_i is the
-target's distribution after i drafts (row i), q_i the one x_{i+1} was drawn from.
-
-Token verification (Leviathan et al.; Chen et al.):
-  accept x_i while u_i * q(x_i) <= p(x_i)   (probability min(1, p/q); q(x) = 0 or p(x) = 0 rejects)
-  at the first rejection emit a *recovered* token ~ norm(max(0, p - q)) and stop;
-  if all K are accepted emit a *bonus* token ~ p_K.
-
-Block verification (Sun et al., ICLR 2025) decides the block jointly. With weights
-  w_0 = 1,  w_i = min(1, w_{i-1} * p_{i-1}(x_i) / q_{i-1}(x_i)),
-  r_i = sum_x max(0, w_i p_i(x) - q_i(x))   (the mass the target still owes after x_1..x_i),
-  h_i = r_i / (r_i + 1 - w_i) for i < K,  h_K = w_K,
-it keeps x_1..x_tau for the largest tau with u_tau < h_tau (tau = 0 if none), then emits a
-token ~ norm(max(0, w_tau p_tau - q_tau)), or the bonus ~ p_K when tau = K. The output is
-distributed exactly as the target's (docs/VERIFICATION.md) and keeps at least as many drafts
-as token verification, for one vocabulary-wide residual per draft.
-
-Greedy (and seeded) rows arrive one-hot, so both rules reproduce the target's own output. A
-model-free drafter's q is one-hot on the draft token.
-"""
+"""Lossless verification of draft chains, token by token or the block jointly (Sun et al.):
+the rules and why they are exact are in docs/VERIFICATION.md, with its notation (p_i the
+target's row after i drafts, q_i the draft's, w_i, r_i, h_i the block rule's weights). Greedy
+and seeded rows arrive one-hot and a model-free drafter's q is one-hot on its draft, so one
+rule serves every request."""
 
 from __future__ import annotations
 
@@ -36,16 +19,11 @@ _TINY = _F32(1e-30)  # as torch's clamp(min=1e-30) rounds it in float32
 
 
 def rejection_sample(
-    # [num_rows, vocab] p per verified position; request r owns num_draft_tokens[r] + 1 rows
-    target_probs: torch.Tensor,
-    # [num_draft] flat draft tokens, request by request
-    draft_token_ids: torch.Tensor,
-    # [num_draft, vocab] q for each draft token, or None for a model-free drafter
-    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,  # [num_rows, vocab]: request r owns num_draft_tokens[r] + 1
+    draft_token_ids: torch.Tensor,  # [num_draft], request by request
+    draft_probs: torch.Tensor | None,  # [num_draft, vocab]; None: a model-free drafter
     num_draft_tokens: list[int],
-    # [num_rows] u ~ U[0, 1) per row: row j < k of a request decides on its draft j + 1, its
-    # last row samples the recovered or bonus token (one draw each, independent)
-    uniform: torch.Tensor,
+    uniform: torch.Tensor,  # [num_rows]: row j < k decides draft j + 1, the last draws the end
     method: str = "token",
 ) -> torch.Tensor:  # [batch, max_k + 1]: kept drafts, then recovered or bonus, PAD after
     out = emitted_tokens(

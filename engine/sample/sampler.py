@@ -1,15 +1,10 @@
-"""From logits to the distribution a request samples from, plus logprobs.
+"""From logits to the distribution each row samples from, the draws, and logprobs.
 
-Every verified position of a request is a "row" with the request's own processing (penalties,
-min_tokens, temperature, top-k, top-p); greedy rows become one-hot at the argmax, so the
-rejection sampler treats greedy and sampled requests alike. Sampling inverts the CDF with one
-u ~ U[0, 1) per row (not one per vocabulary entry) from the request's own generator.
-
-A request with a `seed` yields the same text whatever K, drafts or batch: its token at output
-position t is argmax_x p_t(x) / E_t(x) with E_t ~ Exp(1) keyed by (seed, t) alone (an exact
-sample of p_t), and its rows become one-hot at that token. The draft proposes with the same
-noise, so where q_t is close to p_t the two races mostly agree (the Gumbel coupling).
-"""
+A row is one verified position of a request, with the request's own processing (penalties,
+min_tokens, grammar masks, temperature, top-k, top-p); greedy rows are one-hot at the argmax.
+Each row draws by inverse CDF with one u ~ U[0, 1) from the request's generator. A seeded
+request's token at output position t is the winner of an exponential race keyed by (seed, t)
+alone, so its text does not depend on K, drafts or batch (docs/VERIFICATION.md)."""
 
 from __future__ import annotations
 

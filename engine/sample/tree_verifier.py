@@ -1,17 +1,7 @@
-"""Lossless verification of a draft tree: the longest accepted path, then one more token.
-
-Node 0 (the root) is the last committed token; a node's children are alternative next tokens,
-drawn from q_v without replacement, and the target gives every node a row p_v. Walking down
-from the root with r = p_v, child i (token x, drawn from q^(i): q_v without the earlier
-children, renormalised) is accepted with probability min(1, r(x) / q^(i)(x)); on rejection
-r becomes norm(max(0, r - q^(i))). When every child is rejected the walk emits a token from
-r; at a leaf, a bonus from p_leaf. This is recursive rejection sampling (Jeon et al.), exact
-for the target's distribution. A model-free drafter's children are one-hot; greedy and seeded
-rows are one-hot, so the walk keeps the path that matches the target.
-
-A "top" tree's root (`fixed_root_children`: the draft's top tokens fixed, one child drawn from
-the rest) gets the optimal verifier for those drafts (`_verify_top_drafts`).
-"""
+"""Lossless verification of a draft tree: the longest accepted path, then one more token, by
+recursive rejection sampling over children drawn without replacement (Jeon et al.), or, for a
+"top" tree's root, the optimal verifier of the draft's fixed top tokens plus one draw
+(docs/VERIFICATION.md, "Draft trees"). Node 0, the root, is the last committed token."""
 
 from __future__ import annotations
 
