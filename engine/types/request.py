@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 
@@ -137,6 +139,36 @@ class SpecStats:
             self.accepted_by_position[pos] += pos < num_accepted
 
 
+class GrammarMatcher(Protocol):
+    """A constrained request's matcher at its committed output (engine/sample/grammar.py)."""
+
+    failure: str | None
+
+    @property
+    def stopped(self) -> bool: ...
+
+    def allowed(self, prior: Sequence[int]) -> torch.Tensor:
+        """[vocab] bool: what may follow the output plus `prior` drafts."""
+        ...
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (may be empty)."""
+        ...
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int: ...
+
+    def commit(self, token: int) -> bool: ...
+
+
+class DraftFeatures(Protocol):
+    """A feature draft's store of the target's hidden states a request has yet to feed
+    (engine/spec/proposers/eagle.py)."""
+
+    def write(self, start: int, rows: torch.Tensor) -> None: ...
+
+    def read(self, start: int, end: int, width: int) -> torch.Tensor: ...
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -149,15 +181,15 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens of all_token_ids whose K/V are cached (verified)
     num_draft_computed_tokens: int = 0  # the draft model's (it may lag when K was 0)
-    draft_features: Any = None  # a feature draft's target hidden states yet to feed
+    draft_features: DraftFeatures | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     generator: torch.Generator | None = None  # seeded: samples independent of the batch
     # A seeded request's noise by output position, kept from the draft's use to the target's.
-    coupled_noise: dict[int, Any] = field(default_factory=dict)
+    coupled_noise: dict[int, np.ndarray] = field(default_factory=dict)
     prompt_logprobs: list | None = None  # gathered chunk by chunk; None until asked for
-    grammar: Any = None  # a constrained request's GrammarState (engine/sample/grammar.py)
+    grammar: GrammarMatcher | None = None
     error: str | None = None
     error_code: str | None = None  # invalid_grammar: the request's own grammar failed
 
