@@ -112,8 +112,7 @@ def verify_tree(
 def _verify_top_drafts(
     tree: DraftTree, p: torch.Tensor, q: torch.Tensor, uniform: torch.Tensor
 ) -> int:
-    """A "top" root's optimal verifier (docs/VERIFICATION.md): the kept child, or -1 - the
-    emitted token."""
+    """A "top" root's optimal verifier (docs/VERIFICATION.md): kept child, or -1 - emitted token."""
     children = tree.children(0)
     fixed, last = children[: tree.fixed_root_children], children[-1]
     top = [tree.tokens[c] for c in fixed]
