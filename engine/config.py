@@ -1,6 +1,5 @@
-"""Frozen engine configuration, validated once at construction; every `ValueError` names the
-flag and what is allowed. What each field means is its option's help (server/options.py,
-`tandem serve --help`)."""
+"""Frozen engine configuration, validated once at construction (each `ValueError` names the
+flag); each field's meaning is its option's help (server/options.py)."""
 
 from __future__ import annotations
 

@@ -28,8 +28,7 @@ def supports(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> st
 def kernel_tables(
     block_tables: list[list[int]], context_lens: list[int], block_size: int
 ) -> list[list[int]]:
-    """The kernel's block tables: each request's blocks that hold its context, padded with 0
-    to the longest."""
+    """The kernel's block tables: each request's context blocks, 0-padded to the longest."""
     used = [t[: -(-ctx // block_size)] for t, ctx in zip(block_tables, context_lens, strict=True)]
     width = max(len(blocks) for blocks in used)
     return [blocks + [0] * (width - len(blocks)) for blocks in used]

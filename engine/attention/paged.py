@@ -48,14 +48,10 @@ class BatchLayout:
 
 
 class AttentionBackend(Protocol):
-    """One way to attend the packed batch to the paged cache.
-
-    Rules: `prepare` runs once per forward and fills only the AttentionMetadata fields this
-    backend reads, from host lists, without reading device memory. `attend` runs per layer
-    after the new keys/values are cached, never writes the cache, and returns [num_tokens,
-    heads, head_dim] in the query's dtype: each query sees its request's keys up to its own
-    position, or, with a `Tree`, those before the base and those its bits name.
-    """
+    """One way to attend the packed batch to the paged cache. `prepare` runs once per forward
+    and fills only the metadata fields it reads, from host lists (no device reads). `attend`
+    runs per layer after the new K/V are cached, never writes the cache, and returns [num_tokens,
+    heads, head_dim] in the query's dtype, each query causal within its request or its `Tree`."""
 
     graph_safe: bool  # metadata is fixed-shape tensors: decode_graphs can replay it
 
@@ -84,7 +80,7 @@ class AttentionMetadata:
     # per layer (key_cache, value_cache), each [num_blocks, block_size, kv_heads, head_dim]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot each new token's K/V goes to
-    backend: AttentionBackend  # fills only the fields below that it reads
+    backend: AttentionBackend
     groups: list[AttentionGroup] = field(default_factory=list)  # reference
     block_tables: torch.Tensor | None = None  # triton: [num_seqs, max_blocks] int32, 0-padded
     query_start_loc: torch.Tensor | None = None  # triton: [num_seqs + 1] int32
@@ -197,7 +193,6 @@ def paged_attention_forward(
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:
-    """The paged function builds its own masks from the metadata."""
     return None
 
 

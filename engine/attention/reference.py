@@ -1,6 +1,5 @@
-"""The reference attention backend, which runs anywhere: each request's key blocks gathered
-into a padded batch and one masked SDPA call per group of requests with the same number of
-queries, so no query is ever padded."""
+"""The reference attention backend, which runs anywhere: key blocks gathered into a padded
+batch, one masked SDPA call per group of requests with the same query count (none padded)."""
 
 from __future__ import annotations
 
@@ -146,8 +145,7 @@ def reference_attention(
 
 
 def _rows(cache: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, block_size, kv_heads, head_dim] -> [num_blocks, block_size * kv_heads *
-    head_dim] (a view)."""
+    """[blocks, block_size, kv_heads, head_dim] -> [blocks, block_size * kv_heads * head_dim]."""
     return cache.view(cache.shape[0], -1)
 
 

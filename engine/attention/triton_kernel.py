@@ -1,8 +1,6 @@
-"""Paged attention as one Triton kernel that reads K/V straight from the block tables.
-
-One program per (request, query block, KV head), an fp32 online softmax over BLOCK_N keys; the
-grid depends only on the batch size and a query-length bound, so CUDA graphs can replay it. On
-CPU tensors it needs TRITON_INTERPRET=1 set before triton is first imported."""
+"""Paged attention as one Triton kernel reading K/V straight from the block tables: a program
+per (request, query block, KV head), fp32 online softmax, a grid fixed by the batch size and a
+query-length bound (CUDA graphs replay it). CPU tensors need TRITON_INTERPRET=1 set early."""
 
 from __future__ import annotations
 

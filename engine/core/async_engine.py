@@ -41,8 +41,7 @@ class AsyncEngine(EngineClient):
         self._wake = threading.Event()
         self._step_lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        # Admission counts requests no stats snapshot has reported yet; each counter has one
-        # writer (submitted: the caller; published: the engine thread, with the snapshot).
+        # Admission counts requests no snapshot has reported; one writer per counter.
         self._num_submitted = 0
         self._num_published = 0
         self._stats = EngineStats()
@@ -56,8 +55,7 @@ class AsyncEngine(EngineClient):
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        """Build the engine on the thread that runs its steps once `start()` is called; blocks
-        until built and raises what building raised."""
+        """Build the engine on the thread that will run its steps; raises what building raised."""
         built: queue.SimpleQueue[AsyncEngine | BaseException] = queue.SimpleQueue()
         go = threading.Event()
 
@@ -107,8 +105,6 @@ class AsyncEngine(EngineClient):
             self._thread = None
 
     def spare_cores(self) -> set[int] | None:
-        """The cores the engine thread does not take, for the caller's own threads; None when
-        the engine is not bound."""
         return cpu_affinity.others(self.cores) if self.cores else None
 
     @property
@@ -116,8 +112,6 @@ class AsyncEngine(EngineClient):
         return self._thread is not None and self._thread.is_alive()
 
     def problem(self) -> str | None:
-        """Why this engine cannot serve (its thread died, or a step has run past
-        `stall_seconds`), or None: /health's watchdog."""
         if self._died is not None:
             return f"the engine thread stopped: {self._died}"
         if self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
@@ -138,8 +132,6 @@ class AsyncEngine(EngineClient):
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and return its stream of output deltas; raises ValueError /
-        QueueFullError at the call. Closing the iterator early aborts the request."""
         self.engine.validate(prompt_token_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -213,8 +205,7 @@ class AsyncEngine(EngineClient):
                 self._num_published += num_taken
             self._publish(outputs)
             if outputs:
-                # Let the just-woken event loop run now, between passes, rather than preempt a
-                # kernel thread mid-pass.
+                # Let the woken event loop run between passes, not preempt a kernel thread.
                 os.sched_yield()
             if not self.engine.has_work() and self._inbox.empty():
                 self._wake.wait(timeout=0.5)

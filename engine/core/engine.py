@@ -1,6 +1,5 @@
 """LLMEngine: one synchronous step at a time (schedule, draft, one target pass, verify, book
-the results). AsyncEngine (async_engine.py) runs it on a thread.
-"""
+the results). AsyncEngine (async_engine.py) runs it on a thread."""
 
 from __future__ import annotations
 
@@ -153,10 +152,8 @@ class LLMEngine:
     def enqueue(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> Request:
-        """Queue a request that was validated and admitted already (AsyncEngine admits on the
-        caller's side, where the client can still be told 503; preempted requests may have
-        refilled the queue since, and they must not turn an admitted request into a failure).
-        """
+        """Queue a request validated and admitted already (AsyncEngine admits on the caller's
+        side, where a 503 is still possible): a queue refilled since must not fail it."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
@@ -248,8 +245,7 @@ class LLMEngine:
         return sum(r.decode_graphs.captures for r in self.runners if r.decode_graphs is not None)
 
     def _count(self, step: StepResult) -> None:
-        """The step's inputs and times, counted before the scheduler's update moves the
-        requests on."""
+        """Count the step's inputs and times before the scheduler's update moves requests on."""
         t, sched = self.totals, step.sched
         t.forward_seconds += step.verified.forward_seconds
         t.draft_seconds += step.draft_seconds

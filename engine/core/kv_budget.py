@@ -1,6 +1,5 @@
-"""How many KV blocks the pool gets when --kv-cache-blocks is auto: `cache.memory_gb` on the
-CPU; on CUDA, `--gpu-memory-utilization` of the device less what is in use after loading and
-the peak activations of the largest step, measured on a throwaway pool."""
+"""KV blocks when --kv-cache-blocks is auto: `cache.memory_gb` on the CPU; on CUDA, the
+`--gpu-memory-utilization` share less what loading used and the largest step's peak."""
 
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ class GpuMemory:
 
 
 def gpu_kv_budget(memory: GpuMemory, utilization: float) -> float:
-    """Bytes for the KV pool: our share of the device, less what is in use and the step's
-    peak activations."""
+    """Bytes for the KV pool: our device share less what is in use and the peak activations."""
     in_use = memory.total - memory.free
     return memory.total * utilization - in_use - memory.activation_peak
 

@@ -1,9 +1,6 @@
-"""Continuous batching under a per-step token budget.
-
-Each step every running request gets the tokens it is missing (a prefill chunk, or its last
-token plus its planned drafts), cut to budget, length and KV blocks; new requests join FCFS;
-when blocks run out the youngest running request is preempted and recomputed later.
-"""
+"""Continuous batching under a per-step token budget: each running request gets its missing
+tokens (a prefill chunk, or its last token plus drafts) within budget, length and KV blocks;
+new requests join FCFS; out of blocks, the youngest is preempted and recomputed later."""
 
 from __future__ import annotations
 

@@ -22,9 +22,8 @@ _STRING, _ARRAY = 8, 9
 
 
 def gguf_tensors(path: Path) -> list[tuple[str, int, np.ndarray]]:
-    """(name, GGML type number, raw data [rows, bytes per row]) of every tensor in a GGUF
-    file, memory-mapped. The metadata is skipped, not parsed (gguf's reader is slow on a
-    large vocabulary)."""
+    """(name, GGML type, raw data [rows, bytes per row]) of every tensor, memory-mapped; the
+    metadata is skipped (gguf's reader is slow on a large vocabulary)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     buf = np.memmap(path, dtype=np.uint8, mode="r")
@@ -107,8 +106,7 @@ def _row_keys(rows: np.ndarray) -> list[bytes]:
 
 
 class _Rows:
-    """Every row of the file's Q8_0 / Q4_1 / Q4_0 tensors, by the hash of its dequantized
-    bytes (Q4_0 rows held as Q4_1 blocks)."""
+    """Every row of the file's quantized tensors by the hash of its dequantized bytes."""
 
     def __init__(self, gguf_path: Path) -> None:
         from gguf import GGMLQuantizationType
@@ -132,9 +130,8 @@ class _Rows:
                 self.index.setdefault(key, (t, r))
 
     def blocks_for(self, weight: torch.Tensor) -> tuple[str, str, np.ndarray] | None:
-        """(kernel type, the file's types e.g. "Q4_0+Q4_1", blocks [rows, bytes]) whose
-        dequantized values are exactly `weight`'s rows, or None when a row is missing or the
-        rows mix kernel types."""
+        """(kernel type, the file's types e.g. "Q4_0+Q4_1", blocks [rows, bytes]) exactly
+        `weight`'s rows, or None (a row missing, or mixed kernel types)."""
         values = weight.detach().float().contiguous().numpy()
         if values.shape[1] % cpu_panels.QBLOCK:
             return None

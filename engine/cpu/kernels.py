@@ -33,7 +33,6 @@ def load() -> ctypes.CDLL | None:
 
 @functools.cache
 def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
-    """(library, None) or (None, why not): once per process."""
     try:
         return _declare(ctypes.CDLL(str(kernel_build.build()))), None
     except (OSError, RuntimeError) as exc:
@@ -42,8 +41,7 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
 
 
 def isa() -> str | None:
-    """The vector instruction set the kernels were compiled for (avx512f, avx2+fma, neon, ...),
-    with `+vnni` / `+amx` when the GGUF linears use them; None when the kernels are unavailable."""
+    """The kernels' ISA (avx512f, avx2+fma, neon...), `+vnni`/`+amx` when in use, or None."""
     lib = load()
     if lib is None:
         return None
@@ -52,14 +50,13 @@ def isa() -> str | None:
 
 
 def set_amx(enabled: bool) -> bool:
-    """Let the GGUF linears use AMX tiles (where the CPU and OS allow); returns whether they now
-    do. `TANDEM_AMX=0` sets the default to off."""
+    """AMX for the GGUF linears where the CPU allows (`TANDEM_AMX=0`: off); whether now on."""
     return bool(require().tandem_amx_enable(int(enabled)))
 
 
 def set_vnni(enabled: bool) -> bool:
-    """Let the GGUF linears use VNNI dot products (where the CPU has them); returns whether they
-    now do. Off unless `TANDEM_VNNI=1` (gemm_vnni.c says why)."""
+    """VNNI for the GGUF linears where the CPU has it (off unless `TANDEM_VNNI=1`, gemm_vnni.c
+    says why); whether now on."""
     return bool(require().tandem_vnni_enable(int(enabled)))
 
 
@@ -312,8 +309,7 @@ class Batch(ctypes.Structure):
 
 
 WEIGHT_FORMATS = {"float32": 0, "bfloat16": 1, "Q8_0": 2, "Q4_1": 3}
-"""tandem_weight.format: panels of pack_linear_weight (float32 / bfloat16) or of
-pack_quant_weight (a GGUF type)."""
+"""tandem_weight.format: the panels of pack_linear_weight or pack_quant_weight."""
 
 
 def weight(panels: torch.Tensor, bias: torch.Tensor | None, quant: str | None) -> Weight:
@@ -331,10 +327,9 @@ def layers(
     head: tuple[Weight, torch.Tensor, float, int] | None = None,
     scratch: Callable[[int], torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
-    """Every layer of a Llama-family model over `hidden` in one call, with the same numbers as
-    engine/model/native/llama.py's per-step kernels. `head` (the LM head's Weight, the final
-    norm's weight, its epsilon, the head's width): the norm and head follow, and their logits
-    [tokens, width] are returned. `scratch(n)`: a buffer of at least n float32s, or None."""
+    """Every layer of a Llama-family model over `hidden` in one call, as engine/model/native/
+    llama.py's kernels compute it. `head` (LM head Weight, final norm weight, eps, width): its
+    logits [tokens, width] are returned. `scratch(n)`: >= n float32s, or None."""
     heads, kv_heads, head_dim, inter = shape
     tokens, dim = hidden.shape
     floats = tokens * (dim + (3 * heads + 2 * kv_heads) * head_dim + 3 * inter)

@@ -1,6 +1,5 @@
-"""Linear layers on packed weights for the CPU (`--cpu-packed-linear`): the C GEMM reads each
-weight once per call whatever the row count, in bfloat16 where exact, and a row's result does
-not depend on the other rows (verification and decode agree)."""
+"""Linear layers on packed weights for the CPU (`--cpu-packed-linear`): each weight read once
+per call, bfloat16 where exact, a row's result independent of the others (docs/CPU.md)."""
 
 from __future__ import annotations
 

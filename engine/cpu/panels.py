@@ -15,9 +15,8 @@ QBLOCK = 32  # weights per GGUF block of those types
 
 
 def pack_linear_weight(weight: torch.Tensor, allow_bf16: bool = True) -> torch.Tensor:
-    """[out, in] float32 -> the kernel's panels [ceil(out / PANEL), in, PANEL] (zero-padded),
-    in bfloat16 when `allow_bf16` and every weight is exactly a bfloat16 value (same results,
-    half the memory traffic), else float32."""
+    """[out, in] float32 -> panels [ceil(out / PANEL), in, PANEL] (zero-padded), in bfloat16
+    when `allow_bf16` and every weight is exactly one (same results, half the traffic)."""
     out_features, in_features = weight.shape
     num_panels = -(-out_features // PANEL)
     padded = weight.new_zeros(num_panels * PANEL, in_features)
@@ -32,9 +31,8 @@ def pack_linear_weight(weight: torch.Tensor, allow_bf16: bool = True) -> torch.T
 
 
 def pack_quant_weight(blocks: np.ndarray, quant: str) -> torch.Tensor:
-    """GGUF blocks of a weight [out, in / 32 * block bytes] (uint8, as in the file) ->
-    gemm_quant.c's panels (uint8): per panel and block, the scales, then the quants with the
-    PANEL columns side by side."""
+    """GGUF blocks [out, in / 32 * block bytes] uint8 -> gemm_quant.c's uint8 panels: per panel
+    and block, the scales, then the quants with the PANEL columns side by side."""
     if quant not in QUANT_TYPES:
         raise ValueError(f"no kernel for GGUF type {quant}")
     rows = blocks.shape[0]

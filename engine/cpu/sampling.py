@@ -11,16 +11,14 @@ from engine.cpu import kernels as cpu_kernels
 
 
 def sample_rows(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """probs [rows, vocab], uniform [rows] in [0, 1) -> [rows] int64: per row, the first token
-    whose cumulative mass exceeds u times the row's total."""
+    """probs [rows, vocab], uniform [rows] -> [rows] int64, as `sampler.sample_from` draws."""
     return _sample("tandem_sample_rows", probs, uniform)
 
 
 def sample_logits(
     logits: torch.Tensor, inv_temperature: list[float], uniform: torch.Tensor
 ) -> torch.Tensor:
-    """logits [rows, vocab] -> [rows] int64 drawn from softmax(logits * inv_t) as `sample_rows`
-    draws; vocab for a row without finite mass."""
+    """`sample_rows` of softmax(logits * inv_t); vocab for a row without finite mass."""
     inverse = (ctypes.c_float * len(inv_temperature))(*inv_temperature)  # no tensor: cheaper
     return _sample("tandem_sample_logits", logits, uniform, ctypes.addressof(inverse))
 
@@ -82,9 +80,7 @@ def sample_final(
     weights: list[float],  # per request: the residual's weight w (1 for token verification)
     uniform: list[float],  # per request: its draw in [0, 1)
 ) -> list[int]:
-    """The token ending each request's verified drafts: drawn from its row p (the bonus,
-    rejected -1), or from the residual max(0, w p - q) of its rejected draft (p where that has
-    no mass), as torch's formulas give them; vocab for a row without mass."""
+    """`SamplingBackend.final_tokens` (engine/sample/backends.py); vocab for a row without mass."""
     n, vocab = len(rows), probs.shape[1]
     arrays = [(ctypes.c_int64 * n)(*v) for v in (rows, rejected, tokens)]
     w, u = (ctypes.c_float * n)(*weights), (ctypes.c_double * n)(*uniform)
@@ -115,8 +111,7 @@ def verify_sampled(
     uniform: torch.Tensor,  # [rows] float64: one draw per row
     block: bool,  # block verification (else token by token)
 ) -> tuple[list[int], list[int]]:  # per request: drafts kept, the final token
-    """A sampling step's verification in one kernel call: softmax rows, decisions and the
-    recovered or bonus token, as engine/sample/rejection_sampler.py `emitted_tokens` makes them."""
+    """`rejection_sampler.emitted_tokens` of the softmax rows, in one kernel call."""
     logits, uniform = logits.contiguous(), uniform.to(torch.float64).contiguous()
     batch, vocab = len(num_drafts), logits.shape[1]
     probs = torch.empty_like(logits)

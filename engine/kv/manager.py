@@ -1,6 +1,5 @@
-"""Request -> block table; callers see block ids and integers, not ref counts. A full block of
-verified tokens is registered under its chain hash (previous block's hash + its tokens), and a
-new request shares every cached block of its prompt; draft tokens are never hashed."""
+"""Request -> block table (callers see block ids, not ref counts). Full blocks of verified tokens
+are shared by chain hash (previous block's hash + its tokens); drafts are never hashed."""
 
 from __future__ import annotations
 
@@ -87,8 +86,7 @@ class KVCacheManager:
         return True
 
     def trim(self, req: Request, num_keep_tokens: int) -> int:
-        """Release the blocks past the first num_keep_tokens tokens (rejected drafts only);
-        return how many."""
+        """Release the blocks past the first num_keep_tokens tokens (rejected drafts); how many."""
         table = self.block_tables.get(req.request_id)
         if not table:
             return 0

@@ -98,8 +98,7 @@ class DecodeGraphs:
         query_lens: list[int],
         trees: list[Tree | None] | None = None,
     ) -> torch.Tensor:  # [len(logit_rows), hidden]
-        """The body's output at logit_rows (indices into the packed tokens) for a batch that
-        `fits`; the LM head is the caller's."""
+        """The body's output at logit_rows for a batch that `fits`; the LM head is the caller's."""
         n, longest = len(context_lens), max(query_lens)
         bucket = next(b for b in self.buckets if b >= n)
         q = next(b for b in self.query_buckets if b >= longest)

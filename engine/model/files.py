@@ -58,8 +58,7 @@ def is_gguf(path: Path) -> bool:
 
 
 def check_model_path(path: str, flag: str = "--model") -> None:
-    """Cheap start-up check, before the server listens: the path exists and is a directory
-    or a file that starts like GGUF. The full check runs when the file is converted."""
+    """Cheap start-up check: a directory or a file that starts like GGUF (fully checked later)."""
     found = locate(path, flag)
     if found.is_dir():
         return
@@ -144,8 +143,7 @@ def file_digest(path: Path) -> str:
 
 
 def prepare(path: str, cache_dir: str | None = None, flag: str = "--model") -> str:
-    """A Hugging Face directory for `path`: the directory itself, or the cached conversion
-    of a GGUF file (converted now when the cache has none)."""
+    """A Hugging Face directory for `path`: itself, or its GGUF file's (cached) conversion."""
     found = locate(path, flag)
     if found.is_dir():
         return str(found)
@@ -163,8 +161,7 @@ def prepare(path: str, cache_dir: str | None = None, flag: str = "--model") -> s
 
 
 def convert_gguf(path: Path, target: Path, info: GGUFInfo, digest: str) -> None:
-    """Dequantize `path` into a Hugging Face directory at `target` (written beside it, then
-    renamed, so an interrupted conversion never looks complete)."""
+    """Dequantize `path` into a Hugging Face directory at `target` (written beside, renamed)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
@@ -216,8 +213,7 @@ def convert_gguf(path: Path, target: Path, info: GGUFInfo, digest: str) -> None:
 
 
 def gguf_source(model_dir: str) -> Path | None:
-    """The GGUF file `model_dir` was converted from, if it is a conversion and that file is
-    still there (engine/cpu/gguf_blocks.py reads its quantized blocks)."""
+    """The GGUF file `model_dir` was converted from, if still there (for cpu/gguf_blocks.py)."""
     marker = Path(model_dir) / _COMPLETE
     if not marker.is_file():
         return None
@@ -226,8 +222,7 @@ def gguf_source(model_dir: str) -> Path | None:
 
 
 def prepare_config(config):
-    """`config` (an engine.config.EngineConfig) with the target and draft paths turned into
-    Hugging Face directories (GGUF files converted or found in the cache)."""
+    """`config` (an EngineConfig) with target and draft paths made Hugging Face directories."""
     from dataclasses import replace
 
     cache_dir = config.model.cache_dir
@@ -273,8 +268,7 @@ if __name__ == "__main__":
 
 
 def eos_token_ids(model_dir: str, hf_config: object) -> tuple[int, ...]:
-    """Every end-of-sequence id the model directory's generation config and `hf_config`
-    (its model config) name, in that order, without repeats."""
+    """Every EOS id the generation config, then `hf_config`, names, without repeats."""
     from transformers import GenerationConfig
 
     try:

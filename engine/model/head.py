@@ -15,8 +15,7 @@ OUTSIDE_HEAD = -1e30
 
 
 def restrict_head(model: torch.nn.Module, model_path: str) -> torch.Tensor | None:
-    """Swap the LM head of `model` for one over the token ids in `model_path`'s
-    head_tokens.json, if there is one; return those ids (None: the full vocabulary)."""
+    """Swap `model`'s LM head for one over `model_path`'s head_tokens.json ids; those, or None."""
     path = Path(model_path) / HEAD_TOKENS_FILE
     if not path.is_file():
         return None

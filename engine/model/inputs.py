@@ -16,8 +16,7 @@ class SeqInput:
     logit_offsets: list[int] = field(default_factory=list)
     """Indices into token_ids whose next-token logits are wanted."""
     tree: list[int] | None = None
-    """A draft tree instead of a chain: per token, a bitmask of the slots from `tree_base` on
-    that it sees (attention/paged.py `Tree`); the tokens still fill slots start_pos.. in order."""
+    """Per token, the bitmask of slots from `tree_base` it sees (paged.py `Tree`); None: a chain."""
     tree_base: int | None = None
     """The slot of bit 0 of `tree` (None = start_pos); every node sees earlier slots."""
     positions: list[int] | None = None

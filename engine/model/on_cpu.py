@@ -1,6 +1,5 @@
-"""A loaded model switched onto Tandem's C kernels (float32 on the CPU): the native forward's
-every step (probed against transformers again) or else the linear layers, then onto quantized
-blocks where they hold exactly the layer's weights (`--gguf-blocks`, `--quantization`)."""
+"""A loaded model switched onto Tandem's C kernels (float32 on the CPU): the native forward
+(probed again) or else the linears, then quantized blocks where exact (`--gguf-blocks`)."""
 
 from __future__ import annotations
 

@@ -41,9 +41,8 @@ def check_runs_here(flag: str, method: str, device: torch.device, dtype: torch.d
 
 @torch.no_grad()
 def round_weights(model: nn.Module, method: str) -> dict[str, int]:
-    """Round, in place, every float32 `nn.Linear` weight of `model` as `method` serves it;
-    returns how many layers went to each format (bfloat16 where the width is not a multiple of
-    32)."""
+    """Round, in place, every float32 `nn.Linear` weight of `model` as `method` serves it; how
+    many layers went to each format (bfloat16 where the width is not a multiple of 32)."""
     if method not in METHODS:
         raise ValueError(f"--quantization must be one of {', '.join(METHODS)} (got {method!r})")
     if method == "none":
@@ -70,9 +69,8 @@ def round_weights(model: nn.Module, method: str) -> dict[str, int]:
 
 
 def use_blocks(module: nn.Module, method: str) -> dict[str, int]:
-    """Switch every `PackedLinear` of `module` (rounded by `round_weights`) onto the blocks
-    that hold exactly its weights; returns how many layers went to each type. A layer no block
-    type reproduces exactly stays on its float panels."""
+    """Switch every `PackedLinear` of `module` (rounded by `round_weights`) onto blocks holding
+    exactly its weights (else its float panels stay); how many layers went to each type."""
     if method not in _BLOCKS:
         return {}
     switched: dict[str, int] = {}

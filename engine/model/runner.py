@@ -1,7 +1,5 @@
-"""Runs one Hugging Face causal LM on the paged KV cache; no policy lives here.
-
-It owns the model's KV tensors and turns `SeqInput`s into one packed forward (transformers',
-or engine/model/native/), with small steps on fixed shapes (decode_graphs.py)."""
+"""Runs one Hugging Face causal LM on its paged KV cache, no policy: one packed forward
+(transformers' or engine/model/native/), small steps on fixed shapes (decode_graphs.py)."""
 
 from __future__ import annotations
 
@@ -106,14 +104,12 @@ class ModelRunner:
             self.native = self._load_native(strict=model_impl == "native")
         self.model_impl = "native" if self.native is not None else "transformers"
         self.hidden_rows = False
-        """Set by a proposer that reads this model's hidden states: `last_hidden` then holds
-        every fed token's row (a fixed-shape step only runs when every row is a logit row)."""
+        """Set by a proposer reading hidden states: `last_hidden` then has every fed token's row."""
         self.last_hidden: torch.Tensor | None = None
         """The native forward's body output (before the final norm) of the last pass; from a
         decode graph, a view of its buffers, valid until this runner's next pass."""
         self.lists_path = True
-        """Whether batches the C layer stack takes whole skip the AttentionMetadata
-        (engine/model/native/lists.py); off only to compare the two paths."""
+        """Batches the C stack takes whole skip the metadata (native/lists.py); off to compare."""
 
     def _quantize(self, method: str) -> str:
         """Round the weights to `method` (engine/model/quantization.py); what is then served."""
@@ -195,8 +191,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def move_kv(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
-        """Copy the keys/values at slot positions `src` of a request's table to `dst`, every
-        layer (a draft tree's accepted path, packed behind the tokens before it)."""
+        """Copy K/V at positions `src` of a table to `dst`, every layer (a tree's accepted path)."""
         if not src:
             return
         bs = self.block_size
@@ -216,9 +211,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def enable_decode_graphs(self, max_batch: int, max_query_len: int, max_model_len: int) -> bool:
-        """Run small batches on padded fixed shapes (CUDA graphs on CUDA); call after
-        allocate_kv. Needs a graph-safe backend and a model whose logits are its LM head on its
-        body's output; returns whether it is on."""
+        """Small batches on padded fixed shapes (CUDA graphs on CUDA), after allocate_kv, where
+        the backend is graph-safe and the logits are the LM head's; whether it is on."""
         if not self.attention_backend.graph_safe:
             return False
         if self.native is None and not self._head_is_plain():

@@ -1,11 +1,6 @@
-"""Where sampling and verification draws run: a table of backends, as for attention.
-
-The rules (engine/sample/rejection_sampler.py, engine/sample/sampler.py) are written once; the
-work a kernel can speed up goes through a backend: `torch` is the reference and runs on any
-device, `cpu` runs engine/cpu/csrc/sample.c on float32 rows in the CPU's memory. Every backend
-draws what the reference draws for the same rows and uniforms (tests compare them; they can
-differ only where u falls within a float64 rounding of a CDF boundary).
-"""
+"""Where sampling and verification draws run: a table of backends, as for attention. `torch`
+is the reference on any device; `cpu` (engine/cpu/csrc/sample.c, float32 rows in the CPU's
+memory) draws what it draws, up to a float64 rounding at a CDF boundary (tests compare them)."""
 
 from __future__ import annotations
 
@@ -25,8 +20,7 @@ class SamplingBackend(Protocol):
         ...
 
     def sample(self, probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-        """[rows, vocab] non-negative mass x [rows] U[0, 1) -> [rows] tokens: the first token
-        whose cumulative mass exceeds u times the row's total."""
+        """As `engine.sample.sampler.sample_from` draws."""
         ...
 
     def sample_logits(
@@ -43,8 +37,7 @@ class SamplingBackend(Protocol):
         draft_rows: list[int],  # per draft: the row that checks it
         uniform: torch.Tensor,  # [num_rows]
     ) -> tuple[list[float], list[int], list[float], list[float]]:
-        """(u per row, the draft ids, p(x) and q(x) per draft) as Python floats of the
-        tensors' own float32 values."""
+        """(u per row, draft ids, p(x) and q(x) per draft) as floats of the float32 values."""
         ...
 
     def final_tokens(
@@ -205,5 +198,4 @@ BACKENDS: dict[str, SamplingBackend] = {b.name: b for b in (CPU, TORCH)}
 
 
 def backend_for(*rows: torch.Tensor | None) -> SamplingBackend:
-    """The preferred backend that takes these tensors as they are."""
     return next(b for b in BACKENDS.values() if b.takes(*rows))

@@ -1,7 +1,5 @@
 """Structured output: grammars compiled by llguidance (once per spec, cached), one matcher per
-constrained request. Every sampled row, the draft's and the target's, is masked to what the
-grammar allows after the output and the drafts before it, so rejection sampling keeps the
-target's constrained distribution (docs/STRUCTURED_OUTPUT.md)."""
+constrained request, masking every sampled row (docs/STRUCTURED_OUTPUT.md)."""
 
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ import torch
 from engine.types.request import JSON_STYLE, GrammarSpec, InvalidRequest
 
 CACHE_SIZE = 256
-"""Compiled grammars kept (distinct schemas, regexes...)."""
 
 
 def available() -> bool:
@@ -59,9 +56,8 @@ class Grammars:
         self._lock = threading.Lock()
 
     def check(self, spec: GrammarSpec) -> Any:
-        """Compile (or find compiled) `spec` and return its matcher; raise InvalidRequest
-        naming its field if it does not compile. May take a while for a large schema: call
-        it off an event loop."""
+        """`spec`'s matcher, compiled once; InvalidRequest naming its field if it does not
+        compile. Slow for a large schema: call it off an event loop."""
         compiled = self._compile(spec)
         if isinstance(compiled, str):
             first_line = (compiled.strip().splitlines() or ["unknown error"])[0]
@@ -113,8 +109,7 @@ class Grammars:
 
 
 def _first_mask_problem(matcher: Any) -> str | None:
-    """Why a freshly compiled grammar cannot start, or None: an error at its first mask, or
-    a language without a single string (not even the empty one)."""
+    """Why a compiled grammar cannot start (its first mask fails or is empty), or None."""
     probe = matcher.deep_copy()
     mask = probe.compute_bitmask()
     if probe.is_error():
@@ -134,8 +129,7 @@ class GrammarState:
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
         self._forced: list[int] | None = None
         self.failure: str | None = None
-        """Set once llguidance reports an error (e.g. a parser limit hit mid-document): its
-        errors are permanent, so the request ends with it at its next token."""
+        """Set at llguidance's first (permanent) error; the request ends with it."""
 
     def _check_error(self) -> bool:
         if self.failure is None and self.matcher.is_error():
@@ -148,8 +142,8 @@ class GrammarState:
         return bool(self.drafts == [] and self.matcher.is_stopped())
 
     def allowed(self, prior: Sequence[int]) -> torch.Tensor:  # [vocab] bool, on the CPU
-        """The tokens the grammar allows after the output plus `prior` (this step's drafts
-        before the position). Kept for the step: the draft and the target ask alike."""
+        """The tokens allowed after the output plus `prior` (this step's drafts), kept for the
+        step: the draft and the target ask alike."""
         key = tuple(prior)
         mask = self._masks.get(key)
         if mask is None:
@@ -166,15 +160,13 @@ class GrammarState:
             packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
             if not self._check_error():
                 bits = np.unpackbits(packed, bitorder="little")[:vocab].astype(bool)
-        # Past the grammar's end, after a refused draft or a failure: only stopping fits (a
-        # failed request ends with its error at the next commit, whatever is sampled).
+        # Nothing allowed (past the end, a refused draft, a failure): only stopping fits.
         if not bits.any():
             bits[list(self.grammars.eos_token_ids)] = True
         return torch.from_numpy(bits)
 
     def _seek(self, prior: tuple[int, ...]) -> bool:
-        """Move the matcher to the output plus `prior`; False if the grammar refuses a token
-        of it (the matcher then stops at the longest prefix it takes)."""
+        """Seek the output plus `prior`; False if refused (then at the longest prefix taken)."""
         common = 0
         for a, b in zip(self.drafts, prior, strict=False):
             if a != b:
@@ -217,8 +209,7 @@ class GrammarState:
         return taken
 
     def commit(self, token: int) -> bool:
-        """Append an emitted token; False if the grammar refuses it (never for a token
-        sampled under this state's masks)."""
+        """Append an emitted token; False if the grammar refuses it."""
         start = time.perf_counter()
         self._masks.clear()
         self._forced = None

@@ -1,8 +1,6 @@
-"""Lossless verification of draft chains, token by token or the block jointly (Sun et al.):
-the rules and why they are exact are in docs/VERIFICATION.md, with its notation (p_i the
-target's row after i drafts, q_i the draft's, w_i, r_i, h_i the block rule's weights). Greedy
-and seeded rows arrive one-hot and a model-free drafter's q is one-hot on its draft, so one
-rule serves every request."""
+"""Lossless verification of draft chains, token by token or the block jointly (Sun et al.);
+rules and notation (p_i, q_i, w_i, r_i, h_i) in docs/VERIFICATION.md. Greedy, seeded and
+model-free rows arrive one-hot, so one rule serves every request."""
 
 from __future__ import annotations
 
@@ -44,10 +42,8 @@ def emitted_tokens(
     uniform: torch.Tensor,
     method: str = "token",
 ) -> list[list[int]]:  # per request: its kept drafts, then the recovered or bonus token
-    """`rejection_sample` as lists (what the verifier reads). The per-request decisions run on
-    the tensors' own values as Python scalars, in float32 (numpy), so they match the tensor
-    formulas; the vocabulary-wide work (gathering p(x) and q(x), the final draws) goes through
-    the sampling backend that takes these tensors (engine/sample/backends.py)."""
+    """`rejection_sample` as lists. Per-request decisions run on float32 numpy scalars, so they
+    match the tensor formulas; vocabulary-wide work goes through the sampling backend."""
     if not any(num_draft_tokens):  # nothing to verify: each request's bonus from its row
         return [[t] for t in sample_from(target_probs, uniform).tolist()]
     backend = backend_for(target_probs, draft_probs)
@@ -57,7 +53,6 @@ def emitted_tokens(
         row_start.append(row)
         draft_start.append(drafted)
         row, drafted = row + k + 1, drafted + k
-    # Draft j of request r (x_{j+1}) is checked against row row_start[r] + j.
     draft_rows = [row_start[r] + j for r, k in enumerate(num_draft_tokens) for j in range(k)]
     u, ids, p_x, q_x = backend.draft_scalars(
         target_probs, draft_token_ids, draft_probs, draft_rows, uniform
@@ -106,8 +101,7 @@ def verify_sampled(
     uniform: torch.Tensor,
     method: str = "token",
 ) -> list[list[int]]:  # as emitted_tokens
-    """`emitted_tokens` of softmax(logits / T) rows: in one backend call where the backend has
-    one (the CPU kernel never writes the distribution out), else on the softmax rows."""
+    """`emitted_tokens` of softmax(logits / T) rows, in one backend call where it has one."""
     if not any(num_draft_tokens):
         return [[t] for t in sample_logits(logits, temperatures, uniform).tolist()]
     backend = backend_for(logits, draft_probs)
@@ -168,7 +162,7 @@ def _block_lengths(
         for i in range(1, k + 1):
             w_i = weights[r][i]
             if i == k:
-                h = w_i  # h_K = w_K
+                h = w_i
             elif (r, i) in residual_mass:
                 m = residual_mass[(r, i)]
                 denom = m + _F32(1.0) - w_i
@@ -186,8 +180,7 @@ def greedy_verify(
     target_argmax: list[int],  # per verified row, request by request (k + 1 rows each)
     draft_token_ids: list[list[int]],  # per request, its drafts
 ) -> list[list[int]]:  # per request: accepted drafts, then the recovered or bonus token
-    """`rejection_sample` for all-greedy rows (both methods reduce to it): keep drafts while
-    they equal their row's argmax, then emit the argmax of the first row that did not match."""
+    """`rejection_sample` of all-greedy rows: drafts while they equal the argmax, then it."""
     emitted, row = [], 0
     for drafts in draft_token_ids:
         n = 0

@@ -1,10 +1,5 @@
-"""From logits to the distribution each row samples from, the draws, and logprobs.
-
-A row is one verified position of a request, with the request's own processing (penalties,
-min_tokens, grammar masks, temperature, top-k, top-p); greedy rows are one-hot at the argmax.
-Each row draws by inverse CDF with one u ~ U[0, 1) from the request's generator. A seeded
-request's token at output position t is the winner of an exponential race keyed by (seed, t)
-alone, so its text does not depend on K, drafts or batch (docs/VERIFICATION.md)."""
+"""From logits to the distribution each row (one verified position) samples from, the draws,
+and logprobs; seeded rows race keyed by (seed, position) alone (docs/VERIFICATION.md)."""
 
 from __future__ import annotations
 
@@ -25,8 +20,7 @@ class RowSpec:
     """The context of one row: which request, and the tokens generated before it."""
 
     request: Request
-    prior_drafts: list[int] = field(default_factory=list)
-    """This step's draft tokens that precede the row (they count as generated for it)."""
+    prior_drafts: list[int] = field(default_factory=list)  # this step's drafts before the row
 
     @property
     def num_generated(self) -> int:
@@ -45,8 +39,7 @@ def apply_penalties_and_masks(
     logits: torch.Tensor,  # [num_rows, vocab], modified in place unless an inference tensor
     rows: list[RowSpec],
 ) -> torch.Tensor:
-    # Logits straight from a forward were made under torch.inference_mode and cannot be
-    # changed in place outside it (a draft model's are; the verifier's were concatenated).
+    # A forward's logits are inference tensors, not writable in place outside inference_mode.
     if logits.is_inference() and changes_logits(rows):
         logits = logits.clone()
     constrained = [i for i, row in enumerate(rows) if row.request.grammar is not None]
@@ -71,8 +64,7 @@ def apply_penalties_and_masks(
 
 
 def _grammar_mask(row: RowSpec, vocab: int) -> torch.Tensor:  # [vocab] bool, on the CPU
-    """What the row's grammar allows there (engine/sample/grammar.py); min_tokens also
-    masks the stops, unless the grammar allows nothing else."""
+    """The grammar's mask; min_tokens also refuses the stops unless nothing else is left."""
     allowed = row.request.grammar.allowed(row.prior_drafts)
     if allowed.shape[0] != vocab:  # a draft vocabulary of another size: the rest is refused
         allowed = torch.cat([allowed, allowed.new_zeros(max(0, vocab - allowed.shape[0]))])
@@ -90,8 +82,7 @@ def _masks_stops(row: RowSpec) -> bool:
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows]
-    """The first index of each row's largest value (a NaN counting as the largest), as
-    `Tensor.argmax` documents it; on the CPU through numpy, whose argmax is far cheaper."""
+    """`Tensor.argmax` (NaN counts as largest); on the CPU through numpy's, far cheaper."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
     return logits.max(dim=-1).indices
@@ -138,8 +129,7 @@ def _top_k_top_p(scaled: torch.Tensor, params: list) -> torch.Tensor:
     rank = torch.arange(vocab, device=scaled.device)[None, :]
     drop = rank >= top_k[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it
-    # already does. The first token is always kept.
+    # The smallest prefix whose mass reaches top_p (the first token always stays).
     mass_before = probs.cumsum(dim=-1) - probs
     drop |= mass_before >= top_p[:, None]
     drop[:, 0] = False
@@ -150,8 +140,7 @@ def _top_k_top_p(scaled: torch.Tensor, params: list) -> torch.Tensor:
 _MASK64 = (1 << 64) - 1
 
 
-def _mix64(x: int) -> int:
-    """splitmix64's finaliser: a 64-bit integer hash."""
+def _mix64(x: int) -> int:  # splitmix64's finaliser
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -161,8 +150,7 @@ def _mix64(x: int) -> int:
 def position_uniforms(
     seed: int, positions: list[int], vocab: int, cache: dict[int, Any] | None = None
 ) -> list[np.ndarray]:
-    """U[0, 1) noise over the vocabulary per output position of a seeded request, keyed by
-    (seed, position) alone; `cache` (the request's) keeps them so each is drawn once."""
+    """U[0, 1) vocabulary noise per output position, keyed by (seed, position); cached."""
     base = _mix64(seed & _MASK64)
     cache = {} if cache is None else cache
     out = []
@@ -181,9 +169,8 @@ def coupled_tokens(
     probs: torch.Tensor,  # [n, vocab] rows of seeded requests
     rows: list[RowSpec],  # each row's request and place: its noise is (seed, output position)
 ) -> list[int]:  # argmin E / p with E = -log(u): a sample of each row, fixed by (seed, position)
-    """The exponential race without a logarithm per token: with m the most likely token's
-    race time, x can only win if -log u(x) < m p(x), which needs 1 - u(x) < m p(x) (as
-    -log u >= 1 - u); only those few candidates get their exact time."""
+    """With m the top token's race time, x can win only if 1 - u(x) < m p(x) (as -log u >=
+    1 - u): only those few candidates get a logarithm."""
     vocab = probs.shape[1]
     tokens = []
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -191,8 +178,7 @@ def coupled_tokens(
             noise = row.request.coupled_noise
             u = position_uniforms(_seed(row), [row.num_generated], vocab, noise)[0]
             top = int(p.argmax())
-            # u = 0 gives an infinite time: every token with mass stays a candidate. The
-            # margin keeps float rounding from dropping a token that could win (the top).
+            # The margin keeps rounding from dropping a winner; u = 0 keeps every token.
             bound = -np.log(u[top]) / p[top] * (1 + 1e-4)
             cand = np.flatnonzero((1 - u) < bound * p)
             if cand.size == 0:  # every race time rounded above the bound: keep the top
@@ -228,12 +214,10 @@ def request_uniforms(
     num_rows: list[int],
     device: torch.device,
 ) -> torch.Tensor:  # [sum(num_rows)] float64
-    """U[0, 1) draws, num_rows[i] from request i's own generator (zeros for greedy and seeded
-    requests, whose rows are one-hot), request by request."""
+    """num_rows[i] U[0, 1) draws from request i's generator (zeros for one-hot rows)."""
     parts = [
         torch.zeros(n, dtype=torch.float64, device=device)
         if req.params.greedy or req.params.coupled
-        # on the generator's own device (a request's generator lives on the engine's)
         else torch.rand(n, generator=req.generator, dtype=torch.float64, device=device)
         for req, n in zip(requests, num_rows, strict=True)
     ]
@@ -243,16 +227,14 @@ def request_uniforms(
 
 
 def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """[rows, vocab] (any non-negative mass) x [rows] U[0, 1) -> [rows] token ids distributed
-    as probs: the first token whose cumulative mass exceeds u times the row's total, on the
-    sampling backend that takes the rows (engine/sample/backends.py)."""
+    """[rows, vocab] (any non-negative mass) x [rows] U[0, 1) -> [rows]: the first token whose
+    cumulative mass exceeds u times the row's total (engine/sample/backends.py)."""
     probs = probs.contiguous()
     return backend_for(probs).sample(probs, uniform)
 
 
 def plain_sampling(params: SamplingParams) -> bool:
-    """Whether a request's rows sample softmax(logits / T) itself: no top-k or top-p cut, not
-    greedy (one-hot) and not seeded (the coupled race)."""
+    """Whether rows sample softmax(logits / T) as is: not greedy, seeded, top-k or top-p."""
     return not (params.greedy or params.coupled or params.top_k > 0 or params.top_p < 1.0)
 
 
@@ -261,8 +243,7 @@ def sample_logits(
     temperatures: list[float],  # per row, > 0
     uniform: torch.Tensor,  # [rows] U[0, 1)
 ) -> torch.Tensor:  # [rows] token ids
-    """A token per row drawn from softmax(logits / T) as `sample_from` draws it (the CPU
-    backend never writes the distribution out)."""
+    """`sample_from` on softmax(logits / T), which the CPU backend never writes out."""
     logits = logits.contiguous()
     return backend_for(logits).sample_logits(logits, temperatures, uniform)
 

@@ -1,6 +1,4 @@
-"""Lossless verification of a draft tree: the longest accepted path, then one more token, by
-recursive rejection sampling over children drawn without replacement (Jeon et al.), or, for a
-"top" tree's root, the optimal verifier of the draft's fixed top tokens plus one draw
+"""Lossless verification of a draft tree: the longest accepted path, then one more token
 (docs/VERIFICATION.md, "Draft trees"). Node 0, the root, is the last committed token."""
 
 from __future__ import annotations
@@ -18,13 +16,10 @@ class DraftTree:
     """One request's draft tree, nodes in the order they fill cache slots (parents first)."""
 
     tokens: list[int]
-    """Node tokens; node 0 is the root, the request's last committed token (not a draft)."""
     parents: list[int]
-    """parents[v]: v's parent; parents[0] = -1. A node's children, in increasing index order,
-    are in the order they were drafted."""
+    """parents[0] = -1; a node's children, in index order, are in the order they were drafted."""
     fixed_root_children: int = 0
-    """With the "top" tree drafts: the root's first children are the draft's top tokens
-    (fixed, not drawn) and only its last child was drawn, from q without them."""
+    """"top" trees: the root's first children are q's top tokens; only its last was drawn."""
 
     def __post_init__(self) -> None:
         if not self.tokens or self.parents[0] != -1 or len(self.parents) != len(self.tokens):
@@ -34,7 +29,6 @@ class DraftTree:
 
     @cached_property
     def _paths(self) -> list[list[int]]:
-        """Per node, the path from the root to it, both included (parents come first)."""
         paths = [[0]]
         for v in range(1, len(self.parents)):
             paths.append([*paths[self.parents[v]], v])
@@ -73,10 +67,8 @@ def verify_tree_greedy(tree: DraftTree, target_argmax: list[int]) -> tuple[list[
 def verify_tree(
     tree: DraftTree,
     target_probs: torch.Tensor,  # [nodes, vocab] p_v: the target's next-token distribution
-    draft_probs: torch.Tensor | None,  # [nodes, vocab] q_v the children were drawn from; None
-    # for a model-free drafter (one-hot children)
-    uniform: torch.Tensor,  # [nodes + 1] U[0, 1): uniform[c] tests child c, the last one draws
-    # the emitted token
+    draft_probs: torch.Tensor | None,  # [nodes, vocab] q_v; None: one-hot children
+    uniform: torch.Tensor,  # [nodes + 1] U[0, 1): uniform[c] tests child c, the last draws
 ) -> tuple[list[int], int]:  # the accepted nodes (root excluded), then the emitted token
     path, node = [], 0
     if tree.fixed_root_children and draft_probs is not None:
@@ -120,10 +112,7 @@ def verify_tree(
 def _verify_top_drafts(
     tree: DraftTree, p: torch.Tensor, q: torch.Tensor, uniform: torch.Tensor
 ) -> int:
-    """The root of a "top" tree (top n - 1 tokens of q fixed, the last child X drawn from
-    q' = q without them), verified optimally: keep X with probability min(1, p(X) / q'(X)),
-    else draw y from p on the fixed tokens and max(0, p - q') elsewhere; a fixed y is kept,
-    any other emitted. Returns the kept child, or -1 - the emitted token."""
+    """A "top" root's optimal verifier (docs/VERIFICATION.md): kept child, or -1 - emitted token."""
     children = tree.children(0)
     fixed, last = children[: tree.fixed_root_children], children[-1]
     top = [tree.tokens[c] for c in fixed]

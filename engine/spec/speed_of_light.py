@@ -1,9 +1,5 @@
-"""A live "speed of light" for speculation (docs/ARCHITECTURE.md, "Speculation in brief").
-
-Over a window: the target's mean entropy mu, its log-moment mu2 = E[(log p)^2] and tokens per
-pass; with capacity P no deterministic drafter averages more than about (mu + mu2) ln(P) / mu^2
-accepted tokens per pass.
-"""
+"""A live "speed of light" for speculation: the bound (mu + mu2) ln(P) / mu^2 on accepted
+tokens per pass over a window (docs/ADAPTIVE_K.md, "Speed of light")."""
 
 from __future__ import annotations
 

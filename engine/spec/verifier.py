@@ -1,9 +1,6 @@
-"""The target pass of a step: one packed forward, then rejection sampling per request.
-
-Each scheduled request feeds its missing tokens plus its drafts. Rows (positions whose
-logits we keep) are, per request: the prompt positions when prompt logprobs were asked for,
-then, when the request samples this step, its last token and every draft (1 + k rows).
-"""
+"""The target pass of a step: one packed forward, then rejection sampling per request. Rows
+(positions whose logits are kept), per request: its prompt positions if prompt logprobs were
+asked for, then, if it samples this step, its last token and every draft (1 + k rows)."""
 
 from __future__ import annotations
 
@@ -39,9 +36,8 @@ class VerifyResult:
     tokens: dict[str, StepTokens] = field(default_factory=dict)
     """Verified tokens of every request that sampled this step."""
     prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
-    """This step's prompt logprobs of requests that asked for them: one per prompt token of
-    the chunk after its first (a leading None for the prompt's first token when the chunk
-    starts the prompt). The scheduler puts them together."""
+    """Per request asking: its chunk's prompt logprobs (a leading None where the chunk starts
+    the prompt); the scheduler joins them."""
     forward_seconds: float = 0.0
     """Wall time of the target's forward (the rest of `run` is sampling and verification)."""
     hidden: torch.Tensor | None = None
@@ -258,8 +254,7 @@ class Verifier:
 
 
 def _prompt_logprobs(req: Request, logits: torch.Tensor) -> list[TokenLogprob | None]:
-    """Logprobs of the prompt tokens this step's rows predict (row j: the token at
-    num_computed_tokens + j + 1), after a None for the first token when the chunk starts it."""
+    """`VerifyResult.prompt_logprobs` of `req`: row j predicts num_computed_tokens + j + 1."""
     start = req.num_computed_tokens
     chunk: list[TokenLogprob | None] = [None] if start == 0 else []
     if logits.shape[0]:

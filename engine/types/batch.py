@@ -13,8 +13,7 @@ class ScheduledRequest:
     num_new_tokens: int  # from all_token_ids: a prefill chunk, or 1 when decoding
     num_draft_tokens: int = 0  # K; the proposer may fill fewer
     branches: int = 1  # draft-tree candidates for the next token, each to depth K
-    # Drafts that replace the proposer's this step: a grammar's forced tokens, or with
-    # `looked_up`, what followed the context's suffix earlier in it.
+    # Drafts replacing the proposer's: a grammar's forced tokens, or a prompt lookup's.
     forced: list[int] | None = None
     looked_up: bool = False
     reason: str | None = None
@@ -54,8 +53,7 @@ class DraftPlan:
     k: int = 0
     reason: str | None = None
     """Why k < K_max, as the policy saw it (None when it is not)."""
-    width: int = 1
-    """Draft-tree candidates for the next token, each continued to depth k."""
+    width: int = 1  # as ScheduledRequest.branches
     given: list[int] | None = None
     """Drafts in place of the proposer's: a grammar's forced tokens or a prompt lookup's."""
     looked_up: bool = False

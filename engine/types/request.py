@@ -86,14 +86,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0, or so close to it that dividing logits by it overflows: such a
-        request's distribution is the argmax anyway (vLLM draws the line at 1e-5 too)."""
+        """Below GREEDY_BELOW, dividing logits by it overflows: the argmax (as in vLLM)."""
         return self.temperature < GREEDY_BELOW
 
     @property
     def coupled(self) -> bool:
-        """A seeded sampling request: its tokens come from noise keyed by (seed, position),
-        so its text does not depend on speculation or the batch (engine/sample/sampler.py)."""
+        """Seeded sampling: noise keyed by (seed, position), text independent of speculation."""
         return self.seed is not None and not self.greedy
 
     @property

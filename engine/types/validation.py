@@ -1,6 +1,5 @@
 """The one check of a request against what the engine can serve (vocabulary, context length, KV
-pool, plus `SamplingParams.validate`), raised as `InvalidRequest`. The server runs it on every
-choice before submitting any, so one bad prompt refuses the whole request."""
+pool, `SamplingParams.validate`), raised as `InvalidRequest`; the server checks every choice."""
 
 from __future__ import annotations
 

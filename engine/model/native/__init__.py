@@ -1,9 +1,7 @@
-"""Tandem's own forward passes for registered architectures (`--model-impl`), sharing the
-loaded Hugging Face weights.
-
-An implementation's `forward(input_ids [tokens], positions [tokens], metadata)` returns hidden
-states [tokens, hidden], writing K/V at `metadata.slot_mapping` and attending through
-`metadata.backend`; `logits(hidden [rows, hidden])` returns [rows, vocab]."""
+"""Tandem's own forward passes for registered architectures (`--model-impl`), sharing the loaded
+Hugging Face weights: `forward(input_ids [tokens], positions [tokens], metadata)` -> hidden
+[tokens, hidden], writing K/V at `metadata.slot_mapping` and attending through
+`metadata.backend`; `logits(hidden [rows, hidden])` -> [rows, vocab]."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """A CPU pass built straight from the runner's lists for batches the C layer stack takes whole
-(no tree, at most `MAX_KERNEL_QUERY` tokens a request): same kernels and bits as the metadata
-path, less host work."""
+(no tree, at most `MAX_KERNEL_QUERY` tokens a request): the metadata path's bits, less work."""
 
 from __future__ import annotations
 

@@ -34,8 +34,7 @@ def supports(hf_model: nn.Module) -> str | None:
 
 
 def _fuse(hf_linears: list[nn.Linear]) -> nn.Linear:
-    """One linear layer computing `hf_linears` side by side; each of them keeps working on a
-    slice of the fused weight (and bias)."""
+    """One linear computing `hf_linears` side by side, each left working on its slice."""
     weight = torch.cat([lin.weight.detach() for lin in hf_linears])
     has_bias = hf_linears[0].bias is not None
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
@@ -62,8 +61,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, rotate-half convention. x [tokens, heads, head_dim]; cos, sin
-    [tokens, 1, head_dim]."""
+    """Rotate-half rotary embedding. x [tokens, heads, head_dim]; cos, sin [tokens, 1, head_dim]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -155,8 +153,7 @@ class _Layer(nn.Module):
         sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """`forward` through the C kernels, one call per step; needs packed linears and no q/k
-        norms."""
+        """`forward` through the C kernels; needs packed linears and no q/k norms."""
         n = hidden.shape[0]
         norm = self.input_norm
         x = cpu_kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon)
@@ -208,8 +205,7 @@ class LlamaForward(nn.Module):
         self._stack: LayerStack | None = None
 
     def use_cpu_kernels(self) -> bool:
-        """Pack the linears and run each layer through `_Layer.forward_cpu`; False, changing
-        nothing, where that does not apply."""
+        """Pack the linears, layers through `_Layer.forward_cpu`; False (no change) if not."""
         weight = self.embed_tokens.weight
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             return False
@@ -233,8 +229,7 @@ class LlamaForward(nn.Module):
         return True
 
     def use_triton_ops(self) -> bool:
-        """Run each layer through `_Layer.forward_triton`; False, changing nothing, where that
-        does not apply."""
+        """Layers through `_Layer.forward_triton`; False (no change) where that does not apply."""
         from engine.attention.backends import triton_available
 
         layers_ok = all(
@@ -320,8 +315,7 @@ class LlamaForward(nn.Module):
         return self._stack
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] body output -> [rows, vocab]; rows are normalised independently, so
-        pick the rows first."""
+        """[rows, hidden] body output -> [rows, vocab]; rows normalise independently: pick first."""
         if self.cpu_kernels:
             head: PackedLinear = self.lm_head
             x = cpu_kernels.rms_norm(hidden, self.norm.weight, self.norm.variance_epsilon)

@@ -1,6 +1,5 @@
 """The arguments of `cpu_kernels.layers` for a native Llama forward, built once and kept until
-the caches are reallocated or a linear's panels repacked, so a pass reads one attribute per
-argument instead of rebuilding them."""
+the caches are reallocated or a linear's panels repacked."""
 
 from __future__ import annotations
 

@@ -71,8 +71,7 @@ def calibration_cache_dir() -> Path:
 def cached_calibration(
     key: str, calibrate: Callable[[], CostModel], fresh: bool = False
 ) -> CostModel:
-    """The calibration stored under `key`, else `calibrate()` (then stored). `fresh` skips
-    the lookup. A cache that cannot be read or written only costs a calibration."""
+    """The calibration stored under `key` unless `fresh`, else `calibrate()` (then stored)."""
     path = calibration_cache_dir() / f"{key}.json"
     if not fresh:
         try:
@@ -145,8 +144,7 @@ def calibrate_runners(
     def timed(runner: ModelRunner, seqs: list[SeqInput], n: int = repeats) -> float:
         return _min_time(lambda: (runner.forward(seqs), sync()), n)
 
-    # The weights' cost by token count: short sequences, so attention stays small. With
-    # decode graphs, sequences short enough to take them, as verifications and drafts do.
+    # The weights' cost by token count: sequences short (attention small) and graph-sized.
     sizes = _log_sizes(max_tokens)
     graphs = target.decode_graphs
     chunk = min(_TABLE_CHUNK, graphs.max_query_len) if graphs is not None else _TABLE_CHUNK
@@ -171,8 +169,7 @@ def calibrate_runners(
     cost.kv_coef, cost.qk_coef = _nonneg_lstsq(np.array(rows), np.array(residuals))
 
     if draft is not None:
-        # Draft passes as steps run them (decode batches, prompt chunks), each row weighted
-        # by 1 / its time so small passes fit as closely as big ones.
+        # Draft passes as steps run them, rows weighted by 1 / time (small ones fit as well).
         rows, times = [], []
         for b in sorted({1, 2, 4, min(8, max_batch), min(16, max_batch), max_batch}):
             for ctx in contexts:
@@ -206,15 +203,13 @@ def calibrate_runners(
 
 
 def table_chunks(num_tokens: int, chunk: int = _TABLE_CHUNK) -> list[int]:
-    """Query lengths of the sequences that time a pass of exactly `num_tokens` tokens: as
-    few as keep each at most `chunk`, as even as they divide."""
+    """Query lengths for a pass of `num_tokens` tokens: the fewest within `chunk`, even."""
     count = -(-num_tokens // chunk)
     return [num_tokens // count + (i < num_tokens % count) for i in range(count)]
 
 
 def _nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> list[float]:
-    """Least squares with every coefficient >= 0 (costs cannot be negative): refit without
-    the columns that come out negative until none does."""
+    """Least squares with coefficients >= 0: refit without negative columns until none is."""
     active = list(range(a.shape[1]))
     coef = np.zeros(a.shape[1])
     while active:
@@ -239,7 +234,7 @@ def _log_sizes(limit: int) -> list[int]:
 
 def _min_time(fn: Callable[[], object], repeats: int) -> float:
     """Best of `repeats`: interference on a shared machine only ever adds time."""
-    fn()  # warm-up
+    fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -1,12 +1,6 @@
-"""What the draft model's part of a step costs (engine/spec/cost/model.py holds the rest).
-
-    seconds = fixed * passes + per_token * drafts + per_pair * pairs + per_fed * fed
-
-`fed` are tokens fed without logits (catch-ups, prompt chunks): they cost less than a draft,
-so they are priced apart. Each part has its own online factor, a ridge-regularised least
-squares fit of the steps' measured / predicted ratios to the parts' shares (parts the steps
-do not tell apart stay at 1).
-"""
+"""What the draft model's part of a step costs: fixed * passes + per_token * drafts + per_pair *
+pairs + per_fed * fed (tokens fed without logits), each part with its own online factor
+(docs/ADAPTIVE_K.md, "The cost model")."""
 
 from __future__ import annotations
 

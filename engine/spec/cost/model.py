@@ -1,10 +1,6 @@
-"""What a step costs on this machine: a start-up fit (calibration.py), rescaled online.
-
-Target pass: `table(num_tokens) + kv_coef * kv_tokens + qk_coef * qk_pairs`; the draft's part
-is DraftCost (draft.py). Each step rescales the prediction by measured / predicted, per pass
-size and per tree width, and times what a decode step costs outside both passes, once per
-step whatever it makes (docs/ADAPTIVE_K.md, "The cost model").
-"""
+"""What a step costs on this machine: a start-up fit (calibration.py) of the target pass,
+`table(num_tokens) + kv_coef * kv_tokens + qk_coef * qk_pairs`, and the draft's (draft.py),
+rescaled online per pass size and tree width (docs/ADAPTIVE_K.md, "The cost model")."""
 
 from __future__ import annotations
 
@@ -18,9 +14,7 @@ from engine.spec.cost.draft import DraftCost
 CAPACITY_SLACK = 1.25
 _EMA = 0.05
 SMALL_PASS = 8
-"""Target passes of up to this many tokens learn a scale per token count (the policy decides
-on what one more token adds, which one shared factor does not fit); bigger ones per
-`size_bucket`."""
+"""Target passes up to this many tokens learn a scale per token count, bigger per `size_bucket`."""
 _SMALL_MIN_OBSERVED = 8
 _BUCKETS = 40
 _OVERHEAD_MIN_OBSERVED = 8
@@ -32,8 +26,7 @@ def size_bucket(num_tokens: int) -> int:
 
 
 def overhead_key(batch: int) -> int:
-    """Batches of up to SMALL_PASS requests measure their step overhead apart, bigger ones
-    per size range (too few steps per size to average a noisy time)."""
+    """Step overheads are kept per batch up to SMALL_PASS, then per size range (few steps)."""
     return batch if batch <= SMALL_PASS else -size_bucket(batch)
 
 
@@ -71,8 +64,7 @@ class _Scale:
 
 
 class _Seconds:
-    """Seconds averaged as `_Scale` averages ratios; one observation counts for at most twice
-    the mean."""
+    """Seconds averaged as `_Scale` averages ratios, each clipped to twice the mean."""
 
     def __init__(self) -> None:
         self.value, self.count = 0.0, 0
@@ -208,10 +200,9 @@ class CostModel:
         overhead: tuple[float, float] = (0.0, 0.0),
         free_drafts: bool = False,
     ) -> int:
-        """The K in 0..max_drafts with the most expected tokens per second (first of ties)
-        for one request's chain (`gains[d - 1]`: the chance its d-th draft is kept) in a pass
-        of `base_tokens` other tokens; K > 0 feeds `catch_up` tokens unless `free_drafts`,
-        and `overhead` is (plain, drafting) step time. The batch search for a batch of one."""
+        """The K in 0..max_drafts with the most expected tokens per second (first of ties) for
+        one chain (`gains[d - 1]`: its d-th draft kept) among `base_tokens` others; K > 0 feeds
+        `catch_up` tokens unless `free_drafts`; `overhead`: (plain, drafting) step time."""
         tokens, rates = 1.0, []
         for k in range(max_drafts + 1):
             tokens += gains[k - 1] if k else 0.0

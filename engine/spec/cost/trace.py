@@ -1,9 +1,5 @@
-"""The cost model's predictions beside what was measured, step by step, for diagnosis.
-
-With `TANDEM_COST_TRACE=FILE` an engine that runs adaptive K appends one JSON line per
-observation its cost model learns from (kind target, draft or step; seconds), beside the
-prediction it made just before learning; `t` is `time.perf_counter()`.
-"""
+"""With `TANDEM_COST_TRACE=FILE`, one JSON line per observation the cost model learns from
+(kind target, draft or step; seconds) beside its prediction; `t` is `time.perf_counter()`."""
 
 from __future__ import annotations
 

@@ -47,8 +47,7 @@ class AcceptanceEstimates:
         return self._lookup[0] / self._lookup[1]
 
     def acceptance(self, req: Request) -> float:
-        """The engine-wide rate (a prior of `request_weight` trials) updated by the request's
-        verified drafts."""
+        """The engine-wide rate (a prior of `request_weight` trials) updated by the request's."""
         return self._estimate(req.spec.accepted, req.spec.trials)
 
     def _estimate(self, accepted: float, trials: float) -> float:

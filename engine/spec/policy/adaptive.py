@@ -17,10 +17,9 @@ PROBE_STEPS = 8
 
 
 class AdaptiveDraftLength:
-    """Maximise the batch's expected accepted tokens per second on the measured cost model:
-    the best prefix of drafts ranked by gain, a single K unless per-request K beats it by
-    `uniform_margin`, catch-ups charged, and probes (K = 1) after `probe_interval` steps
-    without drafts so a pessimistic estimate can be corrected (docs/ADAPTIVE_K.md)."""
+    """Maximise the batch's expected accepted tokens per second on the measured cost model
+    (docs/ADAPTIVE_K.md, "The choice"): one K unless per-request K beats it by `uniform_margin`;
+    probes (K = 1) after `probe_interval` steps without drafts."""
 
     def __init__(
         self,

@@ -23,11 +23,8 @@ class DraftLengths:
 
 
 class DraftLengthPolicy(Protocol):
-    """How many drafts (K) each decoding request gets this step, seen as a whole batch.
-
-    `choose` returns one K in [0, max_draft_tokens] per request, in order (0: a plain decode)
-    and does not mutate the requests; `num_other_tokens` prefill tokens share the step.
-    """
+    """How many drafts (K) each decoding request gets this step, seen as a whole batch: `choose`
+    returns one K in [0, max_draft_tokens] per request, in order, mutating none of them."""
 
     max_draft_tokens: int
 

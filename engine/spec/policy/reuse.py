@@ -46,8 +46,7 @@ def decision_key(
     num_other: int,
     catch_up: list[float],
 ) -> tuple:
-    """What a decision depends on, rounded so that inputs that round alike predict nearly the
-    same rates."""
+    """What a decision depends on, rounded so inputs that round alike predict nearly alike."""
     widths = sorted(cost.tree_scales)
     scales = [cost.target_scale, *cost.small_scales, *cost.size_scales]
     scales += [s for n in widths for s in cost.tree_scales[n]]

@@ -25,9 +25,8 @@ class DraftBatch:
     fed_tokens: int = 0  # every token the draft's passes processed (drafts, catch-ups, chunks)
     fed_pairs: int = 0  # their query x key pairs
     parents: list[list[int] | None] | None = None
-    """Per scheduled request, None for a chain, or a draft tree: parents[j] is the parent of
-    draft j (0 = the request's last token, the root; d + 1 = draft d), drafts listed after
-    their parents (engine/sample/tree_verifier.py)."""
+    """Per scheduled request, None for a chain, or a tree: parents[j] of draft j (0 = the root,
+    d + 1 = draft d), parents first (engine/sample/tree_verifier.py)."""
     passes: int = 0  # draft passes that picked drafts; 0 = the longest chain's length
 
 
@@ -64,13 +63,9 @@ def with_forced_drafts(sched: SchedulerOutput, drafts: DraftBatch | None) -> Dra
 
 
 class Proposer(Protocol):
-    """Proposes draft tokens for a scheduled batch.
-
-    `propose` returns at most `num_proposed_tokens` drafts per scheduled request (none, at no
-    cost, where K is 0) and leaves what the scheduler owns alone; a proposer with its own KV
-    uses the target's block ids and `Request.num_draft_computed_tokens`. `observe` sees every
-    verified step before the scheduler moves its requests on.
-    """
+    """Proposes draft tokens: `propose` returns at most `num_proposed_tokens` per scheduled
+    request (none, at no cost, where K is 0), leaving the scheduler's state alone (own KV: in the
+    target's block ids). `observe` sees every verified step before the scheduler moves on."""
 
     keeps_kv: bool  # a KV cache of its own in the target's blocks (a draft model)
     runner: ModelRunner | None  # its own model's runner, or None (model-free)

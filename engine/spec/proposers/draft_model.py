@@ -1,10 +1,6 @@
-"""A small Hugging Face causal LM that drafts on the target's block tables.
-
-Its KV tensors are indexed by the target's block ids, so one allocation and one rollback
-cover both; its progress is `Request.num_draft_computed_tokens`, which the scheduler clamps to
-the verified length. Pass 1 feeds every token the draft has not seen (prefill chunks beside
-the target's); pass i feeds x_{i-1} for requests with K >= i. A seeded request drafts with
-its target's noise, so its drafts are kept exactly when both races agree.
+"""A small Hugging Face causal LM drafting on the target's block tables (one allocation and
+rollback cover both), its progress `Request.num_draft_computed_tokens`. Pass 1 feeds every token
+the draft has not seen, pass i x_{i-1} where K >= i; seeded requests race with the target's noise.
 """
 
 from __future__ import annotations
@@ -103,8 +99,7 @@ class DraftModelProposer:
         drafts: list[list[int]] = [[] for _ in sched.scheduled]
         if not seqs:
             return DraftBatch(drafts, None)
-        # Greedy drafts are the argmax, q one-hot on them: what a model-free drafter's missing
-        # probs mean to the verifier, so none are built.
+        # Greedy drafts need no q: one-hot, as a model-free drafter's missing probs mean.
         want_q = not all(req.params.greedy for _, req, _ in drafting)
         fed = [0, 0]  # tokens, query x key pairs
 
@@ -196,8 +191,7 @@ class DraftModelProposer:
         head = self.runner.head_tokens
         chains = all(n == 1 for _, _, n in entries)
         if head is not None and chains and not want_q and not changes_logits(rows):
-            # The argmax of the head's own columns, not widened (cheaper); they are in
-            # increasing token order, so a tie picks the token the full row would.
+            # The head's own columns (cheaper), in token order: a tie picks as the full row.
             return [([token], None) for token in head[argmax(logits)].tolist()]
         if head is not None and chains and not changes_logits(rows):
             if (picks := self._sample_head(logits, rows)) is not None:
@@ -227,8 +221,7 @@ class DraftModelProposer:
     def _sample_head(
         self, logits: torch.Tensor, rows: list[RowSpec]
     ) -> list[tuple[list[int], torch.Tensor]] | None:
-        """Sampled chains with nothing to mask or couple, on the CPU: one `sample_head` kernel
-        call; None where it does not apply."""
+        """Plain sampled chains on the CPU in one `sample_head` kernel call; None elsewhere."""
         head = self.runner.head_tokens
         params = [row.request.params for row in rows]
         if not (kernel_rows(logits) and all(plain_sampling(p) for p in params)):

@@ -1,11 +1,9 @@
 """A feature draft (EAGLE, Li et al. 2024): one decoder layer that reads the target's hidden states.
 
-Its input at position p is the target's embedding of x_p beside the target's final-norm
-feature at p - 1 (past the first draft, its own prediction); the target's LM head turns its
-output into logits. A directory whose config.json says `"tandem_draft": {"kind": "eagle"}`
-holds the layer, `fc` and the norm. It keeps KV in the target's blocks as a draft model does,
-but keys from predicted features are not kept: each step feeds the verified tokens again with
-the target's features, taken in `observe` (`_Features`). Drafts are chains.
+Input at position p: the target's embedding of x_p beside its final-norm feature at p - 1 (past
+the first draft, the draft's own); the target's LM head makes the logits. A directory whose
+config.json says `"tandem_draft": {"kind": "eagle"}` holds it. KV lives in the target's blocks;
+keys from predicted features are dropped, so each step feeds the verified tokens again. Chains.
 """
 
 from __future__ import annotations
@@ -105,8 +103,7 @@ class _Features:
         self.rows = torch.cat([self.rows[: start - self.base], rows])
 
     def read(self, start: int, end: int, width: int) -> torch.Tensor:
-        """Rows for positions start..end - 1, zero where none is kept (position -1, a
-        prefix-cache hit's prompt); drops the rows before `start`."""
+        """Rows for start..end - 1 (zero where none is kept); drops the rows before `start`."""
         device = None if self.rows is None else self.rows.device
         out = torch.zeros(end - start, width, device=device)
         if self.rows is not None:
@@ -170,8 +167,7 @@ class EagleProposer(DraftModelProposer):
         )
 
     def observe(self, step: StepResult) -> None:
-        """After the target's pass: keep each request's features, row by row as the verifier
-        laid them out (its new tokens, then its drafts, from num_computed_tokens on)."""
+        """After the target's pass: keep each request's features, as the verifier laid them out."""
         assert step.verified.hidden is not None, "the target keeps its hidden rows for us"
         feats = self._norm(step.verified.hidden, self.target)
         cursor = 0
