@@ -204,7 +204,7 @@ class LLMEngine:
         outputs = self.scheduler.update(sched, verified.tokens, verified.prompt_logprobs)
         self.totals.generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         self.totals.step_seconds += time.perf_counter() - step_start
-        self.planner.end_step(self.has_work(), step)
+        self.planner.end_step(step, self.has_work())
         return outputs
 
     def stats(self) -> EngineStats:

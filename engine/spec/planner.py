@@ -117,9 +117,9 @@ class SpecPlanner:
         if self.cost_model is not None and step.timed:
             self._observe_costs(step)
 
-    def end_step(self, left_work: bool, step: StepResult | None) -> None:
+    def end_step(self, step: StepResult, left_work: bool) -> None:
         """A decode-only step that left work is timed to the next start (streaming included)."""
-        if step is None or self.cost_model is None or not step.timed or not left_work:
+        if self.cost_model is None or not step.timed or not left_work:
             return
         sched = step.sched
         if sched.num_decodes != len(sched.scheduled):
