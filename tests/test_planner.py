@@ -1,0 +1,117 @@
+"""The planner, speculation's one seam (engine/spec/planner.py), on its own: what it plans for
+each decoding request and what it learns from a verified step. No model: a policy that
+records what it is told, and requests whose counters say they decode."""
+
+from __future__ import annotations
+
+from engine.config import SpecConfig
+from engine.spec.planner import FORCED_MAX, SpecPlanner
+from engine.spec.policy import DraftLengths
+from engine.spec.step import StepResult
+from engine.spec.verifier import VerifyResult
+from engine.types.batch import ScheduledRequest, SchedulerOutput
+from engine.types.outputs import StepTokens
+from engine.types.request import Request, RequestStatus, SamplingParams
+
+
+class RecordingPolicy:
+    """K per request id, and every observation it is fed."""
+
+    def __init__(self, ks: dict[str, int], max_draft_tokens: int = 3, branches: int = 1) -> None:
+        self.ks, self.max_draft_tokens, self.branches = ks, max_draft_tokens, branches
+        self.observed: list[tuple[str, int, int, int]] = []
+        self.lookups: list[tuple[int, int]] = []
+
+    def choose(self, requests: list[Request], num_other_tokens: int = 0) -> DraftLengths:
+        ks = [self.ks[r.request_id] for r in requests]
+        reasons = ["low_acceptance" if k < self.max_draft_tokens else None for k in ks]
+        return DraftLengths(ks, reasons, self.branches)
+
+    def observe(self, request: Request, num_drafted: int, num_accepted: int, branches=1) -> None:
+        self.observed.append((request.request_id, num_drafted, num_accepted, branches))
+
+    def lookup_length(self, request: Request, k: int, found: int, batch: int) -> int:
+        return min(k, found)
+
+    def observe_lookup(self, num_drafted: int, num_accepted: int) -> None:
+        self.lookups.append((num_drafted, num_accepted))
+
+
+class ForcingGrammar:
+    """A grammar that forces `tokens` next (only `forced` is read when planning)."""
+
+    failure = None
+    stopped = False
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def forced(self) -> list[int]:
+        return list(self.tokens)
+
+
+def _decoding(request_id: str, prompt: list[int]) -> Request:
+    req = Request(request_id, prompt, SamplingParams(max_tokens=32))
+    req.num_computed_tokens = len(prompt) - 1  # only its last token is missing: it decodes
+    req.status = RequestStatus.RUNNING
+    return req
+
+
+def test_a_grammar_forces_its_tokens_and_a_lookup_gives_its_continuation():
+    forced = _decoding("g", [1, 2, 3])
+    forced.grammar = ForcingGrammar(list(range(10, 10 + FORCED_MAX + 2)))
+    repeats = _decoding("l", [5, 6, 7, 8, 5, 6, 7])  # its suffix 5 6 7 occurred: 8 follows
+    plain = _decoding("p", [9, 9, 4])
+    policy = RecordingPolicy({"g": 0, "l": 2, "p": 1}, branches=2)
+    spec = SpecConfig("draft", "unused", max_draft_tokens=3, ngram_assist=2)
+    planner = SpecPlanner(spec, policy, proposer=None)
+    assert planner.lookup is None  # a lookup assists a draft model only
+    # As the n-gram lookup finds them: only `repeats` has an earlier occurrence of its suffix.
+    planner.lookup = lambda tokens, k: [8, 5, 6][:k] if tokens == repeats.all_token_ids else []
+    plans = planner.plan([forced, repeats, plain], num_other_tokens=0)
+
+    g = plans[forced]  # the grammar's tokens whatever K the policy chose, as a chain
+    assert (g.k, g.given, g.width, g.looked_up, g.reason) == (
+        FORCED_MAX,
+        list(range(10, 14)),
+        1,
+        False,
+        None,
+    )
+    lookup = plans[repeats]  # the lookup's drafts in place of the proposer's, as a chain
+    assert (lookup.k, lookup.given, lookup.width, lookup.looked_up) == (2, [8, 5], 1, True)
+    assert lookup.reason == "low_acceptance"  # the policy's reason stands
+    p = plans[plain]  # the proposer drafts, in the policy's tree width
+    assert (p.k, p.given, p.width) == (1, None, 2)
+
+
+def test_observe_feeds_each_kind_of_draft_to_its_own_count_and_skips_aborted_requests():
+    reqs = [_decoding(rid, [1, 2, 3]) for rid in ("proposed", "looked", "forced", "aborted")]
+    sched = SchedulerOutput(
+        [
+            ScheduledRequest(reqs[0], 1, 3, reason=None),
+            ScheduledRequest(reqs[1], 1, 2, forced=[4, 5], looked_up=True, reason="batch_cost"),
+            ScheduledRequest(reqs[2], 1, 2, forced=[6, 7]),
+            ScheduledRequest(reqs[3], 1, 3, reason="kv_memory"),
+        ]
+    )
+    reqs[3].status = RequestStatus.FINISHED_ABORTED  # aborted while the step ran
+    tokens = {
+        "proposed": StepTokens([1, 2, 3], num_drafted=3, num_accepted=2),
+        "looked": StepTokens([4], num_drafted=2, num_accepted=0),
+        "forced": StepTokens([6, 7, 8], num_drafted=2, num_accepted=2),
+        "aborted": StepTokens([1], num_drafted=3, num_accepted=0),
+    }
+    policy = RecordingPolicy({})
+    planner = SpecPlanner(SpecConfig("draft", "unused"), policy, proposer=None)
+    planner.observe(StepResult(sched, None, VerifyResult(tokens), 0.0, 0.0))
+
+    assert policy.observed == [("proposed", 3, 2, 1)]  # only the proposer's drafts teach it
+    assert policy.lookups == [(2, 0)]
+    counters = planner.counters
+    assert (counters.totals.drafted, counters.totals.accepted) == (3, 2)
+    assert (reqs[0].spec.drafted, reqs[0].spec.accepted) == (3, 2)
+    assert (counters.lookup_drafted, counters.lookup_accepted) == (2, 0)
+    assert (counters.forced_drafted, counters.forced_accepted) == (2, 2)
+    assert reqs[3].spec.drafted == 0  # the aborted request's step teaches nothing
+    assert counters.reasons == {"batch_cost": 1, "kv_memory": 1}  # every scheduled cut counts
