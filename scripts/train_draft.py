@@ -25,7 +25,7 @@ answer's seed is --answer-seed plus its line number in answers.jsonl, so with a 
 directory started afresh, another --answer-seed draws answers the earlier runs did not have.
 
 The held-out instructions (scripts/chat_prompts.py `split`) are never trained on; the
-benchmarks use them. models/README.md records the run and the measured acceptance.
+benchmarks use them. --out/training.json records the run; models/README.md the measured acceptance.
 """
 
 from __future__ import annotations

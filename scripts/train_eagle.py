@@ -27,7 +27,7 @@ Stages, each kept in --work so a re-run continues where it stopped:
    `tandem_draft: eagle`) and head_tokens.json into --out.
 
 The held-out instructions (scripts/chat_prompts.py `split`) are never trained on; the
-benchmarks use them. models/README.md records the run and the measured acceptance.
+benchmarks use them. --out/training.json records the run; models/README.md the measured acceptance.
 """
 
 from __future__ import annotations
