@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -406,13 +407,24 @@ def test_without_a_compiler_the_engine_runs_on_torch(tmp_path, tiny_dirs):
     assert "--cpu-packed-linear ignored" in proc.stderr
 
 
+def _small_sources(root: Path) -> Path:
+    """A source tree of one small C file: the build's caching does not depend on what the
+    sources are, and it compiles in a blink where engine/cpu/csrc takes half a minute of CPU
+    (a test that rebuilt the real sources paid that for every build it checked)."""
+    root.mkdir(parents=True)
+    (root / "small.c").write_text("int tandem_small(int x) { return 2 * x; }\n")
+    (root / "small.h").write_text("int tandem_small(int x);\n")
+    return root
+
+
 def test_the_library_is_cached_per_cpu_and_source(tmp_path, monkeypatch):
-    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))
-    first = kernel_build.build()
-    assert first.is_relative_to(tmp_path) and first.exists()
-    assert kernel_build.build() == first  # built once, then found
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path / "cache"))
+    csrc = _small_sources(tmp_path / "csrc")
+    first = kernel_build.build(csrc)
+    assert first.is_relative_to(tmp_path / "cache") and first.exists()
+    assert kernel_build.build(csrc) == first  # built once, then found
     monkeypatch.setattr(kernel_build, "cpu_identity", lambda: "another cpu")
-    assert kernel_build.build() != first
+    assert kernel_build.build(csrc) != first
 
 
 def test_another_copy_of_the_sources_builds_its_own_library(tmp_path, monkeypatch):
@@ -422,11 +434,13 @@ def test_another_copy_of_the_sources_builds_its_own_library(tmp_path, monkeypatc
     shutil.copytree(kernel_build.CSRC, copy)
     original = kernel_build.build()  # the library the tests run on
     assert kernel_build.build(copy) == original
-    (copy / "gemm.c").write_text((copy / "gemm.c").read_text() + "\n/* another version */\n")
     monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path / "cache"))
-    other = kernel_build.build(copy)
+    small = _small_sources(tmp_path / "small")
+    first = kernel_build.build(small)
+    (small / "small.c").write_text((small / "small.c").read_text() + "\n/* another version */\n")
+    other = kernel_build.build(small)
     assert other.is_relative_to(tmp_path / "cache") and other.exists()
-    assert other.parent.name != original.parent.name  # another key
+    assert other.parent.name != first.parent.name  # another key
 
 
 def test_an_unwritable_cache_falls_back_to_the_temp_dir(tmp_path, monkeypatch):
@@ -434,5 +448,5 @@ def test_an_unwritable_cache_falls_back_to_the_temp_dir(tmp_path, monkeypatch):
     blocker.write_text("")
     monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(blocker / "cache"))  # mkdir fails
     monkeypatch.setattr(kernel_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    built = kernel_build.build()
+    built = kernel_build.build(_small_sources(tmp_path / "csrc"))
     assert built.is_relative_to(tmp_path / "tmp") and built.exists()
