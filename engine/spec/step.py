@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from engine.spec.proposers.base import DraftBatch
 from engine.spec.verifier import VerifyResult
@@ -21,14 +22,14 @@ class StepResult:
     timed: bool = True
     """False when a CUDA graph was captured during the step: its time says nothing of steps'."""
 
-    @property
+    @cached_property
     def num_drafts(self) -> list[int]:
         """Per scheduled request, the drafts it verified."""
         if self.drafts is None:
             return [0] * len(self.sched.scheduled)
         return [len(d) for d in self.drafts.token_ids]
 
-    @property
+    @cached_property
     def proposed(self) -> list[int]:
         """Per scheduled request, the drafts the proposer made (forced ones cost it nothing)."""
         return [
@@ -36,7 +37,7 @@ class StepResult:
             for item, k in zip(self.sched.scheduled, self.num_drafts, strict=True)
         ]
 
-    @property
+    @cached_property
     def draft_passes(self) -> int:
         passes = self.drafts.passes if self.drafts else 0
         return passes or max(self.proposed, default=0)
