@@ -10,6 +10,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -39,18 +40,42 @@ def build(csrc: Path = CSRC) -> Path:
         if found is not None:
             return found
         target = _writable_dir(key) / LIBRARY
-        # Compile beside the target, then rename: two processes building at once both finish.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        cmd = [cc, *flags, *map(str, sources), "-o", tmp, "-lm"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode == 0:
-            os.replace(tmp, target)
+        error = _compile(cc, flags, sources, target)
+        if error is None:
             logger.info("built Tandem's CPU kernels (%s) into %s", " ".join(flags), target)
             return target
-        os.unlink(tmp)
-        errors.append(f"{' '.join(extra) or 'no extra flags'}: {proc.stderr.strip()[-300:]}")
+        errors.append(f"{' '.join(extra) or 'no extra flags'}: {error[-300:]}")
     raise RuntimeError(f"{cc} could not build {csrc}: " + " | ".join(errors))
+
+
+def _compile(cc: str, flags: list[str], sources: list[Path], target: Path) -> str | None:
+    """Compile each source to an object (as many at once as there are CPUs), link them into
+    `target`; None when done, else the compiler's errors. Built beside the target, then
+    renamed: two processes building at once both finish."""
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        objects = [Path(work) / f"{source.stem}.o" for source in sources]
+        compile_flags = [f for f in flags if f != "-shared"]
+        commands = [
+            [cc, *compile_flags, "-c", str(source), "-o", str(obj)]
+            for source, obj in zip(sources, objects, strict=True)
+        ]
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            runs = list(
+                pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), commands)
+            )
+        failed = [run.stderr.strip() for run in runs if run.returncode != 0]
+        if failed:
+            return " ".join(failed)
+        linked = Path(work) / LIBRARY
+        link = subprocess.run(
+            [cc, *flags, *map(str, objects), "-o", str(linked), "-lm"],
+            capture_output=True,
+            text=True,
+        )
+        if link.returncode != 0:
+            return link.stderr.strip()
+        os.replace(linked, target)
+    return None
 
 
 def compiler() -> str:

@@ -319,6 +319,23 @@ INLINE int group_rows(int64_t g, int64_t tiles, int64_t tile, int64_t kv_heads, 
   return left <= 0 ? 0 : left < tile ? (int)left : (int)tile;
 }
 
+/* attend_tile for each cache type and head size, each a function of its own: inlined all into
+ * the dispatcher below, the compiler's time on it grew faster than their number (minutes
+ * where vectors are narrower than v8, as in SSE2 or NEON builds). */
+#define TILE_FN(kv, d)                                                                     \
+  static __attribute__((noinline)) void attend_##kv##_##d(                               \
+      const float *q, const void *k_cache, const void *v_cache, const int64_t *table,     \
+      int64_t q_start, int64_t q_len, int64_t ctx, const int64_t *tree, int64_t base,     \
+      int64_t kv_head, int64_t row0, int rows, int64_t heads, int64_t kv_heads,           \
+      int64_t block_size, float scale, int64_t b_lo, int64_t b_hi, float *part) {         \
+    attend_tile(kv, d / 8, q, k_cache, v_cache, table, q_start, q_len, ctx, tree, base,   \
+                kv_head, row0, rows, heads, kv_heads, block_size, scale, b_lo, b_hi, part); \
+  }
+#define TILE_FNS(d) TILE_FN(KV_F32, d) TILE_FN(KV_F16, d) TILE_FN(KV_BF16, d)
+HEAD_DIMS(TILE_FNS)
+#undef TILE_FNS
+#undef TILE_FN
+
 /* Returns 0, -1 for a shape tandem_attention_supports refuses or an unknown kv_type, or -2
  * when the partial results cannot be allocated (nothing is written either way). The caches
  * hold kv_type elements (KV_F32, KV_F16, KV_BF16: vec.h). */
@@ -397,7 +414,7 @@ int tandem_paged_attention(const float *q, const void *k_cache, const void *v_ca
       } else {
         const int64_t *table = tables + s * table_width;
 #define TILE(kv, d)                                                                        \
-  attend_tile(kv, d / 8, q, k_cache, v_cache, table, q_starts[s], q_lens[s], ctx_lens[s],  \
+  attend_##kv##_##d(q, k_cache, v_cache, table, q_starts[s], q_lens[s], ctx_lens[s],       \
               tree, tree ? tree_base[s] : 0, kv_head, row0, n, heads, kv_heads, block_size, \
               scale, c * span_blocks, (c + 1) * span_blocks, out_part)
 #define CASE(d)                                                         \
