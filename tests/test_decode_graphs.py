@@ -95,7 +95,7 @@ def _check_padded_path(
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
 
     padded = runner.forward(seqs)
-    assert graphs.steps == 1
+    assert graphs.steps == 1 and runner.last_route == "decode-graphs"
     assert padded.shape == (len(query_lens) if last else sum(query_lens), runner.vocab_size)
     new_slots = sorted(
         s.block_table[pos // BLOCK] * BLOCK + pos % BLOCK
@@ -112,6 +112,7 @@ def _check_padded_path(
         v.copy_(v0)
     runner.decode_graphs = None
     unpadded = runner.forward(seqs)
+    assert runner.last_route == ("native" if runner.native is not None else "transformers")
     torch.testing.assert_close(padded, unpadded, rtol=tol, atol=tol)
     for (k, v), (k1, v1) in zip(runner.kv_caches, written, strict=True):
         for eager, fixed in ((k, k1), (v, v1)):

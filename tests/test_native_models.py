@@ -111,37 +111,31 @@ def test_all_layers_in_one_call_give_the_per_layer_numbers(tiny_dirs):
         assert fused.native._stack is not None  # the one-call path ran
 
 
-def test_the_runners_lists_path_gives_the_metadata_paths_numbers(tiny_dirs, monkeypatch):
+def test_the_runners_lists_path_gives_the_metadata_paths_numbers(tiny_dirs):
     """Batches the C stack takes whole run from the runner's lists (engine/model/native/
     lists.py: one integer array, numpy's embedding rows) instead of an AttentionMetadata: the
     same logits and body output, bit for bit, with every row's logits and with some rows'."""
     from engine.cpu import kernels as cpu_kernels
-    from engine.model import runner as runner_module
 
     if not cpu_kernels.available():
         pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
     runner = ModelRunner(str(tiny_dirs["llama"]), torch.device("cpu"), torch.float32, "cpu")
     runner.allocate_kv(64, BLOCK)
     use_cpu_kernels(runner)
-    taken, original = [], runner_module.forward_lists
-
-    def counted(*args):
-        out = original(*args)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(runner_module, "forward_lists", counted)
     steps = _steps(runner.vocab_size)
     # the second step again, with the logits of some rows only (a prefill chunk's last row)
     steps.append([SeqInput(s.token_ids, s.start_pos, s.block_table, [len(s.token_ids) - 1])
                   for s in steps[1]])  # fmt: skip
+    taken = []
     for seqs in steps:
         runner.lists_path = True
         got, hidden = runner.forward(seqs), runner.last_hidden
+        taken.append(runner.last_route)
         runner.lists_path = False
         expected = runner.forward(seqs)
+        taken.append(runner.last_route)
         assert torch.equal(got, expected) and torch.equal(hidden, runner.last_hidden)
-    assert taken == [True, False] * len(steps)  # the lists path ran when it was on
+    assert taken == ["layer-stack", "native"] * len(steps)  # the lists path ran when it was on
 
 
 def test_native_weights_are_shared_with_transformers(tiny_dirs):

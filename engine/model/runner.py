@@ -15,9 +15,9 @@ from engine.model.files import gguf_source
 from engine.model.head import OUTSIDE_HEAD, restrict_head
 from engine.model.inputs import SeqInput
 from engine.model.native import MODEL_IMPLS, NativeForward, build_native
-from engine.model.native.lists import forward_lists
 from engine.model.probe import NATIVE_TOLERANCE, native_error
 from engine.model.quantization import round_weights
+from engine.model.routes import ROUTES, PackedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +110,8 @@ class ModelRunner:
         decode graph, a view of its buffers, valid until this runner's next pass."""
         self.lists_path = True
         """Batches the C stack takes whole skip the metadata (native/lists.py); off to compare."""
+        self.last_route = ""
+        """The name of the route (engine/model/routes.py) that ran the last pass."""
 
     def _quantize(self, method: str) -> str:
         """Round the weights to `method` (engine/model/quantization.py); what is then served."""
@@ -259,7 +261,7 @@ class ModelRunner:
         input_ids: torch.Tensor,  # [1, tokens]
         positions: torch.Tensor,  # [1, tokens]
         metadata: attention.AttentionMetadata,
-    ) -> torch.Tensor:  # [1, tokens, hidden], what _graph_head turns into logits
+    ) -> torch.Tensor:  # [1, tokens, hidden], what graph_head turns into logits
         if self.native is not None:
             return self.native(input_ids[0], positions[0], metadata)[None]
         out = self.model.base_model(
@@ -267,59 +269,21 @@ class ModelRunner:
         )
         return out.last_hidden_state
 
-    def _graph_head(self, hidden: torch.Tensor) -> torch.Tensor:
+    def graph_head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
             return self.native.logits(hidden)
         return self.model.get_output_embeddings()(hidden)
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], widen: bool = True) -> torch.Tensor:
-        """Run the packed batch; return float32 logits [num_logits, vocab], in the order of
-        seqs and, within a request, of its logit_offsets. `widen=False`: a restricted head's
-        own columns [num_logits, len(head_tokens)] (`widen` makes them the vocabulary's)."""
-        token_ids: list[int] = []
-        positions: list[int] = []
-        logit_index: list[int] = []
-        for seq in seqs:
-            logit_index.extend(len(token_ids) + off for off in seq.logit_offsets)
-            token_ids.extend(seq.token_ids)
-            positions.extend(seq.positions or range(seq.start_pos, seq.context_len))
-        query_lens = [len(s.token_ids) for s in seqs]
-        context_lens = [s.context_len for s in seqs]
-        tables = [s.block_table for s in seqs]
-        trees = None
-        if any(s.tree for s in seqs):
-            trees = [s.attention_tree() for s in seqs]
-        graphs = self.decode_graphs
-        all_rows = not self.hidden_rows or len(logit_index) == len(token_ids)
-        if graphs is not None and all_rows and graphs.fits(query_lens, context_lens):
-            batch = (context_lens, tables, logit_index, query_lens, trees)
-            hidden = self.last_hidden = graphs.run(token_ids, positions, *batch)
-            logits = self._graph_head(hidden).float()  # [num_logits, head]
-            return self.widen(logits) if widen else logits
-        args = (token_ids, positions, query_lens, context_lens, tables, logit_index, trees)
-        if (logits := forward_lists(self, *args)) is not None:  # the C stack takes it whole
-            return self.widen(logits) if widen else logits
-        metadata = attention.build_metadata(
-            self.kv_caches,
-            self.block_size,
-            query_lens,
-            context_lens,
-            tables,
-            self.device,
-            self.attention_backend,
-            trees,
-        )
-        input_ids = torch.tensor(token_ids, device=self.device)
-        position_ids = torch.tensor(positions, device=self.device)
-        rows = torch.tensor(logit_index, dtype=torch.long, device=self.device)
-        if self.native is not None:
-            hidden = self.last_hidden = self.native(input_ids, position_ids, metadata)
-            # One logit row per token (a decode, a verification): rows 0..n-1, in order.
-            picked = hidden if len(logit_index) == len(token_ids) else hidden.index_select(0, rows)
-            logits = self.native.logits(picked).float()
-        else:
-            logits = self.hf_logits(input_ids, position_ids, metadata, rows).float()
+        """Run the packed batch on the first route of engine/model/routes.py that takes it;
+        return float32 logits [num_logits, vocab], in the order of seqs and, within a request,
+        of its logit_offsets. `widen=False`: a restricted head's own columns
+        [num_logits, len(head_tokens)] (`widen` makes them the vocabulary's)."""
+        batch = PackedBatch.pack(seqs)
+        route = next(r for r in ROUTES if r.takes(self, batch))
+        self.last_route = route.name
+        logits = route.run(self, batch)
         return self.widen(logits) if widen else logits
 
     def widen(self, logits: torch.Tensor) -> torch.Tensor:

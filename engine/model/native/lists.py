@@ -18,6 +18,19 @@ if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
 
 
+def lists_take(runner: ModelRunner, query_lens: list[int], trees: list | None) -> bool:
+    """Whether the C stack takes this batch whole from the lists (`runner.lists_path` off:
+    never, to compare)."""
+    return bool(
+        runner.lists_path
+        and getattr(runner.native, "one_call", False)
+        and runner.attention_backend is BACKENDS["cpu"]
+        and trees is None
+        and query_lens
+        and max(query_lens) <= MAX_KERNEL_QUERY
+    )
+
+
 def forward_lists(
     runner: ModelRunner,
     token_ids: list[int],
@@ -26,20 +39,10 @@ def forward_lists(
     context_lens: list[int],
     tables: list[list[int]],
     logit_index: list[int],
-    trees: list | None,
-) -> torch.Tensor | None:  # [len(logit_index), the head's columns] float32, or None
-    """The logits `runner.forward` returns (before widening), where this path applies;
-    None where the runner must build the metadata instead."""
+) -> torch.Tensor:  # [len(logit_index), the head's columns] float32
+    """The logits `runner.forward` returns (before widening), for a batch `lists_take`s."""
     native = runner.native
-    if not (
-        runner.lists_path
-        and getattr(native, "one_call", False)
-        and runner.attention_backend is BACKENDS["cpu"]
-        and trees is None
-        and query_lens
-        and max(query_lens) <= MAX_KERNEL_QUERY
-    ):
-        return None
+    assert native is not None
     stack = native.layer_stack(runner.kv_caches)  # the pass's constants, kept
     bs = stack.block_size
     slots = cache_slots(query_lens, context_lens, tables, bs)
