@@ -46,7 +46,6 @@ from torch import nn
 from transformers.models.llama.modeling_llama import (
     LlamaConfig,
     LlamaDecoderLayer,
-    LlamaRMSNorm,
     repeat_kv,
     rotate_half,
 )
@@ -56,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.model.files import prepare  # noqa: E402
 from engine.model.head import HEAD_TOKENS_FILE  # noqa: E402
-from engine.spec.proposers.eagle import MARKER, FeatureEmbedding  # noqa: E402
+from engine.spec.proposers.eagle import feature_draft_config, feature_draft_model  # noqa: E402
 from scripts.train_draft import (  # noqa: E402
     DEFAULT_TARGET,
     docstring_text,
@@ -123,26 +122,18 @@ def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple:
 
 
 class FeatureDraft(nn.Module):
-    """The draft as trained: the modules engine/spec/proposers/eagle.py serves, under the
-    names it loads (`model.embed_tokens.fc`, a transformers LlamaDecoderLayer as
-    `model.layers.0`, `model.norm`), without the target's embedding and head, which training
-    keeps frozen outside. Only the attention of depths past the first is its own
-    (`unrolled`): the served draft attends through the paged cache instead."""
+    """The draft as trained: engine/spec/proposers/eagle.py's feature_draft_model under the
+    names the engine loads, without the target's embedding and head, which training keeps
+    frozen outside. Only the attention of depths past the first is its own (`unrolled`): the
+    served draft attends through the paged cache instead."""
 
-    def __init__(self, hidden: int, inter: int, heads: int, kv_heads: int, eps: float) -> None:
+    def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        config = LlamaConfig(
-            hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
-            num_key_value_heads=kv_heads, rms_norm_eps=eps, num_hidden_layers=1, vocab_size=1,
-            bos_token_id=None, eos_token_id=None,
-        )  # fmt: skip
-        fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.model = nn.Module()
+        self.config = config
         # The target's embedding is not part of the draft: an empty tensor stands in for it.
-        self.model.embed_tokens = FeatureEmbedding(torch.empty(0, hidden), fc)  # type: ignore[arg-type]
-        self.model.layers = nn.ModuleList([LlamaDecoderLayer(config, layer_idx=0)])
-        self.model.norm = LlamaRMSNorm(hidden, eps=eps)
-        self.heads, self.kv_heads, self.d = heads, kv_heads, hidden // heads
+        self.model = feature_draft_model(config, torch.empty(0, config.hidden_size)).model
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.d = config.hidden_size // self.heads
 
     @property
     def fc(self) -> nn.Linear:
@@ -162,9 +153,7 @@ class FeatureDraft(nn.Module):
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
-        c = AutoConfig.from_pretrained(path)
-        model = cls(c.hidden_size, c.intermediate_size, c.num_attention_heads,
-                    c.num_key_value_heads, c.rms_norm_eps)  # fmt: skip
+        model = cls(AutoConfig.from_pretrained(path))
         weights = load_file(str(Path(path) / "model.safetensors"))
         model.load_state_dict({k: v.float() for k, v in weights.items()})
         return model.eval()
@@ -194,14 +183,14 @@ class FeatureDraft(nn.Module):
         b, n, hidden = emb.shape
         cos, sin = rotary(torch.arange(n), self.d, theta)
         prev = torch.cat([feats.new_zeros(b, 1, hidden), feats[:, :-1]], dim=1)
-        h = self.fc(torch.cat([emb, prev.to(emb.dtype)], -1))  # FeatureEmbedding's [x ; f]
+        h = self.model.embed_tokens.mix(emb, prev)
         q, k, v = self.qkv(h, cos, sin)
         keys = [(k, v)]
         outs = [self.finish(h, F.scaled_dot_product_attention(q, k, v, is_causal=True))]
         scale = 1.0 / math.sqrt(self.d)
         for d in range(2, depth + 1):
             prev = torch.cat([feats.new_zeros(b, 1, hidden), outs[-1][:, :-1]], dim=1)
-            h = self.fc(torch.cat([emb, prev.to(emb.dtype)], -1))
+            h = self.model.embed_tokens.mix(emb, prev)
             q, k, v = self.qkv(h, cos, sin)
             keys.append((k, v))
             # Real-feature keys at positions <= p - d + 1; depth j's key at p - (d - j).
@@ -234,10 +223,7 @@ def train(target_dir: str, seqs: list, feats: list, work: Path, head: list[int],
     head_w = lm_head[torch.tensor(head)].to(torch.bfloat16).float()  # the draft's head rows
     theta = config.rope_parameters["rope_theta"]
     torch.manual_seed(args.seed)
-    model = FeatureDraft(
-        config.hidden_size, args.intermediate, config.num_attention_heads,
-        config.num_key_value_heads, config.rms_norm_eps,
-    )  # fmt: skip
+    model = FeatureDraft(feature_draft_config(config, args.intermediate))
     ckpt = work / "eagle.pt"
     if args.resume and ckpt.exists():
         model.load_state_dict(torch.load(ckpt))
@@ -336,19 +322,15 @@ def train(target_dir: str, seqs: list, feats: list, work: Path, head: list[int],
     return ckpt
 
 
-def write_draft(model: FeatureDraft, target_config, out: Path, head: list[int] | None) -> None:
-    """The directory engine/spec/proposers/eagle.py loads: bfloat16 weights, a one-layer
-    Llama config.json marked as a feature draft, head_tokens.json (None: the full head)."""
+def write_draft(model: FeatureDraft, out: Path, head: list[int] | None) -> None:
+    """The directory engine/spec/proposers/eagle.py loads: bfloat16 weights, the draft's
+    config.json (feature_draft_config), head_tokens.json (None: the full head)."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     save_file(model.state(), str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = target_config.to_dict()
-    for key in ("_name_or_path", "_model_name_or_path", "transformers_version", "dtype"):
-        config.pop(key, None)
-    config.update(num_hidden_layers=1, intermediate_size=model.layer.mlp.down_proj.in_features,
-                  dtype="bfloat16", architectures=["LlamaForCausalLM"])  # fmt: skip
-    config[MARKER] = {"kind": "eagle", "feature_size": target_config.hidden_size}
+    config = model.config.to_dict()
+    config.pop("transformers_version", None)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if head is not None:
         (out / HEAD_TOKENS_FILE).write_text(json.dumps({"token_ids": head}))
@@ -357,11 +339,10 @@ def write_draft(model: FeatureDraft, target_config, out: Path, head: list[int] |
 def save(model_sd: Path, target_dir: str, out: Path, head: list[int], args) -> None:
     from transformers import AutoConfig
 
-    tc = AutoConfig.from_pretrained(target_dir)
-    model = FeatureDraft(tc.hidden_size, args.intermediate, tc.num_attention_heads,
-                         tc.num_key_value_heads, tc.rms_norm_eps)  # fmt: skip
+    config = feature_draft_config(AutoConfig.from_pretrained(target_dir), args.intermediate)
+    model = FeatureDraft(config)
     model.load_state_dict(torch.load(model_sd))
-    write_draft(model, tc, out, head)
+    write_draft(model, out, head)
     write_provenance(out, "train_eagle.py", args, Path(args.work) / "eagle_stats.json")
 
 

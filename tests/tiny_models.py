@@ -117,21 +117,16 @@ def build_feature_draft(
     holding exactly the saved, bfloat16-rounded weights)."""
     from transformers import AutoConfig
 
+    from engine.spec.proposers.eagle import feature_draft_config
     from scripts.train_eagle import FeatureDraft, write_draft
 
     config = AutoConfig.from_pretrained(target_dir)
     torch.manual_seed(seed)
-    model = FeatureDraft(
-        config.hidden_size,
-        2 * config.hidden_size,
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.rms_norm_eps,
-    )
+    model = FeatureDraft(feature_draft_config(config, 2 * config.hidden_size))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:  # norms: not all ones, so a swapped norm would show
                 p.uniform_(0.5, 1.5)
             p.copy_(p.to(torch.bfloat16).float())  # what the file holds
-    write_draft(model, config, Path(out_dir), head_tokens)
+    write_draft(model, Path(out_dir), head_tokens)
     return Path(out_dir), model

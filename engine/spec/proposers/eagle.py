@@ -16,7 +16,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+)
 
 from engine.attention import paged as attention
 from engine.config import SpecConfig
@@ -46,11 +52,15 @@ class FeatureEmbedding(nn.Module):
     """fc([target embedding of x_p ; target feature at p - 1]); `features` [tokens, hidden] is
     set per pass by the proposer, zero when absent (probes and timings)."""
 
-    def __init__(self, weight: nn.Parameter, fc: nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, fc: nn.Linear) -> None:
         super().__init__()
-        self.weight = weight  # the target's own embedding, shared
+        self.weight = weight  # the target's own embedding, shared (not a copy)
         self.fc = fc
         self.features: torch.Tensor | None = None
+
+    def mix(self, embedded: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The draft layer's input from embeddings and features of the same shape."""
+        return self.fc(torch.cat([embedded, features.to(embedded.dtype)], dim=-1))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(input_ids, self.weight)
@@ -59,27 +69,61 @@ class FeatureEmbedding(nn.Module):
             f = x.new_zeros(x.shape)
         elif f.shape[0] != input_ids.numel():
             raise ValueError(f"{f.shape[0]} feature rows for {input_ids.numel()} tokens")
-        return self.fc(torch.cat([x, f.view(x.shape).to(x.dtype)], dim=-1))
+        return self.mix(x, f.view(x.shape))
+
+
+def feature_draft_config(target: PretrainedConfig, intermediate_size: int) -> LlamaConfig:
+    """The config of a feature draft for `target`: its shapes and vocabulary, one Llama layer
+    of `intermediate_size`, bfloat16 weights, and the marker is_feature_draft reads."""
+    config = target.to_dict()
+    for key in ("_name_or_path", "_model_name_or_path", "transformers_version", "dtype"):
+        config.pop(key, None)
+    config.update(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        num_hidden_layers=1,
+        intermediate_size=intermediate_size,
+        dtype="bfloat16",
+    )
+    config[MARKER] = {"kind": "eagle", "feature_size": target.hidden_size}
+    return LlamaConfig.from_dict(config)
+
+
+def feature_draft_model(
+    config: PretrainedConfig, embedding: torch.Tensor, attn_implementation: str = "sdpa"
+) -> LlamaForCausalLM:
+    """The feature draft: a one-layer LlamaForCausalLM whose embedding is a FeatureEmbedding
+    over `embedding` (the target's) with a new input projection. Its own weights are the
+    projection (`model.embed_tokens.fc`), `model.layers.0` and `model.norm`; the engine gives it
+    the target's LM head, training keeps the head outside. Float32, on the current device."""
+    if embedding.shape[-1] != config.hidden_size:
+        raise ValueError(
+            f"a feature draft of width {config.hidden_size} for an embedding of width "
+            f"{embedding.shape[-1]}"
+        )
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=attn_implementation, dtype=torch.float32
+    )
+    fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+    model.model.embed_tokens = FeatureEmbedding(embedding, fc)
+    return model
 
 
 def load_feature_draft(path: str, target: ModelRunner, dtype: torch.dtype) -> nn.Module:
-    """A one-layer LlamaForCausalLM whose embedding is a FeatureEmbedding over the target's
-    embedding and whose LM head is the target's (the runner restricts it to head_tokens)."""
+    """feature_draft_model over the target's embedding, with the weights in `path` and the
+    target's LM head (the runner restricts it to head_tokens)."""
     attention.register()
     config = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attention.ATTN_IMPLEMENTATION
-        )
-    weights = {k: v.to(dtype) for k, v in load_file(str(Path(path) / "model.safetensors")).items()}
-    fc_weight = weights.pop(FC_WEIGHT)
-    fc = nn.Linear(fc_weight.shape[1], fc_weight.shape[0], bias=False, device="meta")
-    fc.weight = nn.Parameter(fc_weight, requires_grad=False)
-    _, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     embedding = target.model.get_input_embeddings().weight
-    if unexpected or fc.in_features != 2 * embedding.shape[1]:
-        raise ValueError(f"{path}: not a feature draft for this target ({unexpected or 'fc'})")
-    model.model.embed_tokens = FeatureEmbedding(embedding, fc)
+    with torch.device("meta"):
+        model = feature_draft_model(config, embedding, attention.ATTN_IMPLEMENTATION)
+    weights = {k: v.to(dtype) for k, v in load_file(str(Path(path) / "model.safetensors")).items()}
+    try:
+        _, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    except RuntimeError as e:  # a weight of another shape
+        raise ValueError(f"{path}: not a feature draft for this target: {e}") from None
+    if unexpected:
+        raise ValueError(f"{path}: not a feature draft for this target ({unexpected})")
     model.get_output_embeddings().weight = target.model.get_output_embeddings().weight
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
     meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
