@@ -140,9 +140,8 @@ def _start_build(root: Path, march: str) -> Build:
 
 @pytest.fixture(scope="module", autouse=True)
 def builds(tmp_path_factory) -> Iterator[dict[str, Build]]:
-    """Every -march target's library, compiling in the background from the module's start:
-    GCC takes about 100 s of one core over attention.c for x86-64 (10-20 s for the others),
-    and the FMA-chain check and the first rerun use the other core meanwhile."""
+    """Every -march target's library, compiling in the background from the module's start,
+    while the FMA-chain check and the first rerun run."""
     started = {
         march: _start_build(tmp_path_factory.mktemp(march), march)
         for march, isa in ISAS.items()

@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 # Start-up calibration shapes: sequences of the table, decode batches of the attention fit.
 _TABLE_CHUNK = 16
 _CALIBRATION_CONTEXTS = (64, 256)
+# Seconds of timed calls of one shape past which two are enough (_min_time).
+_TIMING_BUDGET = 0.2
 
 
 def calibration_key(runners: list[ModelRunner], settings: dict) -> str:
@@ -232,11 +234,12 @@ def _log_sizes(limit: int) -> list[int]:
     return sorted({s for s in sizes if s < limit} | {max(limit, 1)})
 
 
-def _min_time(fn: Callable[[], object], repeats: int) -> float:
-    """Best of `repeats`: interference on a shared machine only ever adds time."""
-    fn()
-    times = []
-    for _ in range(repeats):
+def _min_time(fn: Callable[[], object], repeats: int, budget: float = _TIMING_BUDGET) -> float:
+    """Best of 1 + `repeats` calls: interference on a shared machine, like a first call's own
+    costs, only ever adds time. Once the calls took `budget` seconds it stops at two: a long
+    pass's noise is a small share of it, and the longest would otherwise take most of the start."""
+    times: list[float] = []
+    while len(times) <= repeats and (len(times) < 2 or sum(times) < budget):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
