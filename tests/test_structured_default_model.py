@@ -142,7 +142,7 @@ def test_greedy_constrained_output_is_the_same_with_any_speculation():
             )
         )
         tok = AutoTokenizer.from_pretrained(engine.config.model.model)
-        for city in CITIES:
+        for city in CITIES[:4]:
             text = tok.apply_chat_template(
                 [{"role": "user", "content": f"Describe {city} as JSON."}],
                 add_generation_prompt=True,
