@@ -167,7 +167,7 @@ def calibrate_runners(
                 seconds = timed(target, batch(b, q, ctx), max(2, repeats // 2))
                 shape = PassShape.of([q] * b, [ctx] * b)
                 rows.append([shape.kv_tokens, shape.qk_pairs])
-                residuals.append(seconds - float(cost._table(shape.num_tokens)))
+                residuals.append(seconds - float(cost.table_seconds(shape.num_tokens)))
     cost.kv_coef, cost.qk_coef = _nonneg_lstsq(np.array(rows), np.array(residuals))
 
     if draft is not None:

@@ -171,13 +171,14 @@ class CostModel:
         qk_pairs: np.ndarray | float,
     ) -> np.ndarray:
         return (
-            self._table(num_tokens)
+            self.table_seconds(num_tokens)
             + self.kv_coef * np.asarray(kv_tokens, dtype=np.float64)
             + self.qk_coef * np.asarray(qk_pairs, dtype=np.float64)
         )
 
-    def _table(self, num_tokens: np.ndarray | float) -> np.ndarray:
-        # Linear inside the table and past its end (compute-bound).
+    def table_seconds(self, num_tokens: np.ndarray | float) -> np.ndarray:
+        """A pass's time by its tokens alone, from the table: linear inside it and past its
+        end (compute-bound)."""
         n = np.asarray(num_tokens, dtype=np.float64)
         table = self.target_seconds
         inside = np.interp(n, self.sizes, table)
