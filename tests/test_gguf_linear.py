@@ -151,3 +151,27 @@ def test_gguf_source_names_the_converted_file_while_it_exists(tmp_path: Path):
     assert model_files.gguf_source(str(converted)) == source
     source.unlink()
     assert model_files.gguf_source(str(converted)) is None
+
+
+def test_rows_alike_in_their_first_block_are_told_apart(tmp_path: Path):
+    """Rows are found by their first block's values; rows sharing it (e.g. padding rows of an
+    embedding) are compared whole, so a layer made of the second of two such rows still
+    switches, onto the right blocks."""
+    blocks, _ = _quantized(4, 64, "Q4_1", 9)
+    blocks = blocks.copy()
+    blocks[1, :20] = blocks[0, :20]  # rows 0 and 1: the same first block, different second
+    qtype = gguf.GGMLQuantizationType.Q4_1
+    w = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
+    assert torch.equal(w[0, :32], w[1, :32]) and not torch.equal(w[0], w[1])
+    path = tmp_path / "twins.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.attn_q.weight", blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    module = nn.ModuleDict({"twins": _linear(w[[1, 3, 0]])})
+    x = torch.randn(3, 64)
+    before = module["twins"](x)
+    assert use_gguf_blocks(module, path) == {"Q4_1": 1}
+    torch.testing.assert_close(module["twins"](x), before, rtol=1e-5, atol=1e-5)

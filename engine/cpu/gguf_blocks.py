@@ -1,10 +1,9 @@
 """A GGUF model's packed linears switched to the file's own Q8_0 / Q4_1 / Q4_0 blocks. Rows are
-matched by content (a hash of the dequantized row), so permuted, fused and tied weights are
-covered; a layer not wholly found stays as it was."""
+matched by content (the values of their first dequantized block, then the whole layer checked),
+so permuted, fused and tied weights are covered; a layer not wholly found stays as it was."""
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from pathlib import Path
 
@@ -19,6 +18,8 @@ from engine.cpu.linear import PackedLinear
 # string (u64 length + bytes), 9 an array (u32 element type, u64 count, elements).
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
+KEY_VALUES = cpu_panels.QBLOCK
+"""Values of a row's key: its first block's (every type switched here has blocks of 32)."""
 
 
 def gguf_tensors(path: Path) -> list[tuple[str, int, np.ndarray]]:
@@ -101,20 +102,24 @@ def q4_0_as_q4_1(raw: np.ndarray) -> np.ndarray | None:
     )
 
 
-def _row_keys(rows: np.ndarray) -> list[bytes]:
-    return [hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in rows]
+def _row_keys(values: np.ndarray) -> list[bytes]:
+    """A key per row [rows, >= KEY_VALUES]: the bytes of its first KEY_VALUES float32 values."""
+    head = np.ascontiguousarray(values[:, :KEY_VALUES], dtype=np.float32)
+    return [row.tobytes() for row in head]
 
 
 class _Rows:
-    """Every row of the file's quantized tensors by the hash of its dequantized bytes."""
+    """Every row of the file's quantized tensors by the key of its first dequantized block."""
 
     def __init__(self, gguf_path: Path) -> None:
         from gguf import GGMLQuantizationType
+        from gguf.constants import GGML_QUANT_SIZES
         from gguf.quants import dequantize
 
         # (kernel type, the file's type, raw blocks [rows, bytes]) per tensor
         self.tensors: list[tuple[str, str, np.ndarray]] = []
-        self.index: dict[bytes, tuple[int, int]] = {}  # row hash -> (tensor, row)
+        # row key -> (tensor, row) of each row with that first block
+        self.index: dict[bytes, list[tuple[int, int]]] = {}
         for _, number, raw in gguf_tensors(gguf_path):
             qtype = GGMLQuantizationType(number)
             source = kind = qtype.name
@@ -123,11 +128,24 @@ class _Rows:
                 kind, blocks = "Q4_1", q4_0_as_q4_1(raw)
             if kind not in cpu_panels.QUANT_TYPES or blocks is None:
                 continue
-            values = dequantize(raw, qtype).astype(np.float32, copy=False)
+            block_bytes = GGML_QUANT_SIZES[qtype][1]  # one block: KEY_VALUES values
+            first = dequantize(np.ascontiguousarray(raw[:, :block_bytes]), qtype)
             t = len(self.tensors)
             self.tensors.append((kind, source, blocks))
-            for r, key in enumerate(_row_keys(values)):
-                self.index.setdefault(key, (t, r))
+            for r, key in enumerate(_row_keys(first)):
+                self.index.setdefault(key, []).append((t, r))
+
+    def _find(self, key: bytes, row: np.ndarray) -> tuple[int, int] | None:
+        """The first file row equal to `row` among those whose first block is `key`'s."""
+        candidates = self.index.get(key, ())
+        if len(candidates) == 1:
+            return candidates[0]  # use_gguf_blocks checks the whole layer
+        for t, r in candidates:
+            kind, _, blocks = self.tensors[t]
+            values = dequantize_rows(blocks[r : r + 1], kind)[0]
+            if np.array_equal(values, row):
+                return t, r
+        return None
 
     def blocks_for(self, weight: torch.Tensor) -> tuple[str, str, np.ndarray] | None:
         """(kernel type, the file's types e.g. "Q4_0+Q4_1", blocks [rows, bytes]) exactly
@@ -135,7 +153,7 @@ class _Rows:
         values = weight.detach().float().contiguous().numpy()
         if values.shape[1] % cpu_panels.QBLOCK:
             return None
-        found = [self.index.get(key) for key in _row_keys(values)]
+        found = [self._find(key, row) for key, row in zip(_row_keys(values), values, strict=True)]
         if any(f is None for f in found):
             return None
         kinds = {self.tensors[t][0] for t, _ in found}
@@ -147,12 +165,21 @@ class _Rows:
         return kinds.pop(), sources, blocks
 
 
+def dequantize_rows(blocks: np.ndarray, kind: str) -> np.ndarray:
+    """Rows of Q8_0 or Q4_1 blocks [rows, bytes] as float32 values [rows, values]: the gguf
+    package's arithmetic, over all the blocks at once."""
+    from gguf import GGMLQuantizationType, quants
+    from gguf.constants import GGML_QUANT_SIZES
+
+    qtype = GGMLQuantizationType[kind]
+    codec = {"Q8_0": quants.Q8_0, "Q4_1": quants.Q4_1}[kind]
+    flat = np.ascontiguousarray(blocks).reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    return codec.dequantize_blocks(flat).reshape(blocks.shape[0], -1).astype(np.float32, copy=False)
+
+
 def use_gguf_blocks(module: nn.Module, gguf_path: Path) -> dict[str, int]:
     """Switch every `PackedLinear` of `module` whose weights are rows of `gguf_path`'s Q8_0 /
     Q4_1 / Q4_0 tensors to those blocks; returns how many layers went to each file type."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
     rows = _Rows(gguf_path)
     switched: dict[str, int] = {}
     for layer in module.modules():
@@ -162,8 +189,8 @@ def use_gguf_blocks(module: nn.Module, gguf_path: Path) -> dict[str, int]:
         if match is None:
             continue
         kind, source, blocks = match
-        check = dequantize(blocks, GGMLQuantizationType[kind]).astype(np.float32, copy=False)
-        if not np.array_equal(check, layer.weight.detach().numpy()):  # a hash collision
+        check = dequantize_rows(blocks, kind)
+        if not np.array_equal(check, layer.weight.detach().numpy()):  # rows alike in a block
             continue
         layer.use_quantized(cpu_panels.pack_quant_weight(blocks, kind), kind)
         switched[source] = switched.get(source, 0) + 1
