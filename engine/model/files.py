@@ -11,6 +11,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,9 +157,36 @@ def prepare(path: str, cache_dir: str | None = None, flag: str = "--model") -> s
     if (target / _COMPLETE).exists():
         logger.info("%s: %s (cached conversion of %s)", flag, target, found)
         return str(target)
-    info = inspect_gguf(found, flag)
-    convert_gguf(found, target, info, digest)
+    with _one_reader_per_file():
+        info = inspect_gguf(found, flag)
+        convert_gguf(found, target, info, digest)
     return str(target)
+
+
+@contextmanager
+def _one_reader_per_file() -> Iterator[None]:
+    """Within it, the gguf package's reader parses each file once: transformers builds one
+    per call (the config, the tokenizer, the weights), and a large vocabulary makes each
+    parse slow. The readers are read-only views of the file, so sharing one changes nothing."""
+    try:
+        import gguf
+    except ImportError:  # inspect_gguf says what is missing
+        yield
+        return
+    original = gguf.GGUFReader
+    readers: dict[tuple, object] = {}
+
+    def shared(path, mode: str = "r"):  # GGUFReader's signature
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 def convert_gguf(path: Path, target: Path, info: GGUFInfo, digest: str) -> None:
