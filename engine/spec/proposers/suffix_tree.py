@@ -8,10 +8,10 @@ Aho-Corasick's failure links): appending a token to a sequence walks the suffixe
 its end (at most D of them) and extends each, and matching a context advances in amortized
 O(1) per token. Nothing here is torch: plain Python, on the engine's thread.
 
-Cost: a trie over N tokens holds at most N x D nodes, and text that does not repeat comes
-close to that: at D = 24, about 7 KB and 90 us per token indexed (measured on a CPU core:
-20,000 random tokens, 146 MB, 1.8 s). suffix.py bounds N for the global cache
-(suffix_cache_tokens) and D (suffix_max_depth); a request's own trie grows with its context.
+Cost: a trie over N tokens holds at most N x D nodes (text that does not repeat comes close
+to that), each a Python object with a dict of children: indexing a token costs O(D) time and
+up to D nodes. suffix.py bounds N for the global cache (suffix_cache_tokens) and D
+(suffix_max_depth); a request's own trie grows with its context.
 """
 
 from __future__ import annotations
