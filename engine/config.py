@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-SPEC_METHODS = ("draft", "ngram", "off")
+SPEC_METHODS = ("draft", "ngram", "suffix", "off")
 DRAFT_LENGTH_POLICIES = ("adaptive", "fixed")
 TREE_DRAFTS = ("sampled", "top")
 AUTO_BRANCHES = 4  # the most draft-tree branches --draft-branches auto considers
@@ -113,6 +113,8 @@ class SpecConfig:
     ngram_max: int = 4
     ngram_min: int = 1
     ngram_assist: int = 0
+    suffix_max_depth: int = 24
+    suffix_cache_tokens: int = 10_000
     recalibrate: bool = False
     draft_branches: int | None = 1
     tree_drafts: str = "top"
@@ -139,7 +141,7 @@ class SpecConfig:
         )
         _check(
             self.method != "draft" or bool(self.draft_model),
-            "--speculative-method draft needs --draft-model (or use ngram / off)",
+            "--speculative-method draft needs --draft-model (or use ngram / suffix / off)",
         )
         _check(
             0 <= self.ngram_assist <= 16,
@@ -149,6 +151,19 @@ class SpecConfig:
             1 <= self.ngram_min <= self.ngram_max,
             "ngram sizes need 1 <= ngram_min <= ngram_max "
             f"(got {self.ngram_min}, {self.ngram_max})",
+        )
+        _check(
+            2 <= self.suffix_max_depth <= 64,
+            f"suffix_max_depth must be between 2 and 64 (got {self.suffix_max_depth})",
+        )
+        _check(
+            self.method != "suffix" or self.suffix_max_depth > self.max_draft_tokens,
+            "suffix_max_depth must exceed --max-draft-tokens (a match and its drafts share "
+            f"the depth; got {self.suffix_max_depth} and {self.max_draft_tokens})",
+        )
+        _check(
+            0 <= self.suffix_cache_tokens <= 10_000_000,
+            f"suffix_cache_tokens must be between 0 and 10000000 (got {self.suffix_cache_tokens})",
         )
 
     @property

@@ -138,7 +138,8 @@ OPTIONS: tuple[Option, ...] = (
         "speculative.method",
         "--speculative-method",
         str,
-        "draft = small draft model, ngram = prompt lookup, off = plain decoding",
+        "draft = small draft model, ngram = prompt lookup, suffix = suffix decoding (suffix "
+        "tries over the request's tokens and recent outputs), off = plain decoding",
         choices=SPEC_METHODS,
     ),
     Option(
@@ -221,6 +222,20 @@ OPTIONS: tuple[Option, ...] = (
         "with a draft model, a decoding request whose last N (or more) tokens occurred earlier "
         "in its context may verify what followed them in place of the draft's drafts (0..16; "
         "0 = never)",
+    ),
+    Option(
+        "speculative.suffix_max_depth",
+        None,
+        int,
+        "suffix decoding: the depth of its suffix tries, a matched suffix of the context and "
+        "the drafts after it together (2..64, above --max-draft-tokens)",
+    ),
+    Option(
+        "speculative.suffix_cache_tokens",
+        None,
+        int,
+        "suffix decoding: the most tokens of finished requests' outputs kept to draft from "
+        "(the oldest go first; 0 = each request's own tokens only)",
     ),
     Option(
         "cache.block_size", "--block-size", int, "tokens per KV cache block (1..256)", metavar="N"

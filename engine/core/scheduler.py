@@ -219,6 +219,7 @@ class Scheduler:
     def _finish(self, req: Request) -> None:
         del self.requests[req.request_id]
         self.kv.free(req)
+        self.planner.release(req)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)

@@ -79,6 +79,11 @@ class SpecPlanner:
         drafts = self.proposer.propose(sched, block_tables) if self.proposer else None
         return with_forced_drafts(sched, drafts)
 
+    def release(self, req: Request) -> None:
+        """The scheduler let the request go (finished, aborted, failed)."""
+        if self.proposer is not None:
+            self.proposer.release(req)
+
     def begin_step(self, now: float) -> None:
         """A step starts: the last decode step's time outside its passes is now known."""
         last, self._last_decode = self._last_decode, None

@@ -6,6 +6,7 @@ from engine.spec.proposers.base import PROPOSERS, DraftBatch, Proposer, build_pr
 from engine.spec.proposers.draft_model import DraftModelProposer
 from engine.spec.proposers.eagle import EagleProposer, is_feature_draft
 from engine.spec.proposers.ngram import NgramProposer
+from engine.spec.proposers.suffix import SuffixProposer
 
 
 def _draft_model(config, *args) -> Proposer:
@@ -18,5 +19,6 @@ def _draft_model(config, *args) -> Proposer:
 
 PROPOSERS["draft"] = _draft_model
 PROPOSERS["ngram"] = NgramProposer.from_config
+PROPOSERS["suffix"] = SuffixProposer.from_config
 
 __all__ = ["PROPOSERS", "DraftBatch", "Proposer", "build_proposer"]

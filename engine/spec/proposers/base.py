@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
     from engine.spec.step import StepResult
     from engine.types.batch import SchedulerOutput
+    from engine.types.request import Request
 
 
 @dataclass
@@ -65,7 +66,8 @@ def with_forced_drafts(sched: SchedulerOutput, drafts: DraftBatch | None) -> Dra
 class Proposer(Protocol):
     """Proposes draft tokens: `propose` returns at most `num_proposed_tokens` per scheduled
     request (none, at no cost, where K is 0), leaving the scheduler's state alone (own KV: in the
-    target's block ids). `observe` sees every verified step before the scheduler moves on."""
+    target's block ids). `observe` sees every verified step before the scheduler moves on, and
+    `release` every request the scheduler lets go."""
 
     keeps_kv: bool  # a KV cache of its own in the target's blocks (a draft model)
     runner: ModelRunner | None  # its own model's runner, or None (model-free)
@@ -77,6 +79,8 @@ class Proposer(Protocol):
     def propose(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch: ...
 
     def observe(self, step: StepResult) -> None: ...
+
+    def release(self, req: Request) -> None: ...
 
 
 # (config, device, dtype, the target's runner, attention backend name, model impl,

@@ -76,6 +76,9 @@ class DraftModelProposer:
     def observe(self, step: StepResult) -> None:
         pass
 
+    def release(self, req: Request) -> None:
+        pass
+
     def propose(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch:
         seqs: list[SeqInput] = []
         drafting: list[tuple[int, Request, int]] = []  # (scheduled index, request, K)

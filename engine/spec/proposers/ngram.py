@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
     from engine.spec.step import StepResult
     from engine.types.batch import SchedulerOutput
+    from engine.types.request import Request
 
 
 def prompt_lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
@@ -82,6 +83,9 @@ class NgramProposer:
         pass
 
     def observe(self, step: StepResult) -> None:
+        pass
+
+    def release(self, req: Request) -> None:
         pass
 
     def propose(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch:

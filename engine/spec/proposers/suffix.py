@@ -1,0 +1,163 @@
+"""Suffix decoding (SuffixDecoding, as in Arctic Inference): model-free drafts from suffix
+tries over the request's own tokens and over recent requests' outputs.
+
+Per request, a trie over its prompt and output (verified tokens only: a rejected draft never
+enters `output_token_ids`), extended at `propose` by the tokens verified since the last time.
+Globally, a trie over the outputs of the latest finished requests (`SuffixCache`, at most
+`speculative.suffix_cache_tokens` tokens; prompts are left out: each request's own prompt is
+in its own trie, and other requests' prompts would take most of the budget).
+
+Drafting for a request asked for K drafts:
+- the match: in each trie, the longest suffix of the context, at most D - K_max tokens
+  (D = `speculative.suffix_max_depth`, so the trie always has room for K_max drafts after
+  it), that occurred before followed by a token; the longer of the two matches wins, the
+  request's own on a tie; no match, no drafts;
+- the adaptive length: a match of m tokens drafts at most min(K, ceil(ALPHA x m));
+- a chain (branches == 1, or a grammar: its drafts cut at what the grammar refuses): the most
+  frequent child again and again; a tree (branches > 1): best-first by path probability, at
+  most `branches` candidates for the next token; either stops where a path falls below
+  MIN_PROB (suffix_tree.py).
+
+The per-request state lives in `SuffixProposer.requests` from the request's first drafting
+step until the scheduler lets it go (`release`: finished, aborted or failed), when its
+output joins the global cache (a failed request's does not).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.config import SpecConfig
+from engine.spec.proposers.base import DraftBatch
+from engine.spec.proposers.suffix_tree import (
+    Node,
+    SuffixCache,
+    SuffixTrie,
+    draft_chain,
+    draft_tree,
+    is_alive,
+    with_continuation,
+)
+from engine.types.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine.model.runner import ModelRunner
+    from engine.spec.step import StepResult
+    from engine.types.batch import SchedulerOutput
+
+ALPHA = 1.0
+"""The adaptive length (SuffixDecoding's max_spec_factor): a match of m tokens drafts at most
+ceil(ALPHA x m); a short match is weak evidence for a long continuation."""
+
+
+class RequestIndex:
+    """One request's trie over its tokens, and where its context stands in both tries."""
+
+    __slots__ = ("glob", "indexed", "tail", "trie")
+
+    def __init__(self, depth: int, glob: Node) -> None:
+        self.trie = SuffixTrie(depth)
+        self.tail = self.trie.root  # the node of the context's longest suffix in `trie`
+        self.glob = glob  # the node of its longest suffix (<= the match limit) in the cache's
+        self.indexed = 0  # tokens of all_token_ids in `trie`
+
+
+class SuffixProposer:
+    keeps_kv = False
+    runner = None
+
+    def __init__(self, max_depth: int, max_draft_tokens: int, cache_tokens: int) -> None:
+        self.depth = max_depth
+        self.match_limit = max(max_depth - max_draft_tokens, 1)
+        self.cache = SuffixCache(cache_tokens, max_depth) if cache_tokens else None
+        self.requests: dict[Request, RequestIndex] = {}
+
+    @classmethod
+    def from_config(
+        cls,
+        config: SpecConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        target: ModelRunner,
+        attention_backend: str,
+        model_impl: str,
+        quantization: str,
+    ) -> SuffixProposer:
+        return cls(config.suffix_max_depth, config.max_draft_tokens, config.suffix_cache_tokens)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return 0
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        pass
+
+    def observe(self, step: StepResult) -> None:
+        pass  # the step's tokens are indexed when the request next drafts (`_index`)
+
+    def release(self, req: Request) -> None:
+        """The request is gone (finished, aborted, failed): free its trie, cache its output."""
+        self.requests.pop(req, None)
+        if self.cache is not None and req.status is not RequestStatus.FINISHED_ERROR:
+            self.cache.add(req.output_token_ids)
+
+    def propose(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch:
+        drafts: list[list[int]] = []
+        parents: list[list[int] | None] = []
+        for item in sched.scheduled:
+            k, req = item.num_proposed_tokens, item.request
+            node = self._match(self._index(req)) if k > 0 else None
+            tokens, tree = [], None
+            if node is not None:
+                n = min(k, math.ceil(ALPHA * node.depth))
+                if item.branches == 1 or req.grammar is not None:
+                    tokens = draft_chain(node, n)
+                    if req.grammar is not None and tokens:  # cut where the grammar refuses
+                        tokens = tokens[: req.grammar.valid_prefix(tokens)]
+                else:
+                    tokens, tree = draft_tree(node, n, item.branches)
+                    if tree == list(range(len(tokens))):
+                        tree = None  # a single path: a chain
+            drafts.append(tokens)
+            parents.append(tree)
+        has_tree = any(p is not None for p in parents)
+        return DraftBatch(drafts, parents=parents if has_tree else None)
+
+    def _index(self, req: Request) -> RequestIndex:
+        """The request's index, with the tokens verified since its last drafting step in."""
+        index = self.requests.get(req)
+        cache = self.cache
+        if index is None:
+            glob = cache.trie.root if cache is not None else None
+            index = self.requests[req] = RequestIndex(self.depth, glob)
+        start, num_prompt = index.indexed, req.num_prompt_tokens
+        new = req.output_token_ids[max(start - num_prompt, 0) :]
+        if start < num_prompt:
+            new = req.prompt_token_ids[start:] + new
+        trie, tail = index.trie, index.tail
+        for token in new:
+            tail = trie.append(tail, token)
+        index.tail = tail
+        index.indexed += len(new)
+        if cache is not None:
+            glob, limit = index.glob, self.match_limit
+            if len(new) >= limit:  # the match depends on the last `limit` tokens only
+                glob = cache.trie.match(new, limit)
+            elif not is_alive(glob):  # its strings left the cache: match the context afresh
+                glob = cache.trie.match(req.all_token_ids, limit)
+            else:
+                for token in new:
+                    glob = cache.trie.advance(glob, token, limit)
+            index.glob = glob
+        return index
+
+    def _match(self, index: RequestIndex) -> Node | None:
+        """The matched node to draft from: the longer match, the request's own on a tie."""
+        own = with_continuation(index.tail, self.match_limit)
+        if index.glob is not None:
+            glob = with_continuation(index.glob, self.match_limit)
+            if glob.depth > own.depth:
+                return glob
+        return own if own.depth > 0 else None
