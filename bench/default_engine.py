@@ -8,6 +8,7 @@ the held-out chat prompts (bench/prompts.py).
   python -m bench.default_engine speed --configs K=2 K=3 --branches 1 2 3   # draft trees
   python -m bench.default_engine speed --draft models/eagle   # another draft
   python -m bench.default_engine speed --configs off ngram --model FILE.gguf  # any model
+  python -m bench.default_engine speed --workload families --requests 48 --configs off ngram
   python -m bench.default_engine passes --concurrency 16 --kv-cache-dtypes auto float16
   python -m bench.default_engine draft-passes --draft-quantizations none int8 int4
 
@@ -18,6 +19,12 @@ the drafts accepted at each position, tokens per verifying pass and the draft's 
 engine time; at concurrency 1 also the decode steps by K (how many, mean wall time, tokens
 per step). `--verification` runs every config once per verifier (seeded: each request brings
 a seed, the coupled sampler); the other list options likewise run every config once per value.
+`--workload families` runs the six task families of bench/prompts.py instead of the chat
+prompts (request i is family i % 6; the warm-up stays on chat prompts) and adds a line per
+family and overall with the decode rate (tokens after the first over the time from the first
+token to the last, timed at the engine steps that return them) and the end-to-end rate (tokens
+over the time from adding the request to its last token: at concurrency above 1 that includes
+waiting for a slot), each summed over requests (bench/prompts.py's `family_rates`).
 
 `passes` prints the best time of one target pass in which each of --concurrency requests feeds
 1..5 tokens after --context cached ones; `draft-passes` the median and best one-token draft
@@ -41,7 +48,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from transformers import AutoTokenizer
 
-from bench.prompts import chat_messages
+from bench.prompts import chat_messages, family_cycle, family_rates, rates_lines
 from engine import (
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
@@ -169,14 +176,14 @@ def draft_passes(draft: str, methods: list[str], context: int = 150, repeats: in
         )
 
 
-def _prompts(model_dir: str, requests: int) -> list[list[int]]:
+def _prompts(model_dir: str, messages: list[list[dict]]) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     return [
         tok.encode(
             tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False),
             add_special_tokens=False,
         )
-        for m in chat_messages(requests)
+        for m in messages
     ]
 
 
@@ -194,6 +201,7 @@ def speed(
     draft: str = DRAFT,
     kv_cache_dtype: str = "auto",
     draft_quantization: str = "auto",
+    workload: str = "chat",
 ) -> None:
     seeded = verification == "seeded"
     spec = replace(CONFIGS[name], verification="block" if seeded else verification)
@@ -207,7 +215,10 @@ def speed(
     # Warm-up requests (other prompts, same concurrency) first: they capture the CUDA graphs
     # of the shapes the run will use, which a long-running server has done long before.
     warm = max(concurrency, 4)
-    prompts = _prompts(eng.config.model.model, requests + warm)
+    families = family_cycle(requests) if workload == "families" else []
+    chat = chat_messages(warm + (0 if families else requests))
+    messages = [m for _, m in families] or chat[:requests]
+    prompts = _prompts(eng.config.model.model, messages + chat[-warm:])
 
     def params(i: int) -> SamplingParams:
         seed = 1000 + i if seeded else None
@@ -216,8 +227,9 @@ def speed(
     _closed_loop(eng, list(enumerate(prompts[requests:], start=requests)), concurrency, params)
     before = copy.deepcopy(eng.stats())
     steps: dict[int, list[tuple[float, int]]] = {}
+    times: dict[int, list] = {}
     tokens, seconds = _closed_loop(
-        eng, list(enumerate(prompts[:requests])), concurrency, params, steps
+        eng, list(enumerate(prompts[:requests])), concurrency, params, steps, times
     )
     s = _since(eng.stats(), before)
     accepted = " / ".join(
@@ -241,6 +253,9 @@ def speed(
     )
     if concurrency == 1:  # one request: a step's mean K is its K
         print(f"{'':>15}  decode steps by K: {_by_k(steps)}", flush=True)
+    if families:
+        rates = family_rates([(families[i][0], *times[i]) for i in sorted(times)])
+        print("\n".join(rates_lines(rates)), flush=True)
     del eng  # the next config's engine sizes its KV pool from the memory left
     gc.collect()
     if torch.cuda.is_available():
@@ -253,13 +268,17 @@ def _closed_loop(
     concurrency: int,
     params: Callable[[int], SamplingParams],
     steps: dict[int, list[tuple[float, int]]] | None = None,
+    times: dict[int, list] | None = None,
 ) -> tuple[int, float]:
     """Run `prompts` (index, tokens) with `concurrency` in flight; output tokens, seconds.
     With `steps`, every step that computed no prompt token is added to it as (seconds, tokens
-    out) under its mean K, rounded."""
+    out) under its mean K, rounded. With `times`, each request's [added, first token, last
+    token, output tokens, tokens of its first step] under its index."""
+    times = {} if times is None else times
     queue = iter(prompts)
     for i, prompt in itertools.islice(queue, concurrency):
         eng.add_request(str(i), prompt, params(i))
+        times[i] = [time.perf_counter(), 0.0, 0.0, 0, 0]
     tokens, start = 0, time.perf_counter()
     while eng.has_work():
         prompt_tokens, step_start = eng.totals.prompt_tokens, time.perf_counter()
@@ -267,12 +286,18 @@ def _closed_loop(
         if steps is not None and eng.totals.prompt_tokens == prompt_tokens:
             step = (time.perf_counter() - step_start, sum(len(o.new_token_ids) for o in outputs))
             steps.setdefault(round(eng.totals.mean_draft_length), []).append(step)
+        now = time.perf_counter()
         for out in outputs:
             tokens += len(out.new_token_ids)
+            if out.new_token_ids:
+                record = times[int(out.request_id)]
+                record[1:] = [record[1] or now, now, record[3] + len(out.new_token_ids),
+                              record[4] or len(out.new_token_ids)]  # fmt: skip
             if out.finished:
                 nxt = next(queue, None)
                 if nxt is not None:
                     eng.add_request(str(nxt[0]), nxt[1], params(nxt[0]))
+                    times[nxt[0]] = [time.perf_counter(), 0.0, 0.0, 0, 0]
     return tokens, time.perf_counter() - start
 
 
@@ -447,6 +472,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--requests", type=int, default=12)
+    p.add_argument("--workload", default="chat", choices=["chat", "families"],
+                   help="speed: the held-out chat prompts, or the six task families")  # fmt: skip
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -492,7 +519,7 @@ def main(argv: list[str] | None = None) -> None:
                             speed(
                                 name, args.requests, args.concurrency, args.max_tokens,
                                 args.model, args.quantization, args.temperature, verification,
-                                branches, args.tree_drafts, args.draft, kv, dq,
+                                branches, args.tree_drafts, args.draft, kv, dq, args.workload,
                             )  # fmt: skip
 
 

