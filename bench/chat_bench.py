@@ -14,13 +14,10 @@ requests; output tokens come from each response's usage. Every configuration is 
 per --rounds and the median round is reported (all rounds kept in the JSON). With
 --interleave every system is started first and each round takes them in turn, the order
 reversed every other round, so a drift of the machine over minutes falls on all alike.
-
-`--workload families` runs the six task families of bench/prompts.py instead (chat,
-translation, summarization, qa, math, rag; request i is family i % 6, so a count that is a
-multiple of 6 keeps them even): each row then also prints and keeps (its "families" entry) per
-family and overall the decode rate and the end-to-end rate, as bench/prompts.py's `family_rates`
-defines them (total tokens over total time per request, not a median); the peers then get
-2,048-token slots and context, since the summarization and RAG prompts are long.
+`--workload families`: the six task families of bench/prompts.py, request i of family i % 6;
+each row also prints and keeps ("families") per family and overall the decode and end-to-end
+rates (`family_rates`: total tokens over total time, not a median); peers get 2,048 tokens of
+context per slot for the long summarization and RAG prompts.
 
 Peers: `--llama-server PATH` runs llama.cpp's server (bench/peers/build_llama_server.sh builds
 it) on the default model's GGUF with 1 and 16 slots ("llama-server-np1", "-np16"); with
@@ -106,14 +103,7 @@ async def chat_one(url: str, body: dict) -> tuple[Trace, dict]:
             if event.get("usage"):
                 usage = event["usage"]
                 trace.output_tokens = int(usage["completion_tokens"])
-    except (
-        httpx.HTTPError,
-        OSError,
-        StreamError,
-        json.JSONDecodeError,
-        KeyError,
-        ValueError,
-    ) as exc:
+    except (httpx.HTTPError, OSError, StreamError, KeyError, ValueError) as exc:  # JSON: ValueError
         trace.error = f"{type(exc).__name__}: {exc}"[:300]
     return trace, usage
 
@@ -153,8 +143,7 @@ async def run_level(
     url: str, prompts: list[list[dict]], concurrency: int, count: int, args, temperature: float,
     families: list[str] | None = None,
 ) -> dict:  # fmt: skip
-    """`count` requests cycling through `prompts`, `concurrency` at a time; with `families`
-    (each prompt's), the row's "families" holds their rates (`family_rates`)."""
+    """`count` requests through `prompts`; with `families` (each prompt's), their rates too."""
     check_loopback(url)
     queue = iter(range(count))
     results: list[tuple[Trace, dict]] = []
@@ -206,13 +195,10 @@ async def run_level(
         time_split=split,
         errors=sorted({t.error for t, _ in results if t.error})[:3],
     )
-    if families:
-        done = [(name, t) for name, (t, _) in zip(labels, results, strict=True)
-                if t.error is None and t.chunks]  # fmt: skip
-        row["families"] = family_rates(
-            [(name, t.start, t.chunks[0][0], t.chunks[-1][0], t.output_tokens, t.chunks[0][1])
-             for name, t in done]
-        )  # fmt: skip
+    if families:  # finished requests: (family, sent, first, last, tokens, first's tokens)
+        row["families"] = family_rates([
+            (n, t.start, t.chunks[0][0], t.chunks[-1][0], t.output_tokens, t.chunks[0][1])
+            for n, (t, _) in zip(labels, results, strict=True) if t.chunks and not t.error])  # fmt: skip
     return row
 
 
@@ -279,11 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--extra", default="", help="more `tandem serve` flags for every config")
-    p.add_argument(
-        "--seeded",
-        action="store_true",
-        help="send a seed with each request (as few chat clients do)",
-    )
+    p.add_argument("--seeded", action="store_true",
+                   help="send a seed with each request (as few chat clients do)")  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS / "chat.json")
     p.add_argument("--workload", default="chat", choices=["chat", "families"],
                    help="the held-out chat prompts, or the six task families")  # fmt: skip
@@ -292,25 +275,21 @@ def main(argv: list[str] | None = None) -> None:
         help="start every system at once and take them in turn within each round (the order "
         "reversed every other round), rather than one server at a time",
     )  # fmt: skip
-    p.add_argument(
-        "--llama-server", type=Path, help="llama.cpp's llama-server binary: run it as a peer"
-    )
-    p.add_argument(
-        "--llama-draft",
-        type=Path,
-        help="the draft model as GGUF: run llama-server's draft-model speculation as a peer too",
-    )
+    p.add_argument("--llama-server", type=Path,
+                   help="llama.cpp's llama-server binary: run it as a peer")  # fmt: skip
+    p.add_argument("--llama-draft", type=Path,
+                   help="the draft model as GGUF: run llama-server's draft-model speculation as "
+                   "a peer too")  # fmt: skip
     p.add_argument("--vllm", action="store_true", help="run vLLM-CPU (.venv-peers/vllm) as a peer")
     args = p.parse_args(argv)
     if len(args.requests) != len(args.levels):
         p.error("--requests needs one count per level")
     if args.llama_draft and not args.llama_server:
         p.error("--llama-draft needs --llama-server")
-    families = None
     if args.workload == "families":
         families, prompts = map(list, zip(*family_cycle(max(args.requests)), strict=True))
     else:
-        prompts = chat_messages(max(args.requests))
+        families, prompts = None, chat_messages(max(args.requests))
     runs: dict[str, list[dict]] = {}
     peers = (
         (list(LLAMA_SERVER_SLOTS) if args.llama_server else [])
@@ -402,11 +381,8 @@ def row_text(row: dict) -> str:
     acc = row["acceptance"]
     return (f"{text}  client {row['client_cpu_ms_per_token']:.3f} ms CPU/token  "
             f" acc {acc if acc is None else round(acc, 3)}  "
-            f"split {split_text(row['time_split'])}  errors {row['errors']}")  # fmt: skip
-
-
-def split_text(split: dict[str, float]) -> str:
-    return " ".join(f"{part} {100 * share:.0f}%" for part, share in split.items())
+            f"split {' '.join(f'{k} {100 * v:.0f}%' for k, v in row['time_split'].items())}  "
+            f"errors {row['errors']}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,12 +19,10 @@ the drafts accepted at each position, tokens per verifying pass and the draft's 
 engine time; at concurrency 1 also the decode steps by K (how many, mean wall time, tokens
 per step). `--verification` runs every config once per verifier (seeded: each request brings
 a seed, the coupled sampler); the other list options likewise run every config once per value.
-`--workload families` runs the six task families of bench/prompts.py instead of the chat
-prompts (request i is family i % 6; the warm-up stays on chat prompts) and adds a line per
-family and overall with the decode rate (tokens after the first over the time from the first
-token to the last, timed at the engine steps that return them) and the end-to-end rate (tokens
-over the time from adding the request to its last token: at concurrency above 1 that includes
-waiting for a slot), each summed over requests (bench/prompts.py's `family_rates`).
+`--workload families`: the six task families of bench/prompts.py (request i of family i % 6;
+warm-up on chat prompts), and a line per family and overall of the decode and end-to-end rates
+(`family_rates`; the first and last tokens timed at the steps that return them; end-to-end from
+adding the request, so at concurrency above 1 it includes waiting for a slot).
 
 `passes` prints the best time of one target pass in which each of --concurrency requests feeds
 1..5 tokens after --context cached ones; `draft-passes` the median and best one-token draft
@@ -43,11 +41,12 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AutoTokenizer
 
+from bench.hf_generate import sync
 from bench.prompts import chat_messages, family_cycle, family_rates, rates_lines
 from engine import (
     KV_CACHE_DTYPES,
@@ -123,10 +122,6 @@ def passes(
         runner.allocate_kv(requests * per_request, 16)
         pools[kv] = runner.kv_caches
 
-    def sync() -> None:  # a GPU pass is done when the device says so, not when forward returns
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize(runner.device)
-
     best = {kv: [float("inf")] * 5 for kv in pools}
     for q in range(1, 6):
         tokens = list(range(100, 100 + q))
@@ -137,10 +132,10 @@ def passes(
                 runner.forward(seqs)
         for _, (kv, pool) in itertools.product(range(repeats), pools.items()):
             runner.kv_caches = pool
-            sync()
+            sync(runner.device)  # a GPU pass is done when the device says so
             start = time.perf_counter()
             runner.forward(seqs)
-            sync()
+            sync(runner.device)
             best[kv][q - 1] = min(best[kv][q - 1], time.perf_counter() - start)
     for kv, times in best.items():
         label = f"{requests} request(s) x 1..5 tokens over {context}, KV cache {kv}"
@@ -313,27 +308,20 @@ def _by_k(steps: dict[int, list[tuple[float, int]]]) -> str:
     return "; ".join(parts) or "-"
 
 
+SINCE = ("spec_accepted_by_position", "spec_drafted_by_position", "spec_accepted_tokens",
+         "spec_verify_passes", "spec_tree_steps", "spec_lookup_drafted", "spec_lookup_accepted",
+         "draft_seconds", "step_seconds")  # fmt: skip
+
+
 def _since(after: EngineStats, before: EngineStats) -> EngineStats:
-    """The counters `speed` prints, as counted after `before`."""
-    return replace(
-        after,
-        spec_accepted_by_position=_minus(
-            after.spec_accepted_by_position, before.spec_accepted_by_position
-        ),
-        spec_drafted_by_position=_minus(
-            after.spec_drafted_by_position, before.spec_drafted_by_position
-        ),
-        spec_accepted_tokens=after.spec_accepted_tokens - before.spec_accepted_tokens,
-        spec_verify_passes=after.spec_verify_passes - before.spec_verify_passes,
-        spec_tree_steps=after.spec_tree_steps - before.spec_tree_steps,
-        spec_lookup_drafted=after.spec_lookup_drafted - before.spec_lookup_drafted,
-        spec_lookup_accepted=after.spec_lookup_accepted - before.spec_lookup_accepted,
-        draft_seconds=after.draft_seconds - before.draft_seconds,
-        step_seconds=after.step_seconds - before.step_seconds,
-    )
+    """The counters `speed` prints (SINCE), as counted after `before`."""
+    return replace(after, **{f: _minus(getattr(after, f), getattr(before, f)) for f in SINCE})
 
 
-def _minus(after: list[int], before: list[int]) -> list[int]:
+def _minus(after, before):
+    """after - before, a list position by position (a position `before` lacks counts 0)."""
+    if not isinstance(after, list):
+        return after - before
     return [a - (before[i] if i < len(before) else 0) for i, a in enumerate(after)]
 
 
@@ -360,9 +348,6 @@ class RunResult:
     """Time the garbage collector ran inside the timed run."""
     gc_full_collections: int = 0
     """Of those runs, the ones over the oldest generation."""
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def run_closed_loop(
@@ -509,18 +494,18 @@ def main(argv: list[str] | None = None) -> None:
         elif args.mode == "draft-passes":
             draft_passes(args.draft, args.draft_quantizations or ["none", "int8"], args.context)
         else:
-            draft_quantizations = args.draft_quantizations or ["auto"]
+            varied = (args.verification, args.branches, args.draft_quantizations or ["auto"])
             for name, kv in itertools.product(args.configs, args.kv_cache_dtypes):
-                for verification in args.verification if name != "off" else ["block"]:
-                    for branches in args.branches if name != "off" else [None]:
-                        for dq in draft_quantizations if name != "off" else ["auto"]:
-                            if len(args.kv_cache_dtypes) > 1:
-                                print(f"KV cache {kv}:", flush=True)
-                            speed(
-                                name, args.requests, args.concurrency, args.max_tokens,
-                                args.model, args.quantization, args.temperature, verification,
-                                branches, args.tree_drafts, args.draft, kv, dq, args.workload,
-                            )  # fmt: skip
+                # speculation off: one run, nothing of the draft's to vary
+                each = [["block"], [None], ["auto"]] if name == "off" else varied
+                for verification, branches, dq in itertools.product(*each):
+                    if len(args.kv_cache_dtypes) > 1:
+                        print(f"KV cache {kv}:", flush=True)
+                    speed(
+                        name, args.requests, args.concurrency, args.max_tokens, args.model,
+                        args.quantization, args.temperature, verification, branches,
+                        args.tree_drafts, args.draft, kv, dq, args.workload,
+                    )  # fmt: skip
 
 
 if __name__ == "__main__":

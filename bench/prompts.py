@@ -2,16 +2,12 @@
 for it, and this Python's standard library as text for the GPU pair.
 
 `chat_messages(n)`: the first n held-out chat instructions (bench/chat_prompts.json, frozen
-from scripts/chat_prompts.py's `split`, whose hash keeps them out of the draft's training):
-`--workload chat`, the default of bench.chat_bench and bench.default_engine.
-`family_messages()`: the six task families of `--workload families` (bench/family_prompts.json,
-frozen from scripts/family_prompts.py), 8 prompts each: chat (two turns), translation,
-summarization (articles of 500-1,500 tokens), qa, math (word problems) and rag (3-4 passages
-and a question); `family_cycle(n)` takes n requests through them in turn, and `family_rates`
-gives per family (and "all") the decode rate (output tokens after the first over the time from
-the first token to the last, summed over requests: total tokens over total time) and the
-end-to-end rate (output tokens over each request's time from sending to its last token, prefill
-and any queueing included, summed likewise).
+from scripts/chat_prompts.py's `split`, whose hash keeps them out of the draft's training).
+`family_messages()`: `--workload families`, six task families of 8 prompts (two-turn chat,
+translation, summarization of 500-1,500 token articles, qa, math, rag: bench/family_prompts.json,
+frozen by scripts/family_prompts.py). `family_rates`: per family and "all", the decode rate
+(tokens after the first over the time from the first token to the last) and the end-to-end rate
+(tokens over the time from sending to the last token), each total tokens over total time.
 `stdlib_corpus()`: the standard library's .py files, split train / held-out by a hash of each
 file's path; `text_prompts` cuts token prompts from the held-out files.
 """
@@ -55,20 +51,16 @@ def family_cycle(count: int) -> list[tuple[str, list[dict]]]:
 
 def family_rates(requests: list[tuple[str, float, float, float, int, int]]) -> dict[str, dict]:
     """Per family and "all", from each request's (family, sent, first token, last token, output
-    tokens, tokens that came with the first): requests, output tokens, and the decode and
-    end-to-end rates (tokens/s; the module docstring defines them)."""
+    tokens, tokens that came with the first): requests, output tokens, decode and end-to-end
+    rates (tokens/s, as the module docstring defines them)."""
     out = {}
     for name in [*dict.fromkeys(r[0] for r in requests), "all"]:
         rs = [r for r in requests if name in (r[0], "all")]
-        decode_s = sum(last - first for _, _, first, last, _, _ in rs)
-        e2e_s = sum(last - sent for _, sent, _, last, _, _ in rs)
+        decode_s, e2e_s = sum(r[3] - r[2] for r in rs), sum(r[3] - r[1] for r in rs)
         tokens = sum(r[4] for r in rs)
-        out[name] = {
-            "requests": len(rs),
-            "output_tokens": tokens,
-            "decode_tokens_per_s": sum(r[4] - r[5] for r in rs) / decode_s if decode_s else 0.0,
-            "e2e_tokens_per_s": tokens / e2e_s if e2e_s else 0.0,
-        }
+        out[name] = {"requests": len(rs), "output_tokens": tokens,
+                     "decode_tokens_per_s": (tokens - sum(r[5] for r in rs)) / (decode_s or 1),
+                     "e2e_tokens_per_s": tokens / (e2e_s or 1)}  # fmt: skip
     return out
 
 
