@@ -17,7 +17,8 @@ reversed every other round, so a drift of the machine over minutes falls on all 
 `--workload families`: the six task families of bench/prompts.py, request i of family i % 6;
 each row also prints and keeps ("families") per family and overall the decode and end-to-end
 rates (`family_rates`: total tokens over total time, not a median); peers get 2,048 tokens of
-context per slot for the long summarization and RAG prompts.
+context per slot for the long summarization and RAG prompts. Prompts sent again to one server
+(--interleave's later rounds, over 48 requests) may find their prefill in its prefix cache.
 
 Peers: `--llama-server PATH` runs llama.cpp's server (bench/peers/build_llama_server.sh builds
 it) on the default model's GGUF with 1 and 16 slots ("llama-server-np1", "-np16"); with
