@@ -3,6 +3,7 @@
 
   python -m bench.chat_bench                      # every Tandem configuration, results/chat.json
   python -m bench.chat_bench --configs off draft-adaptive --levels 1 --temperatures 0
+  python -m bench.chat_bench --workload families --levels 1 --requests 48 --temperatures 0
   python -m bench.chat_bench --configs off draft-adaptive --interleave --rounds 3 \
       --llama-server .venv-peers/llama.cpp/bin/llama-server --vllm   # beside the peers
 
@@ -13,6 +14,11 @@ requests; output tokens come from each response's usage. Every configuration is 
 per --rounds and the median round is reported (all rounds kept in the JSON). With
 --interleave every system is started first and each round takes them in turn, the order
 reversed every other round, so a drift of the machine over minutes falls on all alike.
+`--workload families`: the six task families of bench/prompts.py, request i of family i % 6;
+each row also prints and keeps ("families") per family and overall the decode and end-to-end
+rates (`family_rates`: total tokens over total time, not a median); peers get 2,048 tokens of
+context per slot for the long summarization and RAG prompts. Prompts sent again to one server
+(--interleave's later rounds, over 48 requests) may find their prefill in its prefix cache.
 
 Peers: `--llama-server PATH` runs llama.cpp's server (bench/peers/build_llama_server.sh builds
 it) on the default model's GGUF with 1 and 16 slots ("llama-server-np1", "-np16"); with
@@ -43,7 +49,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from bench.prompts import chat_messages
+from bench.prompts import chat_messages, family_cycle, family_rates, rates_lines
 from bench.serving import (
     VLLM_PYTHON,
     RunningServer,
@@ -98,14 +104,7 @@ async def chat_one(url: str, body: dict) -> tuple[Trace, dict]:
             if event.get("usage"):
                 usage = event["usage"]
                 trace.output_tokens = int(usage["completion_tokens"])
-    except (
-        httpx.HTTPError,
-        OSError,
-        StreamError,
-        json.JSONDecodeError,
-        KeyError,
-        ValueError,
-    ) as exc:
+    except (httpx.HTTPError, OSError, StreamError, KeyError, ValueError) as exc:  # JSON: ValueError
         trace.error = f"{type(exc).__name__}: {exc}"[:300]
     return trace, usage
 
@@ -142,11 +141,14 @@ def read_counters(text: str) -> dict[str, float]:
 
 
 async def run_level(
-    url: str, prompts: list[list[dict]], concurrency: int, count: int, args, temperature: float
-) -> dict:
+    url: str, prompts: list[list[dict]], concurrency: int, count: int, args, temperature: float,
+    families: list[str] | None = None,
+) -> dict:  # fmt: skip
+    """`count` requests through `prompts`; with `families` (each prompt's), their rates too."""
     check_loopback(url)
     queue = iter(range(count))
     results: list[tuple[Trace, dict]] = []
+    labels: list[str] = []
 
     async def worker() -> None:
         for i in queue:
@@ -159,6 +161,7 @@ async def run_level(
                 # Seeded requests take the coupled sampler (docs/VERIFICATION.md).
                 body["seed"] = i
             results.append(await chat_one(url, body))
+            labels.append(families[i % len(families)] if families else "")
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0)) as client:
@@ -193,6 +196,10 @@ async def run_level(
         time_split=split,
         errors=sorted({t.error for t, _ in results if t.error})[:3],
     )
+    if families:  # finished requests: (family, sent, first, last, tokens, first's tokens)
+        row["families"] = family_rates([
+            (n, t.start, t.chunks[0][0], t.chunks[-1][0], t.output_tokens, t.chunks[0][1])
+            for n, (t, _) in zip(labels, results, strict=True) if t.chunks and not t.error])  # fmt: skip
     return row
 
 
@@ -219,16 +226,16 @@ while the draft gives it probability 0.75 or more. Of the settings tried at conc
 
 
 def llama_server_case(
-    name: str, binary: Path, threads: int, draft: Path | None = None
+    name: str, binary: Path, threads: int, draft: Path | None = None, slot_tokens: int = 512
 ) -> ServerCase:
-    """llama.cpp's server on the default model's GGUF, slots of 512 tokens each; with `draft`
+    """llama.cpp's server on the default model's GGUF, slots of `slot_tokens` each; with `draft`
     (a GGUF of the draft model) the "-draft-" configurations speculate with it."""
     from engine.model.files import locate
 
     gguf = locate(DEFAULT_GGUF)
     slots = {**LLAMA_SERVER_SLOTS, **LLAMA_DRAFT_SLOTS}[name]
     argv = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}",
-            "--alias", MODEL, "-np", str(slots), "-c", str(512 * slots), "-t", str(threads),
+            "--alias", MODEL, "-np", str(slots), "-c", str(slot_tokens * slots), "-t", str(threads),
             "-tb", str(threads), "--jinja", "--no-webui", "--metrics"]  # fmt: skip
     if name in LLAMA_DRAFT_SLOTS:
         if draft is None:
@@ -237,14 +244,14 @@ def llama_server_case(
     return ServerCase("llama.cpp", name, "llama.cpp", argv, MODEL, ready_path="/health")
 
 
-def vllm_case(threads: int) -> ServerCase:
+def vllm_case(threads: int, max_len: int = 1024) -> ServerCase:
     """vLLM-CPU's OpenAI server on the default model's float32 conversion."""
     from engine.model.files import prepare
 
     model_dir = prepare(DEFAULT_GGUF)
     argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", "{port}",
-            "--dtype", "float32", "--max-model-len", "1024", "--seed", "0"]  # fmt: skip
+            "--dtype", "float32", "--max-model-len", str(max_len), "--seed", "0"]  # fmt: skip
     return ServerCase(
         "vLLM-CPU", "vllm-cpu", "vllm", argv, MODEL, vllm_env(threads), ready_path="/health"
     )
@@ -259,32 +266,31 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--extra", default="", help="more `tandem serve` flags for every config")
-    p.add_argument(
-        "--seeded",
-        action="store_true",
-        help="send a seed with each request (as few chat clients do)",
-    )
+    p.add_argument("--seeded", action="store_true",
+                   help="send a seed with each request (as few chat clients do)")  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS / "chat.json")
+    p.add_argument("--workload", default="chat", choices=["chat", "families"],
+                   help="the held-out chat prompts, or the six task families")  # fmt: skip
     p.add_argument(
         "--interleave", action="store_true",
         help="start every system at once and take them in turn within each round (the order "
         "reversed every other round), rather than one server at a time",
     )  # fmt: skip
-    p.add_argument(
-        "--llama-server", type=Path, help="llama.cpp's llama-server binary: run it as a peer"
-    )
-    p.add_argument(
-        "--llama-draft",
-        type=Path,
-        help="the draft model as GGUF: run llama-server's draft-model speculation as a peer too",
-    )
+    p.add_argument("--llama-server", type=Path,
+                   help="llama.cpp's llama-server binary: run it as a peer")  # fmt: skip
+    p.add_argument("--llama-draft", type=Path,
+                   help="the draft model as GGUF: run llama-server's draft-model speculation as "
+                   "a peer too")  # fmt: skip
     p.add_argument("--vllm", action="store_true", help="run vLLM-CPU (.venv-peers/vllm) as a peer")
     args = p.parse_args(argv)
     if len(args.requests) != len(args.levels):
         p.error("--requests needs one count per level")
     if args.llama_draft and not args.llama_server:
         p.error("--llama-draft needs --llama-server")
-    prompts = chat_messages(max(args.requests))
+    if args.workload == "families":
+        families, prompts = map(list, zip(*family_cycle(max(args.requests)), strict=True))
+    else:
+        families, prompts = None, chat_messages(max(args.requests))
     runs: dict[str, list[dict]] = {}
     peers = (
         (list(LLAMA_SERVER_SLOTS) if args.llama_server else [])
@@ -299,10 +305,14 @@ def main(argv: list[str] | None = None) -> None:
             for level, count in zip(args.levels, args.requests, strict=True):
                 warm = [{"role": "user", "content": "Say hi."}]
                 asyncio.run(run_level(server.url, [warm], level, level, args, 0.0))
-                row = asyncio.run(run_level(server.url, prompts, level, count, args, temp))
+                row = asyncio.run(
+                    run_level(server.url, prompts, level, count, args, temp, families)
+                )
                 row.update(config=name, round=rnd, ready_s=ready_s)
                 runs.setdefault(f"{name}|{level}|{temp}", []).append(row)
                 print(f"[{rnd}] {name:>15} {row_text(row)}", flush=True)
+                for line in rates_lines(row.get("families", {})):
+                    print(line, flush=True)
 
     if args.interleave:
         # Every system up at once, idle but for its turn; each round runs them one after
@@ -335,6 +345,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": "python -m bench.chat_bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine(),
         "max_tokens": args.max_tokens,
+        "workload": args.workload,
         "rows": rows,
         "median_of": args.rounds,
         "interleaved": args.interleave,
@@ -346,11 +357,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def start(name: str, args) -> tuple[RunningServer, float]:
     """Start one system: its RunningServer and the seconds it took to be ready."""
+    context = 2048 if args.workload == "families" else None  # long summarization/RAG prompts
     if name == "vllm-cpu":
-        case = vllm_case(os.cpu_count() or 1)
+        case = vllm_case(os.cpu_count() or 1, context or 1024)
     elif name.startswith("llama-server"):
         threads = os.cpu_count() or 1
-        case = llama_server_case(name, args.llama_server, threads, args.llama_draft)
+        case = llama_server_case(name, args.llama_server, threads, args.llama_draft, context or 512)
     else:
         argv_ = [sys.executable, "-m", "server", "serve", "--port", "{port}",
                  "--served-model-name", MODEL, *CONFIGS[name], *args.extra.split()]  # fmt: skip
@@ -370,11 +382,8 @@ def row_text(row: dict) -> str:
     acc = row["acceptance"]
     return (f"{text}  client {row['client_cpu_ms_per_token']:.3f} ms CPU/token  "
             f" acc {acc if acc is None else round(acc, 3)}  "
-            f"split {split_text(row['time_split'])}  errors {row['errors']}")  # fmt: skip
-
-
-def split_text(split: dict[str, float]) -> str:
-    return " ".join(f"{part} {100 * share:.0f}%" for part, share in split.items())
+            f"split {' '.join(f'{k} {100 * v:.0f}%' for k, v in row['time_split'].items())}  "
+            f"errors {row['errors']}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ the held-out chat prompts (bench/prompts.py).
   python -m bench.default_engine speed --configs K=2 K=3 --branches 1 2 3   # draft trees
   python -m bench.default_engine speed --draft models/eagle   # another draft
   python -m bench.default_engine speed --configs off ngram --model FILE.gguf  # any model
+  python -m bench.default_engine speed --workload families --requests 48 --configs off ngram
   python -m bench.default_engine passes --concurrency 16 --kv-cache-dtypes auto float16
   python -m bench.default_engine draft-passes --draft-quantizations none int8 int4
 
@@ -18,6 +19,10 @@ the drafts accepted at each position, tokens per verifying pass and the draft's 
 engine time; at concurrency 1 also the decode steps by K (how many, mean wall time, tokens
 per step). `--verification` runs every config once per verifier (seeded: each request brings
 a seed, the coupled sampler); the other list options likewise run every config once per value.
+`--workload families`: the six task families of bench/prompts.py (request i of family i % 6;
+warm-up on chat prompts), and a line per family and overall of the decode and end-to-end rates
+(`family_rates`; the first and last tokens timed at the steps that return them; end-to-end from
+adding the request, so at concurrency above 1 it includes waiting for a slot).
 
 `passes` prints the best time of one target pass in which each of --concurrency requests feeds
 1..5 tokens after --context cached ones; `draft-passes` the median and best one-token draft
@@ -36,12 +41,13 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AutoTokenizer
 
-from bench.prompts import chat_messages
+from bench.hf_generate import sync
+from bench.prompts import chat_messages, family_cycle, family_rates, rates_lines
 from engine import (
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
@@ -116,10 +122,6 @@ def passes(
         runner.allocate_kv(requests * per_request, 16)
         pools[kv] = runner.kv_caches
 
-    def sync() -> None:  # a GPU pass is done when the device says so, not when forward returns
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize(runner.device)
-
     best = {kv: [float("inf")] * 5 for kv in pools}
     for q in range(1, 6):
         tokens = list(range(100, 100 + q))
@@ -130,10 +132,10 @@ def passes(
                 runner.forward(seqs)
         for _, (kv, pool) in itertools.product(range(repeats), pools.items()):
             runner.kv_caches = pool
-            sync()
+            sync(runner.device)  # a GPU pass is done when the device says so
             start = time.perf_counter()
             runner.forward(seqs)
-            sync()
+            sync(runner.device)
             best[kv][q - 1] = min(best[kv][q - 1], time.perf_counter() - start)
     for kv, times in best.items():
         label = f"{requests} request(s) x 1..5 tokens over {context}, KV cache {kv}"
@@ -169,14 +171,14 @@ def draft_passes(draft: str, methods: list[str], context: int = 150, repeats: in
         )
 
 
-def _prompts(model_dir: str, requests: int) -> list[list[int]]:
+def _prompts(model_dir: str, messages: list[list[dict]]) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     return [
         tok.encode(
             tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False),
             add_special_tokens=False,
         )
-        for m in chat_messages(requests)
+        for m in messages
     ]
 
 
@@ -194,6 +196,7 @@ def speed(
     draft: str = DRAFT,
     kv_cache_dtype: str = "auto",
     draft_quantization: str = "auto",
+    workload: str = "chat",
 ) -> None:
     seeded = verification == "seeded"
     spec = replace(CONFIGS[name], verification="block" if seeded else verification)
@@ -207,7 +210,10 @@ def speed(
     # Warm-up requests (other prompts, same concurrency) first: they capture the CUDA graphs
     # of the shapes the run will use, which a long-running server has done long before.
     warm = max(concurrency, 4)
-    prompts = _prompts(eng.config.model.model, requests + warm)
+    families = family_cycle(requests) if workload == "families" else []
+    chat = chat_messages(warm + (0 if families else requests))
+    messages = [m for _, m in families] or chat[:requests]
+    prompts = _prompts(eng.config.model.model, messages + chat[-warm:])
 
     def params(i: int) -> SamplingParams:
         seed = 1000 + i if seeded else None
@@ -216,8 +222,9 @@ def speed(
     _closed_loop(eng, list(enumerate(prompts[requests:], start=requests)), concurrency, params)
     before = copy.deepcopy(eng.stats())
     steps: dict[int, list[tuple[float, int]]] = {}
+    times: dict[int, list] = {}
     tokens, seconds = _closed_loop(
-        eng, list(enumerate(prompts[:requests])), concurrency, params, steps
+        eng, list(enumerate(prompts[:requests])), concurrency, params, steps, times
     )
     s = _since(eng.stats(), before)
     accepted = " / ".join(
@@ -241,6 +248,9 @@ def speed(
     )
     if concurrency == 1:  # one request: a step's mean K is its K
         print(f"{'':>15}  decode steps by K: {_by_k(steps)}", flush=True)
+    if families:
+        rates = family_rates([(families[i][0], *times[i]) for i in sorted(times)])
+        print("\n".join(rates_lines(rates)), flush=True)
     del eng  # the next config's engine sizes its KV pool from the memory left
     gc.collect()
     if torch.cuda.is_available():
@@ -253,13 +263,17 @@ def _closed_loop(
     concurrency: int,
     params: Callable[[int], SamplingParams],
     steps: dict[int, list[tuple[float, int]]] | None = None,
+    times: dict[int, list] | None = None,
 ) -> tuple[int, float]:
     """Run `prompts` (index, tokens) with `concurrency` in flight; output tokens, seconds.
     With `steps`, every step that computed no prompt token is added to it as (seconds, tokens
-    out) under its mean K, rounded."""
+    out) under its mean K, rounded. With `times`, each request's [added, first token, last
+    token, output tokens, tokens of its first step] under its index."""
+    times = {} if times is None else times
     queue = iter(prompts)
     for i, prompt in itertools.islice(queue, concurrency):
         eng.add_request(str(i), prompt, params(i))
+        times[i] = [time.perf_counter(), 0.0, 0.0, 0, 0]
     tokens, start = 0, time.perf_counter()
     while eng.has_work():
         prompt_tokens, step_start = eng.totals.prompt_tokens, time.perf_counter()
@@ -267,12 +281,18 @@ def _closed_loop(
         if steps is not None and eng.totals.prompt_tokens == prompt_tokens:
             step = (time.perf_counter() - step_start, sum(len(o.new_token_ids) for o in outputs))
             steps.setdefault(round(eng.totals.mean_draft_length), []).append(step)
+        now = time.perf_counter()
         for out in outputs:
             tokens += len(out.new_token_ids)
+            if out.new_token_ids:
+                record = times[int(out.request_id)]
+                record[1:] = [record[1] or now, now, record[3] + len(out.new_token_ids),
+                              record[4] or len(out.new_token_ids)]  # fmt: skip
             if out.finished:
                 nxt = next(queue, None)
                 if nxt is not None:
                     eng.add_request(str(nxt[0]), nxt[1], params(nxt[0]))
+                    times[nxt[0]] = [time.perf_counter(), 0.0, 0.0, 0, 0]
     return tokens, time.perf_counter() - start
 
 
@@ -288,27 +308,20 @@ def _by_k(steps: dict[int, list[tuple[float, int]]]) -> str:
     return "; ".join(parts) or "-"
 
 
+SINCE = ("spec_accepted_by_position", "spec_drafted_by_position", "spec_accepted_tokens",
+         "spec_verify_passes", "spec_tree_steps", "spec_lookup_drafted", "spec_lookup_accepted",
+         "draft_seconds", "step_seconds")  # fmt: skip
+
+
 def _since(after: EngineStats, before: EngineStats) -> EngineStats:
-    """The counters `speed` prints, as counted after `before`."""
-    return replace(
-        after,
-        spec_accepted_by_position=_minus(
-            after.spec_accepted_by_position, before.spec_accepted_by_position
-        ),
-        spec_drafted_by_position=_minus(
-            after.spec_drafted_by_position, before.spec_drafted_by_position
-        ),
-        spec_accepted_tokens=after.spec_accepted_tokens - before.spec_accepted_tokens,
-        spec_verify_passes=after.spec_verify_passes - before.spec_verify_passes,
-        spec_tree_steps=after.spec_tree_steps - before.spec_tree_steps,
-        spec_lookup_drafted=after.spec_lookup_drafted - before.spec_lookup_drafted,
-        spec_lookup_accepted=after.spec_lookup_accepted - before.spec_lookup_accepted,
-        draft_seconds=after.draft_seconds - before.draft_seconds,
-        step_seconds=after.step_seconds - before.step_seconds,
-    )
+    """The counters `speed` prints (SINCE), as counted after `before`."""
+    return replace(after, **{f: _minus(getattr(after, f), getattr(before, f)) for f in SINCE})
 
 
-def _minus(after: list[int], before: list[int]) -> list[int]:
+def _minus(after, before):
+    """after - before, a list position by position (a position `before` lacks counts 0)."""
+    if not isinstance(after, list):
+        return after - before
     return [a - (before[i] if i < len(before) else 0) for i, a in enumerate(after)]
 
 
@@ -335,9 +348,6 @@ class RunResult:
     """Time the garbage collector ran inside the timed run."""
     gc_full_collections: int = 0
     """Of those runs, the ones over the oldest generation."""
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def run_closed_loop(
@@ -447,6 +457,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--requests", type=int, default=12)
+    p.add_argument("--workload", default="chat", choices=["chat", "families"],
+                   help="speed: the held-out chat prompts, or the six task families")  # fmt: skip
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -482,18 +494,18 @@ def main(argv: list[str] | None = None) -> None:
         elif args.mode == "draft-passes":
             draft_passes(args.draft, args.draft_quantizations or ["none", "int8"], args.context)
         else:
-            draft_quantizations = args.draft_quantizations or ["auto"]
+            varied = (args.verification, args.branches, args.draft_quantizations or ["auto"])
             for name, kv in itertools.product(args.configs, args.kv_cache_dtypes):
-                for verification in args.verification if name != "off" else ["block"]:
-                    for branches in args.branches if name != "off" else [None]:
-                        for dq in draft_quantizations if name != "off" else ["auto"]:
-                            if len(args.kv_cache_dtypes) > 1:
-                                print(f"KV cache {kv}:", flush=True)
-                            speed(
-                                name, args.requests, args.concurrency, args.max_tokens,
-                                args.model, args.quantization, args.temperature, verification,
-                                branches, args.tree_drafts, args.draft, kv, dq,
-                            )  # fmt: skip
+                # speculation off: one run, nothing of the draft's to vary
+                each = [["block"], [None], ["auto"]] if name == "off" else varied
+                for verification, branches, dq in itertools.product(*each):
+                    if len(args.kv_cache_dtypes) > 1:
+                        print(f"KV cache {kv}:", flush=True)
+                    speed(
+                        name, args.requests, args.concurrency, args.max_tokens, args.model,
+                        args.quantization, args.temperature, verification, branches,
+                        args.tree_drafts, args.draft, kv, dq, args.workload,
+                    )  # fmt: skip
 
 
 if __name__ == "__main__":

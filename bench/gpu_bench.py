@@ -23,6 +23,7 @@ same pair (`pair_id`) with the same settings, and runs only the rest.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import platform
@@ -36,8 +37,8 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.default_engine import run_closed_loop
-from bench.gpu_floor import measure_floor, sync
-from bench.hf_generate import run_level
+from bench.gpu_floor import measure_floor
+from bench.hf_generate import run_level, sync
 from bench.prompts import text_prompts
 from engine import (
     CacheConfig,
@@ -97,11 +98,9 @@ def machine() -> dict[str, str]:
                 break
     except OSError:
         pass
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    return {
+    return {  # provenance() adds the device
         "cpu": cpu,
         "cores": str(torch.get_num_threads()),
-        "device": device,
         "torch": torch.__version__,
         "date": date.today().isoformat(),
     }
@@ -293,7 +292,7 @@ class GpuBench:
             engine, f"{name}@{level}", self.prompts, level, args.max_tokens, args.requests(level)
         )
         sync(self.device)
-        row = result.as_dict()
+        row = dataclasses.asdict(result)
         row["graph_captures"] = engine.graph_captures() - captured
         row["greedy_match"] = self.data["greedy"].get(name, {}).get("greedy_match")
         return row

@@ -30,6 +30,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from bench.hf_generate import sync
 from engine.attention import paged as attention
 from engine.model.inputs import SeqInput
 from engine.model.runner import ModelRunner
@@ -41,11 +42,6 @@ SHAPES = {
     "3b": (3072, 28, 24, 8, 8192, True),
     "8b": (4096, 32, 32, 8, 14336, False),
 }
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, copies: int = 10, repeats: int = 5) -> float:

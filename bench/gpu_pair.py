@@ -41,6 +41,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
+from bench.hf_generate import sync
 from bench.prompts import stdlib_corpus
 from engine.model.runner import resolve_device, resolve_dtype
 
@@ -66,11 +67,6 @@ TINY_DRAFT = ModelShape(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=6
 
 def log(msg: str) -> None:
     print(f"[{datetime.datetime.now():%H:%M:%S}] {msg}", flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def sha256_12(path: Path) -> str:

@@ -49,14 +49,10 @@ def greedy_kwargs(tokenizer, max_tokens: int) -> dict:
     }
 
 
-def encode(tokenizer, prompts: list[str] | list[list[int]], device: torch.device) -> dict:
-    """A padded batch on `device`, from prompt strings or from prompt token ids."""
+def encode(tokenizer, prompts: list[list[int]], device: torch.device) -> dict:
+    """A padded batch of prompt token ids on `device`."""
     pad = len(prompts) > 1
-    if isinstance(prompts[0], str):
-        batch = tokenizer(prompts, return_tensors="pt", padding=pad)
-    else:
-        batch = tokenizer.pad({"input_ids": prompts}, padding=pad, return_tensors="pt")
-    return batch.to(device)
+    return tokenizer.pad({"input_ids": prompts}, padding=pad, return_tensors="pt").to(device)
 
 
 def sync(device: torch.device) -> None:
@@ -72,12 +68,9 @@ def generated_length(row: torch.Tensor, eos: int | None) -> int:
 
 
 @torch.inference_mode()
-def run_batch1(
-    model, tokenizer, prompts: list, max_tokens: int, settings: dict | None = None, **extra
-) -> dict:
-    """Prompts one after another, each alone; prompts are strings or token id lists.
-    `settings`: generate()'s decoding arguments, greedy_kwargs' when None."""
-    settings = greedy_kwargs(tokenizer, max_tokens) if settings is None else settings
+def run_batch1(model, tokenizer, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Prompts (token ids) one after another, each alone, greedy."""
+    settings = greedy_kwargs(tokenizer, max_tokens)
     traces = []
     sync(model.device)
     start = time.perf_counter()
@@ -85,7 +78,7 @@ def run_batch1(
         inputs = encode(tokenizer, [prompt], model.device)
         streamer = TimingStreamer(1)
         trace = Trace(start=time.perf_counter())
-        out = model.generate(**inputs, streamer=streamer, **settings, **extra)
+        out = model.generate(**inputs, streamer=streamer, **settings)
         sync(model.device)
         trace.chunks = streamer.chunks
         trace.output_tokens = out.shape[1] - inputs["input_ids"].shape[1]
@@ -94,12 +87,9 @@ def run_batch1(
 
 
 @torch.inference_mode()
-def run_padded(
-    model, tokenizer, prompts: list, max_tokens: int, batch: int, settings: dict | None = None
-) -> dict:
-    """Static batches of `batch` prompts (strings or token id lists), left-padded.
-    `settings`: generate()'s decoding arguments, greedy_kwargs' when None."""
-    settings = greedy_kwargs(tokenizer, max_tokens) if settings is None else settings
+def run_padded(model, tokenizer, prompts: list[list[int]], max_tokens: int, batch: int) -> dict:
+    """Static batches of `batch` prompts (token ids), left-padded, greedy."""
+    settings = greedy_kwargs(tokenizer, max_tokens)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -121,21 +111,13 @@ def run_padded(
 
 
 def run_level(
-    model,
-    tokenizer,
-    prompts: list,
-    warm: list,
-    level: int,
-    max_tokens: int,
-    warmup_tokens: int,
-    settings: dict | None = None,
+    model, tokenizer, prompts: list, warm: list, level: int, max_tokens: int, warmup_tokens: int
 ) -> dict:
-    """Plain generate() at one concurrency level, after a (greedy) warm-up on `warm`: batch 1
-    at level 1, else static left-padded batches of `level` prompts. `settings`: the measured
-    run's decoding arguments, greedy_kwargs' when None."""
+    """Plain greedy generate() at one concurrency level, after a warm-up on `warm`: batch 1
+    at level 1, else static left-padded batches of `level` prompts."""
     if level == 1:
         run_batch1(model, tokenizer, warm[:1], warmup_tokens)
-        return run_batch1(model, tokenizer, prompts, max_tokens, settings)
+        return run_batch1(model, tokenizer, prompts, max_tokens)
     run_padded(model, tokenizer, warm[:level], warmup_tokens, level)
-    row = run_padded(model, tokenizer, prompts, max_tokens, level, settings)
+    row = run_padded(model, tokenizer, prompts, max_tokens, level)
     return row | {"notes": f"static batches of {level}, left padding; TTFT from each batch's start"}

@@ -1,8 +1,13 @@
-"""The benchmarks' workloads: held-out chat prompts for the default model, and this Python's
-standard library as text for the GPU pair.
+"""The benchmarks' workloads: held-out chat prompts for the default model, six task families
+for it, and this Python's standard library as text for the GPU pair.
 
 `chat_messages(n)`: the first n held-out chat instructions (bench/chat_prompts.json, frozen
 from scripts/chat_prompts.py's `split`, whose hash keeps them out of the draft's training).
+`family_messages()`: `--workload families`, six task families of 8 prompts (two-turn chat,
+translation, summarization of 500-1,500 token articles, qa, math, rag: bench/family_prompts.json,
+frozen by scripts/family_prompts.py). `family_rates`: per family and "all", the decode rate
+(tokens after the first over the time from the first token to the last) and the end-to-end rate
+(tokens over the time from sending to the last token), each total tokens over total time.
 `stdlib_corpus()`: the standard library's .py files, split train / held-out by a hash of each
 file's path; `text_prompts` cuts token prompts from the held-out files.
 """
@@ -16,6 +21,7 @@ import sysconfig
 from pathlib import Path
 
 CHAT_PROMPTS = Path(__file__).resolve().parent / "chat_prompts.json"
+FAMILY_PROMPTS = CHAT_PROMPTS.with_name("family_prompts.json")
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 HELDOUT_PERCENT = 5
 
@@ -26,6 +32,45 @@ def chat_messages(count: int) -> list[list[dict]]:
     if count > len(held):
         raise ValueError(f"only {len(held)} held-out instructions")
     return held[:count]
+
+
+def family_messages() -> dict[str, list[list[dict]]]:
+    """Family (chat, translation, summarization, qa, math, rag) -> its 8 message lists."""
+    families = json.loads(FAMILY_PROMPTS.read_text())["families"]
+    return {name: [item["messages"] for item in items] for name, items in families.items()}
+
+
+def family_cycle(count: int) -> list[tuple[str, list[dict]]]:
+    """`count` (family, messages) requests, the families in turn: request i is family i % 6's
+    prompt i // 6 (prompts repeat past 48 requests)."""
+    families = family_messages()
+    names = list(families)
+    picks = [(i, names[i % len(names)]) for i in range(count)]
+    return [(name, families[name][i // len(names) % len(families[name])]) for i, name in picks]
+
+
+def family_rates(requests: list[tuple[str, float, float, float, int, int]]) -> dict[str, dict]:
+    """Per family and "all", from each request's (family, sent, first token, last token, output
+    tokens, tokens that came with the first): requests, output tokens, decode and end-to-end
+    rates (tokens/s, as the module docstring defines them)."""
+    out = {}
+    for name in [*dict.fromkeys(r[0] for r in requests), "all"]:
+        rs = [r for r in requests if name in (r[0], "all")]
+        decode_s, e2e_s = sum(r[3] - r[2] for r in rs), sum(r[3] - r[1] for r in rs)
+        tokens = sum(r[4] for r in rs)
+        out[name] = {"requests": len(rs), "output_tokens": tokens,
+                     "decode_tokens_per_s": (tokens - sum(r[5] for r in rs)) / (decode_s or 1),
+                     "e2e_tokens_per_s": tokens / (e2e_s or 1)}  # fmt: skip
+    return out
+
+
+def rates_lines(rates: dict[str, dict]) -> list[str]:
+    """`family_rates`' result as the benchmarks print it, a line per family."""
+    return [
+        f"{name:>13}: {r['requests']:3} requests {r['output_tokens']:6} tokens  decode "
+        f"{r['decode_tokens_per_s']:7.1f} tok/s  end-to-end {r['e2e_tokens_per_s']:7.1f} tok/s"
+        for name, r in rates.items()
+    ]
 
 
 def stdlib_corpus(max_chars: int) -> tuple[list[str], list[str]]:

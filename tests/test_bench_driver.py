@@ -30,3 +30,18 @@ def test_collector_pauses_inside_the_timed_run_are_reported(tiny_dirs, monkeypat
     assert busy.gc_seconds > 0
     assert min(frozen) > 0  # the heap was frozen while the clock ran
     assert gc.callbacks == callbacks and gc.get_freeze_count() == 0
+
+
+def test_the_speed_driver_times_each_requests_first_and_last_tokens(tiny_dirs):
+    """`speed`'s driver (the per-family rates of `--workload families` read these)."""
+    from bench.default_engine import _closed_loop
+    from engine import SamplingParams
+
+    engine = make_engine(tiny_dirs["llama"])
+    prompts = list(enumerate(random_prompts([5, 9, 7], vocab=300, seed=4)))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    times: dict[int, list] = {}
+    tokens, seconds = _closed_loop(engine, prompts, 2, lambda i: params, times=times)
+    assert tokens == 12 and seconds > 0 and sorted(times) == [0, 1, 2]
+    for added, first, last, count, first_count in times.values():
+        assert added < first < last and count == 4 and first_count == 1

@@ -79,7 +79,7 @@ def test_interleave_starts_every_system_once_and_reverses_the_order_every_other_
         started.append(name)
         return Server(name), 1.0
 
-    async def run_level(url, prompts, level, count, args, temperature):
+    async def run_level(url, prompts, level, count, args, temperature, families=None):
         if len(prompts) > 1:  # not the warm-up
             ran.append(url.rsplit("/", 1)[1])
         tps = {"off": 100.0, "draft-adaptive": 150.0}.get(url.rsplit("/", 1)[1], 50.0 + len(ran))
