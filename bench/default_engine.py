@@ -86,6 +86,7 @@ CONFIGS = {
         ngram_assist=3,
     ),
     "ngram": SpecConfig(method="ngram", max_draft_tokens=4, draft_length="adaptive"),
+    "suffix": SpecConfig(method="suffix", max_draft_tokens=4, draft_length="adaptive"),
 }
 
 
