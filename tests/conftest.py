@@ -25,27 +25,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def pytest_collection_finish(session):
-    """tests/test_cpu_kernels_isa.py's compiler work, in the background from the start when
-    its tests were selected."""
-    from tests import isa_builds
-
-    # Under pytest-xdist every worker collects every test: the module's fixture starts the
-    # work on the worker that runs it instead.
-    if not hasattr(session.config, "workerinput") and isa_builds.wanted(session.items):
-        from engine.cpu import kernels as cpu_kernels
-
-        if cpu_kernels.available():
-            isa_builds.start(cpu_kernels.isa())
-
-
-def pytest_sessionfinish(session, exitstatus):
-    from tests import isa_builds
-
-    if isa_builds.STARTED is not None:
-        isa_builds.STARTED.stop()
-
-
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     """Tiny random models sharing one tokenizer: two Llamas, a Qwen2 (GQA), a Mistral."""
