@@ -138,6 +138,30 @@ def check_request_tokens(state: ServerState, sizes: Sequence[tuple[int, int]], n
         )
 
 
+def draft_cap(state: ServerState, req: SamplingRequest) -> int | None:
+    """The request's `speculation` as a cap on its K (None: the server's choice); a method
+    this server does not run is a 400 naming the field."""
+    spec = req.speculation
+    if spec is None:
+        return None
+    served = state.settings.engine.spec.method
+    offered = ("auto", "off") + ((served,) if served != "off" else ())
+    if spec.method not in offered:
+        raise APIError(
+            f"speculation.method {spec.method!r} is not offered by this server; it offers "
+            f"{', '.join(offered)}.",
+            400,
+            param="speculation.method",
+        )
+    if spec.method == "off" and spec.max_draft_tokens:
+        raise APIError(
+            "speculation.method off allows no drafts; drop max_draft_tokens or give 0.",
+            400,
+            param="speculation.max_draft_tokens",
+        )
+    return 0 if spec.method == "off" else spec.max_draft_tokens
+
+
 def sampling_params(
     state: ServerState,
     req: SamplingRequest,
@@ -170,6 +194,7 @@ def sampling_params(
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         grammar=grammar,
+        max_draft_tokens=draft_cap(state, req),
     )
     from engine import InvalidRequest
 

@@ -87,6 +87,18 @@ class StructuredOutputs(_Lenient):
     json_object: bool | None = None
 
 
+class Speculation(_Lenient):
+    """Tandem's extension: this request's speculation. Unknown keys are refused (400), not
+    ignored: a misspelt limit would otherwise pass unnoticed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str = "auto"
+    """auto (the server's), off, or the server's own method's name (server/prompts.py checks)."""
+    max_draft_tokens: int | None = Field(None, ge=0, strict=True)
+    """A cap on K every step, at most the server's --max-draft-tokens (the engine checks)."""
+
+
 class SamplingRequest(_Lenient):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -114,6 +126,8 @@ class SamplingRequest(_Lenient):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
+    speculation: Speculation | None = None
+    """Tandem's own: per-request speculation control."""
 
     @model_validator(mode="before")
     @classmethod

@@ -167,7 +167,14 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest (a ValueError) unless this request can be served."""
         pool_tokens = self.kv.num_blocks * self.kv.block_size
-        check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, pool_tokens)
+        check_request(
+            prompt_token_ids,
+            params,
+            self.vocab_size,
+            self.max_model_len,
+            pool_tokens,
+            self.planner.max_draft_tokens,
+        )
         if params.grammar is not None:  # compiles it (cached): off the server's event loop
             self.grammars.check(params.grammar)
 

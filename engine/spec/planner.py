@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from engine.config import SpecConfig
 from engine.spec.cost.model import CostModel, PassShape
-from engine.spec.policy import DraftLengthPolicy
+from engine.spec.policy import REASON_REQUEST, DraftLengthPolicy
 from engine.spec.proposers.base import DraftBatch, Proposer, with_forced_drafts
 from engine.spec.proposers.ngram import assist_lookup
 from engine.spec.step import StepResult
@@ -61,13 +61,17 @@ class SpecPlanner:
         batch = len(decoding)
         plans = {}
         for req, k, reason in zip(decoding, choice.ks, choice.reasons, strict=True):
-            forced = self._forced(req)
+            cap = self._cap(req)
+            if k > cap:  # the request's own `speculation` limit, after the policy's choice
+                k, reason = cap, REASON_REQUEST
+            forced = self._forced(req)[:cap] if cap else []
             if forced:  # the grammar's own drafts, whatever the policy chose
                 plans[req] = DraftPlan(len(forced), None, 1, forced)
                 continue
-            if self._may_look_up(req, k, batch):
-                found = self.lookup(req.all_token_ids, self.policy.max_draft_tokens)
-                if found and (n := self.policy.lookup_length(req, k, len(found), batch)):
+            if cap and self._may_look_up(req, k, batch):
+                found = self.lookup(req.all_token_ids, min(self.policy.max_draft_tokens, cap))
+                n = self.policy.lookup_length(req, k, len(found), batch) if found else 0
+                if n := min(n, cap):
                     plans[req] = DraftPlan(n, reason, 1, found[:n], looked_up=True)
                     continue
             width = 1 if req.grammar is not None else choice.branches  # a grammar's are chains
@@ -161,6 +165,12 @@ class SpecPlanner:
         takes the rows the search priced)."""
         usable = self.lookup is not None and req.grammar is None and not req.is_prefill
         return usable and (k > 0 or batch == 1)
+
+    def _cap(self, req: Request) -> int:
+        """The most drafts `req` allows itself (SamplingParams.max_draft_tokens), or no limit
+        (a grammar's forced drafts may outnumber K_max)."""
+        cap = req.params.max_draft_tokens
+        return max(self.policy.max_draft_tokens, FORCED_MAX) if cap is None else cap
 
     def _forced(self, req: Request) -> list[int]:
         """Tokens a decoding request's grammar forces next, at most FORCED_MAX or K_max."""

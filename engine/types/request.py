@@ -55,6 +55,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     grammar: GrammarSpec | None = None
+    max_draft_tokens: int | None = None  # this request's cap on K every step; None = K_max
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the field (engine/types/validation.py runs this)."""
@@ -81,6 +82,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequest(f"{name} must be in [-2, 2] (got {getattr(self, name)})", name)
+        if self.max_draft_tokens is not None and self.max_draft_tokens < 0:
+            raise InvalidRequest(
+                f"max_draft_tokens must be >= 0 (got {self.max_draft_tokens})",
+                "speculation.max_draft_tokens",
+            )
         if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
             raise InvalidRequest(f"unknown grammar kind {self.grammar.kind!r}", self.grammar.param)
 

@@ -14,9 +14,18 @@ def check_request(
     vocab_size: int,
     max_model_len: int,
     pool_tokens: int,
+    max_draft_tokens: int | None = None,
 ) -> None:
-    """Raise InvalidRequest unless the engine can serve this prompt with these parameters."""
+    """Raise InvalidRequest unless the engine can serve this prompt with these parameters
+    (`max_draft_tokens`: the engine's K_max, which a request's own cap may not exceed)."""
     params.validate()
+    cap = params.max_draft_tokens
+    if cap is not None and max_draft_tokens is not None and cap > max_draft_tokens:
+        raise InvalidRequest(
+            f"speculation.max_draft_tokens must be between 0 and this server's "
+            f"--max-draft-tokens, {max_draft_tokens} (got {cap}).",
+            "speculation.max_draft_tokens",
+        )
     n = len(prompt_token_ids)
     if n == 0:
         raise InvalidRequest("The prompt is empty after tokenization.", "prompt")

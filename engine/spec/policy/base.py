@@ -13,6 +13,7 @@ REASON_ACCEPTANCE = "low_acceptance"
 REASON_BUDGET = "token_budget"
 REASON_LENGTH = "max_tokens"
 REASON_MEMORY = "kv_memory"
+REASON_REQUEST = "request"  # the request's own `speculation` cap (SamplingParams.max_draft_tokens)
 
 
 @dataclass
