@@ -155,7 +155,10 @@ def test_a_q4_0_file_runs_on_its_own_blocks_and_equals_hf_generate(tmp_path):
     cache = str(tmp_path / "models")
     model_dir = prepare(str(path), cache_dir=cache)
     reference = _hf_reference(model_dir, QUESTIONS[:3])  # the kernels' path, not the model's
-    settings, engine = _start(**{"model.path": str(path), "model.cache_dir": cache})
+    # Fixed K: always drafting, and no start-up calibration of this model (the adaptive
+    # policy on the real model is test_greedy_chat_equals_hf_generate's).
+    overrides = {"model.path": str(path), "model.cache_dir": cache}
+    settings, engine = _start(**overrides, **{"speculative.draft_length": "fixed"})
     runner = engine.engine.runner
     assert "120 on Q4_0 (run as Q4_1)" in runner.kernels  # fused q|k|v and gate|up
     linears = [m for m in runner.native.modules() if isinstance(m, PackedLinear)]
