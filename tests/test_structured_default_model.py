@@ -49,8 +49,9 @@ class Weather(BaseModel):
 @pytest.fixture(scope="module", params=["draft", "ngram"])
 def client(request):
     overrides = {"server.served_model_name": "default"}
-    if request.param == "ngram":
+    if request.param == "ngram":  # fixed K: always drafting, no start-up calibration
         overrides["speculative.method"] = "ngram"
+        overrides["speculative.draft_length"] = "fixed"
     settings = load_settings(None, overrides, {})
     from engine.core.async_engine import AsyncEngine
 
