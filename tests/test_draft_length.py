@@ -278,6 +278,10 @@ def test_adaptive_engine_is_lossless_and_stops_drafting_for_a_hopeless_draft(tin
     spec = SpecConfig("draft", str(tiny_dirs["llama_draft"]), max_draft_tokens=4)
     engine = make_engine(target, spec=spec)
     assert isinstance(engine.planner.policy, AdaptiveDraftLength)
+    # A fixed cost model in which drafting is cheap: what stops the drafts is the acceptance
+    # the policy learns, not this machine's calibration (which a loaded machine skews).
+    engine.planner.cost_model = None
+    engine.planner.policy = AdaptiveDraftLength(4, memory_then_compute_bound())
     fed = _count_draft_tokens(engine)
     for i, p in enumerate(prompts):
         engine.add_request(f"a{i}", p, greedy(40))
@@ -286,8 +290,7 @@ def test_adaptive_engine_is_lossless_and_stops_drafting_for_a_hopeless_draft(tin
     stats = engine.stats()
     # The random draft rarely agrees: the policy learns that (its acceptance estimate moves
     # down from the 0.6 prior) and stops speculating, and a K = 0 step costs the draft model
-    # nothing. Whether a cut is booked to acceptance or to the batch's cost depends on the
-    # calibrated costs of this machine, so either reason counts.
+    # nothing.
     assert stats.acceptance_rate < 0.5
     assert engine.planner.policy.estimates.global_acceptance < 0.6
     cuts = stats.draft_length_reasons
