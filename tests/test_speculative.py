@@ -264,6 +264,19 @@ def _chi_square_test(counts: dict, exact: dict, n: int) -> tuple[float, float]:
     return stat, bound
 
 
+def _sampling_engine(target: Path, spec: SpecConfig):
+    """An engine with room for thousands of short sampled continuations at once."""
+    return make_engine(
+        target,
+        spec=spec,
+        num_blocks=4096,
+        max_num_seqs=512,
+        max_num_batched_tokens=4096,
+        prefix_caching=False,
+        max_waiting=4000,
+    )
+
+
 def _sample_continuations(
     target: Path,
     draft: Path,
@@ -287,15 +300,7 @@ def _sample_continuations(
         tree_drafts=tree_drafts,
         ngram_assist=ngram_assist,
     )
-    engine = make_engine(
-        target,
-        spec=spec,
-        num_blocks=4096,
-        max_num_seqs=512,
-        max_num_batched_tokens=4096,
-        prefix_caching=False,
-        max_waiting=4000,
-    )
+    engine = _sampling_engine(target, spec)
     for i in range(n):
         engine.add_request(f"t{i}", PROMPT, replace(params, seed=i) if seeded else params)
     outputs = drain(engine)

@@ -19,9 +19,13 @@ from engine.types.request import Request, RequestStatus, SamplingParams
 from server.cli import build_parser
 from server.settings import load_settings
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
-from tests.test_speculative import _chi_square_test, _exact_distribution, _params
-
-PROMPT = [1, 2, 3]  # tests/test_speculative.py's, over VOCAB = 4
+from tests.test_speculative import (
+    PROMPT,
+    _chi_square_test,
+    _exact_distribution,
+    _params,
+    _sampling_engine,
+)
 
 
 def _node(trie: SuffixTrie, tokens: list[int]):
@@ -211,15 +215,7 @@ def test_sampling_with_suffix_drafts_follows_the_target(tiny_vocab_pair):
     params = _params(temperature=1.0, top_p=0.8)
     exact = _exact_distribution(target, params)
     spec = SpecConfig("suffix", max_draft_tokens=3, draft_length="fixed", draft_branches=branches)
-    engine = make_engine(
-        target,
-        spec=spec,
-        num_blocks=4096,
-        max_num_seqs=256,
-        max_num_batched_tokens=4096,
-        prefix_caching=False,
-        max_waiting=4000,
-    )
+    engine = _sampling_engine(target, spec)
     n = 3000
     for i in range(n):
         engine.add_request(f"t{i}", PROMPT, params)

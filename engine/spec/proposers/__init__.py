@@ -18,7 +18,9 @@ def _draft_model(config, *args) -> Proposer:
 
 
 PROPOSERS["draft"] = _draft_model
-PROPOSERS["ngram"] = NgramProposer.from_config
-PROPOSERS["suffix"] = SuffixProposer.from_config
+PROPOSERS["ngram"] = lambda config, *_: NgramProposer(config.ngram_max, config.ngram_min)
+PROPOSERS["suffix"] = lambda config, *_: SuffixProposer(
+    config.suffix_max_depth, config.max_draft_tokens, config.suffix_cache_tokens
+)
 
 __all__ = ["PROPOSERS", "DraftBatch", "Proposer", "build_proposer"]

@@ -83,6 +83,26 @@ class Proposer(Protocol):
     def release(self, req: Request) -> None: ...
 
 
+class ModelFreeProposer:
+    """The members of `Proposer` a proposer without a model of its own has (prompt lookup,
+    suffix decoding): no KV, no runner; `observe` and `release` learn nothing by default."""
+
+    keeps_kv = False
+    runner = None
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return 0
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        pass
+
+    def observe(self, step: StepResult) -> None:
+        pass
+
+    def release(self, req: Request) -> None:
+        pass
+
+
 # (config, device, dtype, the target's runner, attention backend name, model impl,
 # weight quantization) -> proposer
 ProposerFactory = Callable[

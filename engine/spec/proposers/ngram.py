@@ -5,16 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import torch
-
 from engine.config import SpecConfig
-from engine.spec.proposers.base import DraftBatch, Proposer
+from engine.spec.proposers.base import DraftBatch, ModelFreeProposer, Proposer
 
 if TYPE_CHECKING:
-    from engine.model.runner import ModelRunner
-    from engine.spec.step import StepResult
     from engine.types.batch import SchedulerOutput
-    from engine.types.request import Request
 
 
 def prompt_lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
@@ -55,38 +50,10 @@ def assist_lookup(
     return lambda tokens, k: prompt_lookup(tokens, k, n_max, n_min)
 
 
-class NgramProposer:
-    keeps_kv = False
-    runner = None
-
+class NgramProposer(ModelFreeProposer):
     def __init__(self, n_max: int, n_min: int) -> None:
         self.n_max = n_max
         self.n_min = n_min
-
-    @classmethod
-    def from_config(
-        cls,
-        config: SpecConfig,
-        device: torch.device,
-        dtype: torch.dtype,
-        target: ModelRunner,
-        attention_backend: str,
-        model_impl: str,
-        quantization: str,
-    ) -> NgramProposer:
-        return cls(config.ngram_max, config.ngram_min)
-
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        return 0
-
-    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
-        pass
-
-    def observe(self, step: StepResult) -> None:
-        pass
-
-    def release(self, req: Request) -> None:
-        pass
 
     def propose(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch:
         drafts: list[list[int]] = []

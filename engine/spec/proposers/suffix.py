@@ -28,10 +28,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-import torch
-
-from engine.config import SpecConfig
-from engine.spec.proposers.base import DraftBatch
+from engine.spec.proposers.base import DraftBatch, ModelFreeProposer
 from engine.spec.proposers.suffix_tree import (
     Node,
     SuffixCache,
@@ -44,8 +41,6 @@ from engine.spec.proposers.suffix_tree import (
 from engine.types.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from engine.model.runner import ModelRunner
-    from engine.spec.step import StepResult
     from engine.types.batch import SchedulerOutput
 
 ALPHA = 1.0
@@ -65,37 +60,15 @@ class RequestIndex:
         self.indexed = 0  # tokens of all_token_ids in `trie`
 
 
-class SuffixProposer:
-    keeps_kv = False
-    runner = None
+class SuffixProposer(ModelFreeProposer):
+    """`observe` learns nothing: the step's tokens are indexed when the request next drafts
+    (`_index`)."""
 
     def __init__(self, max_depth: int, max_draft_tokens: int, cache_tokens: int) -> None:
         self.depth = max_depth
         self.match_limit = max(max_depth - max_draft_tokens, 1)
         self.cache = SuffixCache(cache_tokens, max_depth) if cache_tokens else None
         self.requests: dict[Request, RequestIndex] = {}
-
-    @classmethod
-    def from_config(
-        cls,
-        config: SpecConfig,
-        device: torch.device,
-        dtype: torch.dtype,
-        target: ModelRunner,
-        attention_backend: str,
-        model_impl: str,
-        quantization: str,
-    ) -> SuffixProposer:
-        return cls(config.suffix_max_depth, config.max_draft_tokens, config.suffix_cache_tokens)
-
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        return 0
-
-    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
-        pass
-
-    def observe(self, step: StepResult) -> None:
-        pass  # the step's tokens are indexed when the request next drafts (`_index`)
 
     def release(self, req: Request) -> None:
         """The request is gone (finished, aborted, failed): free its trie, cache its output."""
