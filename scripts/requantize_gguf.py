@@ -25,8 +25,10 @@ def requantize(source: Path, target: Path, to: str = "Q4_0") -> dict[str, int]:
     import gguf
     import numpy as np
 
+    from engine.model.files import gguf_reader
+
     kind = gguf.GGMLQuantizationType[to]
-    reader = gguf.GGUFReader(source)
+    reader = gguf_reader(source)
     arch = str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
     writer = gguf.GGUFWriter(target, arch, endianess=reader.endianess)
     for field in reader.fields.values():

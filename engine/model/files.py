@@ -82,7 +82,6 @@ class GGUFInfo:
 def inspect_gguf(path: Path, flag: str = "--model") -> GGUFInfo:
     """Read a GGUF file's header and tensor table, and check that it can be converted."""
     try:
-        from gguf import GGUFReader
         from gguf.quants import _type_traits as quant_traits  # what gguf can dequantize
         from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
     except ImportError as exc:
@@ -92,7 +91,7 @@ def inspect_gguf(path: Path, flag: str = "--model") -> GGUFInfo:
         ) from exc
     size = path.stat().st_size
     try:
-        reader = GGUFReader(path)
+        reader = gguf_reader(path)
     except Exception as exc:  # the reader raises ValueError/IndexError/struct.error alike
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -157,36 +156,62 @@ def prepare(path: str, cache_dir: str | None = None, flag: str = "--model") -> s
     if (target / _COMPLETE).exists():
         logger.info("%s: %s (cached conversion of %s)", flag, target, found)
         return str(target)
-    with _one_reader_per_file():
+    with _gguf_parsed_once():
         info = inspect_gguf(found, flag)
         convert_gguf(found, target, info, digest)
     return str(target)
 
 
+def gguf_reader(path, mode: str = "r"):
+    """A `gguf.GGUFReader` of `path` that keeps the mapped file as a plain ndarray view:
+    parsing a large vocabulary slices it hundreds of thousands of times, and each slice of an
+    `np.memmap` runs numpy's Python-level subclass hooks. The same bytes, the same fields."""
+    import numpy as np
+    from gguf.gguf_reader import GGUFReader  # the class, also where _gguf_parsed_once runs
+
+    class Reader(GGUFReader):
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, value):
+            self._plain = value.view(np.ndarray)
+
+    return Reader(path, mode)
+
+
 @contextmanager
-def _one_reader_per_file() -> Iterator[None]:
-    """Within it, the gguf package's reader parses each file once: transformers builds one
-    per call (the config, the tokenizer, the weights), and a large vocabulary makes each
-    parse slow. The readers are read-only views of the file, so sharing one changes nothing."""
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within it, the gguf package's reader parses each file once, and its tensor-name map is
+    built once per (architecture, layers): transformers builds a reader per call (the config,
+    the tokenizer, the weights), and a large vocabulary makes each parse slow; it builds a
+    name map per module of the model. Both are only read, so sharing them changes nothing."""
     try:
         import gguf
     except ImportError:  # inspect_gguf says what is missing
         yield
         return
-    original = gguf.GGUFReader
+    original, original_map = gguf.GGUFReader, gguf.get_tensor_name_map  # restored after
     readers: dict[tuple, object] = {}
+    maps: dict[tuple, object] = {}
 
     def shared(path, mode: str = "r"):  # GGUFReader's signature
         key = (os.path.realpath(path), mode)
         if key not in readers:
-            readers[key] = original(path, mode)
+            readers[key] = gguf_reader(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = shared
+    def name_map(arch, n_blocks: int):  # get_tensor_name_map's signature
+        if (arch, n_blocks) not in maps:
+            maps[arch, n_blocks] = original_map(arch, n_blocks)
+        return maps[arch, n_blocks]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared, name_map
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader, gguf.get_tensor_name_map = original, original_map
 
 
 def convert_gguf(path: Path, target: Path, info: GGUFInfo, digest: str) -> None:
