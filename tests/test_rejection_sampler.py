@@ -140,6 +140,41 @@ def _chain_tables(vocab: int, depth: int, seed: int, zero_q: bool):
     return p, q
 
 
+def _rows(table: dict[tuple[int, ...], torch.Tensor], prefixes: torch.Tensor) -> torch.Tensor:
+    """table[prefix] for each row of `prefixes` [n, length], stacked: `_chain_tables` keys
+    are inserted by length, then in itertools.product order, so a prefix's place is its
+    base-vocab number after the shorter ones."""
+    vocab, length = len(next(iter(table.values()))), prefixes.shape[1]
+    place = torch.full((len(prefixes),), sum(vocab**n for n in range(length)))
+    for i in range(length):
+        place = place + prefixes[:, i] * vocab ** (length - 1 - i)
+    return torch.stack(list(table.values()))[place]
+
+
+def _draw(rows: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """One token per probability row, by inverse CDF."""
+    u = torch.rand(len(rows), 1, generator=g, dtype=rows.dtype)
+    return (rows.cumsum(-1) < u).sum(-1).clamp(max=rows.shape[1] - 1)
+
+
+def _draft_chains(q, vocab: int, k: int, trials: int, g, model_free: bool) -> torch.Tensor:
+    """[trials, k] drafts: each from q given the chain so far, or uniform (model-free)."""
+    chains = torch.zeros(trials, 0, dtype=torch.long)
+    for _ in range(k):
+        if model_free:  # any drafts independent of the target's draws
+            nxt = torch.randint(vocab, (trials,), generator=g)
+        else:
+            nxt = _draw(_rows(q, chains), g)
+        chains = torch.cat([chains, nxt[:, None]], 1)
+    return chains
+
+
+def _along_chains(table, chains: torch.Tensor, positions: int) -> torch.Tensor:
+    """table[chain[:j]] for j < positions, chain by chain: [trials * positions, vocab]."""
+    rows = [_rows(table, chains[:, :j]) for j in range(positions)]
+    return torch.stack(rows, 1).reshape(-1, rows[0].shape[1])
+
+
 TRIALS = 40_000
 
 
@@ -156,20 +191,10 @@ def test_multi_token_output_follows_the_target(method, drafter, path):
     vocab, k, trials = 3, 3, TRIALS
     p, q = _chain_tables(vocab, k, seed=7, zero_q=drafter == "zero_q")
     g = torch.Generator().manual_seed(8)
-    drafts = []
-    for _ in range(trials):
-        chain: tuple[int, ...] = ()
-        for _ in range(k):
-            if drafter == "model_free":  # any drafts independent of the target's draws
-                chain += (int(torch.randint(vocab, (1,), generator=g)),)
-            else:
-                chain += (int(torch.multinomial(q[chain], 1, generator=g)),)
-        drafts.append(chain)
-    target = torch.stack([p[d[:j]] for d in drafts for j in range(k + 1)])
-    draft_probs = None
-    if drafter != "model_free":
-        draft_probs = torch.stack([q[d[:j]] for d in drafts for j in range(k)])
-    flat = torch.tensor([t for d in drafts for t in d])
+    chains = _draft_chains(q, vocab, k, trials, g, model_free=drafter == "model_free")
+    target = _along_chains(p, chains, k + 1)
+    draft_probs = None if drafter == "model_free" else _along_chains(q, chains, k)
+    flat = chains.flatten()
     uniform = torch.rand(trials * (k + 1), generator=g, dtype=torch.float64)
     if path == "kernel":  # logits whose softmax is p, at T = 1
         q32 = draft_probs.float() if draft_probs is not None else None
@@ -180,12 +205,12 @@ def test_multi_token_output_follows_the_target(method, drafter, path):
     else:
         out = rejection_sample(target, flat, draft_probs, [k] * trials, uniform, method=method)
 
-    counts = torch.zeros(vocab ** (k + 1))
-    for row in out.tolist():
-        seq = tuple(t for t in row if t != PAD)
-        while len(seq) < k + 1:  # the target continues after the step
-            seq += (int(torch.multinomial(p[seq], 1, generator=g)),)
-        counts[sum(t * vocab**i for i, t in enumerate(reversed(seq)))] += 1
+    seqs = out.clone()
+    for j in range(k + 1):  # the target continues after the step
+        missing = seqs[:, j] == PAD
+        seqs[missing, j] = _draw(_rows(p, seqs[missing, :j]), g)
+    cell = sum(seqs[:, j] * vocab ** (k - j) for j in range(k + 1))
+    counts = torch.bincount(cell, minlength=vocab ** (k + 1)).double()
     exact = torch.tensor(
         [
             math.prod(p[seq[:i]][seq[i]].item() for i in range(k + 1))
@@ -205,15 +230,9 @@ def test_block_verification_keeps_at_least_as_many_drafts():
     vocab, k, trials = 4, 3, 20_000
     p, q = _chain_tables(vocab, k, seed=3, zero_q=False)
     g = torch.Generator().manual_seed(4)
-    drafts = []
-    for _ in range(trials):
-        chain: tuple[int, ...] = ()
-        for _ in range(k):
-            chain += (int(torch.multinomial(q[chain], 1, generator=g)),)
-        drafts.append(chain)
-    target = torch.stack([p[d[:j]] for d in drafts for j in range(k + 1)])
-    draft_probs = torch.stack([q[d[:j]] for d in drafts for j in range(k)])
-    flat = torch.tensor([t for d in drafts for t in d])
+    chains = _draft_chains(q, vocab, k, trials, g, model_free=False)
+    target, draft_probs = _along_chains(p, chains, k + 1), _along_chains(q, chains, k)
+    flat = chains.flatten()
     uniform = torch.rand(trials * (k + 1), generator=g, dtype=torch.float64)
     kept = {}
     for method in ("token", "block"):
