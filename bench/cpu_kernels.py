@@ -105,14 +105,18 @@ def bench_gguf(args: argparse.Namespace) -> None:
     isa = cpu_kernels.isa() or ""
     vnni_default, amx_default = "+vnni" in isa, "+amx" in isa  # what the engine would run
     has_vnni, has_tiles = cpu_kernels.set_vnni(True), cpu_kernels.set_amx(True)
-    units = {  # column: (VNNI on, tiles on), where the CPU has what it needs
-        "float32": (False, False),
-        "VNNI": (True, False),
-        "AMX": (vnni_default, True),
+    units = {  # column: (x as, tiles on), where the CPU has what it needs
+        "float32": ("float32", False),
+        "VNNI": ("vnni", False),
+        "int8": ("int8", False),
+        "AMX": ("vnni" if vnni_default else "float32", True),
     }
-    present = [u for u, ok in zip(units, (True, has_vnni, has_tiles), strict=True) if ok]
-    print("| rows | float32 vector kernel | VNNI | AMX tiles (6+ rows) | VNNI / float32 |")
-    print("|---:|---:|---:|---:|---:|")
+    present = [u for u, ok in zip(units, (True, has_vnni, has_vnni, has_tiles), strict=True) if ok]
+    print(
+        "| rows | float32 vector kernel | VNNI (24-bit x) | VNNI (int8 x) | AMX tiles (6+ rows) "
+        "| int8 / float32 |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
     for rows in args.rows:
         xs = {inp: torch.randn(rows, inp) for _, inp, _ in shapes}
 
@@ -121,13 +125,16 @@ def bench_gguf(args: argparse.Namespace) -> None:
                 cpu_kernels.linear(xs[inp], panel, None, out, None, kind)
 
         def one_round(unit: str) -> float:  # a warm-up call after the switch, then --iters
-            cpu_kernels.set_vnni(units[unit][0])
-            cpu_kernels.set_amx(units[unit][1])
+            x_as, tiles = units[unit]
+            cpu_kernels.set_vnni(x_as == "vnni")
+            if x_as == "int8":
+                cpu_kernels.set_activations("int8")
+            cpu_kernels.set_amx(tiles)
             return best_ms(one_model, args.iters, 1)
 
         times = _alternated(one_round, present, args.repeats)
         cells = [f"{min(times[u]):.2f} ms" if u in times else "n/a" for u in units]
-        ratio = f"{_median_ratio(times['float32'], times['VNNI']):.3f}" if has_vnni else "n/a"
+        ratio = f"{_median_ratio(times['float32'], times['int8']):.3f}" if has_vnni else "n/a"
         print(f"| {rows} | " + " | ".join(cells) + f" | {ratio} |")
     cpu_kernels.set_vnni(vnni_default)
     cpu_kernels.set_amx(amx_default)

@@ -49,6 +49,7 @@ from transformers import AutoTokenizer
 from bench.hf_generate import sync
 from bench.prompts import chat_messages, family_cycle, family_rates, rates_lines
 from engine import (
+    CPU_ACTIVATIONS,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     CacheConfig,
@@ -61,6 +62,7 @@ from engine import (
     SpecConfig,
 )
 from engine.core.kv_budget import kv_cache_dtype
+from engine.cpu import kernels as cpu_kernels
 from engine.model.files import prepare
 from engine.model.inputs import SeqInput
 from engine.spec.proposers.eagle import is_feature_draft
@@ -91,14 +93,17 @@ CONFIGS = {
 
 
 def engine(
-    spec: SpecConfig, model: str = TARGET, quantization: str = "none", kv_cache_dtype: str = "auto"
-) -> LLMEngine:
+    spec: SpecConfig, model: str = TARGET, quantization: str = "none",
+    kv_cache_dtype: str = "auto", activations: str = "float32",
+) -> LLMEngine:  # fmt: skip
     cache = CacheConfig(
         block_size=16, memory_gb=1.0, gpu_memory_utilization=0.3, kv_cache_dtype=kv_cache_dtype
     )
     return LLMEngine(
         EngineConfig(
-            model=ModelConfig(model=prepare(model), quantization=quantization),
+            model=ModelConfig(
+                model=prepare(model), quantization=quantization, cpu_activations=activations
+            ),
             cache=cache,
             scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512),
             spec=spec,
@@ -108,39 +113,39 @@ def engine(
 
 def passes(
     model: str, quantization: str, kv_cache_dtypes: list[str], requests: int = 1,
-    context: int = 150, repeats: int = 30,
+    context: int = 150, repeats: int = 30, rows: tuple[int, ...] = (1, 2, 3, 4, 5),
+    activations: tuple[str, ...] = ("float32",),
 ) -> None:  # fmt: skip
     """Best-of-`repeats` time of one target pass in which each of `requests` requests feeds
-    1..5 tokens after `context` cached ones. With several KV cache dtypes, one runner holds a
-    pool in each and the timed passes alternate between them pass by pass (the machine's
-    speed drifts over seconds: one pass each, in turn, sees the same drift)."""
+    `rows` tokens after `context` cached ones, for each KV cache dtype and --cpu-activations
+    mode: one runner holds a pool in each dtype and switches modes, and the timed passes
+    alternate between the variants pass by pass (the machine's speed drifts over seconds:
+    one pass each, in turn, sees the same drift)."""
     runner = engine(CONFIGS["off"], model, quantization).runner
-    per_request = -(-context // 16) + 1
+    per_request = -(-(context + max(rows)) // 16)
     tables = [list(range(i * per_request, (i + 1) * per_request)) for i in range(requests)]
     pools = {}
     for kv in kv_cache_dtypes:
         runner.kv_dtype = kv_cache_dtype(kv, runner.device, runner.dtype)
         runner.allocate_kv(requests * per_request, 16)
         pools[kv] = runner.kv_caches
-
-    best = {kv: [float("inf")] * 5 for kv in pools}
-    for q in range(1, 6):
+    variants = list(itertools.product(pools, activations))
+    best = {v: {q: float("inf") for q in rows} for v in variants}
+    for q in rows:
         tokens = list(range(100, 100 + q))
-        seqs = [SeqInput(tokens, context - q, table, list(range(q))) for table in tables]
-        for pool in pools.values():
-            runner.kv_caches = pool
-            for _ in range(5):
-                runner.forward(seqs)
-        for _, (kv, pool) in itertools.product(range(repeats), pools.items()):
-            runner.kv_caches = pool
+        seqs = [SeqInput(tokens, context, table, list(range(q))) for table in tables]
+        for _, (kv, mode) in itertools.product(range(repeats + 3), variants):
+            runner.kv_caches = pools[kv]
+            if runner.kernels != "torch":
+                cpu_kernels.set_activations(mode)
             sync(runner.device)  # a GPU pass is done when the device says so
             start = time.perf_counter()
             runner.forward(seqs)
             sync(runner.device)
-            best[kv][q - 1] = min(best[kv][q - 1], time.perf_counter() - start)
-    for kv, times in best.items():
-        label = f"{requests} request(s) x 1..5 tokens over {context}, KV cache {kv}"
-        cells = ", ".join(f"{q}: {t * 1e3:.2f}" for q, t in enumerate(times, start=1))
+            best[kv, mode][q] = min(best[kv, mode][q], time.perf_counter() - start)
+    for (kv, mode), times in best.items():
+        label = f"{requests} request(s) x tokens over {context}, KV cache {kv}, x {mode}"
+        cells = ", ".join(f"{q}: {t * 1e3:.2f}" for q, t in times.items())
         print(f"target pass ms, {label}: {cells}", flush=True)
 
 
@@ -198,6 +203,7 @@ def speed(
     kv_cache_dtype: str = "auto",
     draft_quantization: str = "auto",
     workload: str = "chat",
+    activations: str = "float32",
 ) -> None:
     seeded = verification == "seeded"
     spec = replace(CONFIGS[name], verification="block" if seeded else verification)
@@ -207,7 +213,7 @@ def speed(
     if spec.method == "draft":
         chains = branches is None and is_feature_draft(draft)  # a feature draft drafts chains
         spec = replace(spec, draft_model=draft, draft_branches=1 if chains else branches)
-    eng = engine(spec, model, quantization, kv_cache_dtype)
+    eng = engine(spec, model, quantization, kv_cache_dtype, activations)
     # Warm-up requests (other prompts, same concurrency) first: they capture the CUDA graphs
     # of the shapes the run will use, which a long-running server has done long before.
     warm = max(concurrency, 4)
@@ -237,6 +243,7 @@ def speed(
     lookup = spec.ngram_assist > 0
     label = f"{name} {verification}" if name != "off" else name
     label += f" draft {draft_quantization}" if draft_quantization != "auto" else ""
+    label += f" x {activations}" if activations != "float32" else ""
     if name != "off" and spec.draft_branches != 1:
         label += f" x{spec.draft_branches or 'auto'}"
         label += " sampled" if tree_drafts == "sampled" else ""
@@ -481,6 +488,11 @@ def main(argv: list[str] | None = None) -> None:
         "int8); speed: run every draft config with each (default auto)",
     )  # fmt: skip
     p.add_argument("--context", type=int, default=150, help="passes: keys cached per request")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="passes: tokens")
+    p.add_argument(
+        "--cpu-activations", nargs="+", default=["float32"], choices=CPU_ACTIVATIONS,
+        help="passes: alternate these modes; speed: the first",
+    )  # fmt: skip
     p.add_argument(
         "--kv-cache-dtypes", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES),
         help="run every config with each of these KV caches, one after the other",
@@ -490,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.mode == "passes":
             passes(
                 args.model, args.quantization, args.kv_cache_dtypes, args.concurrency,
-                args.context,
+                args.context, rows=args.rows, activations=args.cpu_activations,
             )  # fmt: skip
         elif args.mode == "draft-passes":
             draft_passes(args.draft, args.draft_quantizations or ["none", "int8"], args.context)
@@ -506,6 +518,7 @@ def main(argv: list[str] | None = None) -> None:
                         name, args.requests, args.concurrency, args.max_tokens, args.model,
                         args.quantization, args.temperature, verification, branches,
                         args.tree_drafts, args.draft, kv, dq, args.workload,
+                        args.cpu_activations[0],
                     )  # fmt: skip
 
 

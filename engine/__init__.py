@@ -33,6 +33,7 @@ _EXPORTS = {
     "KV_CACHE_DTYPES": "engine.config",
     "MODEL_IMPLS": "engine.config",
     "QUANTIZATIONS": "engine.config",
+    "CPU_ACTIVATIONS": "engine.config",
     "SPEC_METHODS": "engine.config",
     "VERIFICATIONS": "engine.config",
     "TREE_DRAFTS": "engine.config",
@@ -46,6 +47,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from engine.config import (
         ATTENTION_BACKENDS,
+        CPU_ACTIVATIONS,
         DEVICES,
         DRAFT_LENGTH_POLICIES,
         DTYPES,

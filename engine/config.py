@@ -15,6 +15,7 @@ VERIFICATIONS = ("block", "token")  # rejection_sample's `method`
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")  # attention/backends.py + auto
 MODEL_IMPLS = ("auto", "native", "transformers")  # model/native MODEL_IMPLS
 QUANTIZATIONS = ("none", "bf16", "int8", "int4")
+CPU_ACTIVATIONS = ("float32", "int8")  # engine/cpu/kernels.py ACTIVATIONS
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -42,6 +43,7 @@ class ModelConfig:
     quantization: str = "none"
     cache_dir: str | None = None
     cpu_bind: bool = True
+    cpu_activations: str = "float32"
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "--model must name a model directory or GGUF file")
@@ -50,6 +52,7 @@ class ModelConfig:
         _check_choice("--attention-backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("--model-impl", self.model_impl, MODEL_IMPLS)
         _check_choice("--quantization", self.quantization, QUANTIZATIONS)
+        _check_choice("--cpu-activations", self.cpu_activations, CPU_ACTIVATIONS)
         _check(
             self.quantization == "none" or not self.model.endswith(".gguf"),
             f"--quantization {self.quantization} applies to Hugging Face checkpoints: a .gguf "

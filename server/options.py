@@ -10,6 +10,7 @@ from types import MappingProxyType
 
 from engine import (
     ATTENTION_BACKENDS,
+    CPU_ACTIVATIONS,
     DEVICES,
     DRAFT_LENGTH_POLICIES,
     DTYPES,
@@ -124,6 +125,17 @@ OPTIONS: tuple[Option, ...] = (
         "and then scaled (the same sums in another rounding order), about a fifth of the bytes "
         "per pass; off = its dequantized float32 weights",
         metavar="on|off",
+    ),
+    Option(
+        "model.cpu_activations",
+        "--cpu-activations",
+        str,
+        "how the CPU kernels take a quantized linear's input (GGUF blocks, --quantization "
+        "int8/int4): float32 (default) = as it is; int8 = rounded to int8 per block of 32 and "
+        "multiplied on integer dot products (AVX-512 VNNI), as llama.cpp does: a change to "
+        "the served model's numbers (docs/CPU.md measures it), with verification passes much "
+        "cheaper per row; speculative output stays exactly the same server's output",
+        choices=CPU_ACTIVATIONS,
     ),
     Option(
         "model.cpu_bind",

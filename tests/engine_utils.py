@@ -32,6 +32,7 @@ def make_engine(
     cpu_bind: bool = True,
     quantization: str = "none",
     kv_cache_dtype: str = "auto",
+    cpu_activations: str = "float32",
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
@@ -44,6 +45,7 @@ def make_engine(
                 cpu_packed_linear=cpu_packed_linear,
                 model_impl=model_impl,
                 cpu_bind=cpu_bind,
+                cpu_activations=cpu_activations,
                 quantization=quantization,
             ),
             cache=CacheConfig(

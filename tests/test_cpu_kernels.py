@@ -104,6 +104,19 @@ def _gguf_case(quant: str, out_features: int, in_features: int):
     return cpu_panels.pack_quant_weight(blocks, quant), dequantized, b, gen
 
 
+def _q4_1_minimums(quant: str, out_features: int, in_features: int) -> torch.Tensor:
+    """The Q4_1 blocks' minimums m (w = d q + m) [out, in / 32] of `_gguf_case`'s weights."""
+    gguf = pytest.importorskip("gguf")
+    w = torch.randn(
+        out_features, in_features, generator=torch.Generator().manual_seed(out_features)
+    )
+    blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[quant])
+    if quant == "Q4_0":
+        blocks = q4_0_as_q4_1(blocks)
+    m = blocks.reshape(out_features, -1, 20)[:, :, 2:4].copy().view("float16")
+    return torch.from_numpy(m.astype("float64")).reshape(out_features, -1)
+
+
 @pytest.mark.parametrize("quant", [*cpu_panels.QUANT_TYPES, "Q4_0"])
 @pytest.mark.parametrize("out_features,in_features", [(16, 32), (37, 96), (300, 576)])
 @pytest.mark.parametrize("use_vnni", [False, True])
@@ -146,6 +159,51 @@ def test_gguf_blocks_sum_as_closely_as_the_dequantized_weights_and_rows_keep_the
         for rows in range(1, AMX_MIN_ROWS if tiles else 18):  # every tile shape, and tails
             part = slice(17 - rows, 17)
             got = cpu_kernels.linear(x[part], quantized, b, out_features, res[part].clone(), quant)
+            assert torch.equal(got, full[part]), (tiles, rows)
+
+
+@pytest.fixture
+def activations():
+    """cpu_kernels.set_activations for a test; float32 again afterwards."""
+    yield cpu_kernels.set_activations
+    cpu_kernels.set_activations("float32")
+
+
+@pytest.mark.parametrize("quant", [*cpu_panels.QUANT_TYPES, "Q4_0"])
+@pytest.mark.parametrize("out_features,in_features", [(16, 32), (37, 96), (300, 576)])
+def test_int8_activations_are_x_rounded_per_block_and_rows_keep_their_bits(
+    quant, out_features, in_features, activations, amx
+):
+    """--cpu-activations int8: per row and block of 32, x becomes round(x * 127 / max|x|)
+    times max|x| / 127 and is multiplied exactly (the Q4_1 minimum's term takes x itself):
+    the result is that product within float32's rounding, not the float32 kernel's, and a
+    row's output is the same bits in every call, AMX tiles on or off (they never run)."""
+    if not activations("int8"):
+        pytest.skip("no AVX-512 VNNI on this machine")
+    quantized, dequantized, b, gen = _gguf_case(quant, out_features, in_features)
+    kind = "Q4_1" if quant == "Q4_0" else quant  # the kernel's type (see _gguf_case)
+    x = torch.randn(17, in_features, generator=gen) * 4
+    res = torch.randn(17, out_features, generator=gen)
+    amx(False)
+    full = cpu_kernels.linear(x, quantized, b, out_features, res.clone(), kind)
+    blocks = x.reshape(17, -1, 32)
+    top = blocks.abs().amax(-1, keepdim=True)
+    rounded = (torch.round(blocks * (127 / top)).double() * (top / 127).double()).reshape(x.shape)
+    expected = rounded @ dequantized.double().T + b.double() + res.double()
+    if quant in ("Q4_1", "Q4_0"):  # w = d q + m: m's term takes x itself
+        minimum = _q4_1_minimums(quant, out_features, in_features)
+        expected += (x.double() - rounded).reshape(17, -1, 32).sum(-1) @ minimum.T
+    scale = expected.abs().max()
+    assert (full.double() - expected).abs().max() <= 1e-6 * scale
+    activations("float32")
+    as_float = cpu_kernels.linear(x, quantized, b, out_features, res.clone(), kind)
+    assert (full - as_float).abs().max() > 1e-4 * scale  # x was rounded
+    activations("int8")
+    for tiles in (False, True):
+        amx(tiles)
+        for rows in range(1, 18):  # every tile shape, and tails
+            part = slice(17 - rows, 17)
+            got = cpu_kernels.linear(x[part], quantized, b, out_features, res[part].clone(), kind)
             assert torch.equal(got, full[part]), (tiles, rows)
 
 

@@ -170,3 +170,43 @@ def test_auto_rounds_a_hugging_face_draft_beside_a_target_on_gguf_blocks(tmp_pat
     assert not beside(gguf_target, hf, cpu_packed_linear=False)
     config = EngineConfig(ModelConfig(gguf_target), spec=SpecConfig(draft_model=hf))
     assert not draft_beside_gguf_blocks(config, cpu, torch.bfloat16)
+
+
+@pytest.fixture
+def float32_after():
+    """--cpu-activations is process-wide: put the kernels back to float32 after the test."""
+    yield
+    if cpu_kernels.available():
+        cpu_kernels.set_activations("float32")
+
+
+def test_int8_activations_keep_speculation_exactly_the_servers_own_output(
+    tiny_dirs: dict[str, Path], float32_after, monkeypatch
+):
+    """--cpu-activations int8 changes the model's numbers, never the lossless contract: with
+    drafts or without, greedy output is the same engine's speculation-off output. It is
+    refused where nothing runs on quantized blocks and where the CPU has no VNNI."""
+    if not cpu_kernels.available() or not cpu_kernels.set_activations("int8"):
+        pytest.skip("no CPU kernels with AVX-512 VNNI here")
+    with pytest.raises(ValueError, match="--cpu-activations int8 applies to quantized linears"):
+        make_engine(tiny_dirs["llama"], cpu_activations="int8")
+    prompts = random_prompts([5, 17, 9, 30], vocab=200, seed=5)
+    outputs = {}
+    for spec in (
+        SpecConfig(method="off"),
+        SpecConfig(method="draft", draft_model=str(tiny_dirs["llama_draft"]), draft_length="fixed"),
+        SpecConfig(method="ngram", draft_length="fixed"),
+    ):
+        engine = make_engine(
+            tiny_dirs["llama"], spec=spec, quantization="int4", cpu_activations="int8"
+        )
+        assert engine.cpu_isa.endswith("+vnni-int8")
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, greedy(16))
+        got = drain(engine)
+        outputs[spec.method] = [got[str(i)] for i in range(len(prompts))]
+        assert spec.method == "off" or engine.stats().spec_drafted_tokens > 0
+    assert outputs["draft"] == outputs["off"] == outputs["ngram"]
+    monkeypatch.setattr(cpu_kernels, "set_activations", lambda mode: mode == "float32")
+    with pytest.raises(ValueError, match="--cpu-activations int8 needs AVX-512 VNNI"):
+        make_engine(tiny_dirs["llama"], quantization="int4", cpu_activations="int8")

@@ -18,7 +18,7 @@ from engine.cpu import memory as cpu_memory
 from engine.kv.manager import KVCacheManager
 from engine.model import files as model_files
 from engine.model.decode_graphs import BATCH_BUCKETS
-from engine.model.on_cpu import draft_beside_gguf_blocks, use_cpu_kernels
+from engine.model.on_cpu import draft_beside_gguf_blocks, quantized_linears, use_cpu_kernels
 from engine.model.quantization import check_runs_here
 from engine.model.runner import ModelRunner, resolve_device, resolve_dtype
 from engine.sample.grammar import Grammars
@@ -288,10 +288,28 @@ class LLMEngine:
                 cpu_kernels.unavailable_reason(),
             )
             return
+        cpu_kernels.set_activations("float32")  # for the probes; _set_activations after
         logger.info("Tandem's CPU kernels: compiled for %s", cpu_kernels.isa())
         for runner in self.runners:
             logger.info(
                 "%s: %s", runner.name, use_cpu_kernels(runner, self.config.model.gguf_blocks)
+            )
+        self._set_activations()
+
+    def _set_activations(self) -> None:
+        """--cpu-activations, process-wide (the last engine started sets it), after the
+        start-up probes, which compare the float32 kernels with transformers: refused where
+        nothing or no CPU would use it."""
+        mode = self.config.model.cpu_activations
+        if mode != "float32" and not any(quantized_linears(r) for r in self.runners):
+            raise ValueError(
+                f"--cpu-activations {mode} applies to quantized linears (a .gguf model's blocks "
+                "or --quantization int8/int4); this model runs none on the CPU kernels"
+            )
+        if not cpu_kernels.set_activations(mode):
+            raise ValueError(
+                f"--cpu-activations {mode} needs AVX-512 VNNI; this CPU's kernels are "
+                f"{cpu_kernels.isa()}: use --cpu-activations float32"
             )
 
     def _max_model_len(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -45,7 +46,7 @@ def isa() -> str | None:
     lib = load()
     if lib is None:
         return None
-    vnni = "+vnni" if lib.tandem_vnni_active() else ""
+    vnni = ("", "+vnni", "+vnni-int8")[lib.tandem_vnni_active()]
     return lib.tandem_isa().decode() + vnni + ("+amx" if lib.tandem_amx_active() else "")
 
 
@@ -58,6 +59,24 @@ def set_vnni(enabled: bool) -> bool:
     """VNNI for the GGUF linears where the CPU has it (off unless `TANDEM_VNNI=1`, gemm_vnni.c
     says why); whether now on."""
     return bool(require().tandem_vnni_enable(int(enabled)))
+
+
+ACTIVATIONS = ("float32", "int8")
+"""How the GGUF linears take their input rows: float32, or rounded to int8 per block of 32
+(integer dot products on VNNI: gemm_vnni.c; a change of the served model's numbers)."""
+
+
+def set_activations(mode: str) -> bool:
+    """Switch the GGUF linears to `mode` (one of ACTIVATIONS), process-wide; whether the CPU
+    can (int8 needs AVX-512 VNNI; float32 always can)."""
+    if mode not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, not {mode!r}")
+    lib = require()
+    if mode == "float32":
+        if lib.tandem_vnni_active() == 2:
+            lib.tandem_vnni_enable(int(os.environ.get("TANDEM_VNNI") == "1"))
+        return True
+    return lib.tandem_vnni_enable(2) == 2
 
 
 _KERNELS = {

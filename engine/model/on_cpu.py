@@ -11,6 +11,7 @@ import torch
 from engine.cpu import kernels as cpu_kernels
 from engine.cpu import linear as cpu_linear
 from engine.cpu.gguf_blocks import use_gguf_blocks
+from engine.cpu.linear import PackedLinear
 from engine.model.files import gguf_source
 from engine.model.probe import NATIVE_TOLERANCE
 from engine.model.quantization import use_blocks
@@ -37,6 +38,13 @@ def draft_beside_gguf_blocks(
         and not (draft and gguf_source(draft) is not None)
         and cpu_kernels.available()
     )
+
+
+def quantized_linears(runner: ModelRunner) -> int:
+    """How many of `runner`'s linears run on quantized blocks (a GGUF file's or
+    --quantization's): what --cpu-activations applies to."""
+    module = runner.native if runner.native is not None else runner.model
+    return sum(isinstance(m, PackedLinear) and m.quant is not None for m in module.modules())
 
 
 def use_cpu_kernels(runner: ModelRunner, gguf_blocks: bool = True) -> str:

@@ -449,7 +449,7 @@ void tandem_amx_linear(int q4, int64_t stride, const float *x, const uint8_t *pa
 
 /* The vector kernel's calls run on VNNI integer dot products where the CPU has them and
  * TANDEM_VNNI=1 asks for them (gemm_vnni.c: x in 24-bit fixed point per block, the sums in
- * another order; it says why that is not the default). */
+ * another order; it says why that is not the default); every call does in the int8 mode. */
 int tandem_vnni_active(void);
 void tandem_vnni_linear(int q4, const float *x, const float *xsum, const uint8_t *panels,
                         const float *bias, const float *residual, float *y, int64_t M, int64_t N,
@@ -458,13 +458,14 @@ void tandem_vnni_linear(int q4, const float *x, const float *xsum, const uint8_t
 static void quant_linear(const int type, const float *x, const uint8_t *panels,
                          const float *bias, const float *residual, float *y, int64_t M,
                          int64_t N, int64_t K, int nthreads) {
-  if (M >= AMX_MIN_ROWS && tandem_amx_active()) {
+  const int vnni = tandem_vnni_active();
+  if (M >= AMX_MIN_ROWS && tandem_amx_active() && vnni != VNNI_INT8) {
     tandem_amx_linear(type == Q4_1, block_bytes(type), x, panels, bias, residual, y, M, N, K,
                       nthreads);
     return;
   }
   const float *xsum = type == Q4_1 ? block_sums(x, M, K) : 0;
-  if (tandem_vnni_active()) {
+  if (vnni != VNNI_OFF) {
     tandem_vnni_linear(type == Q4_1, x, xsum, panels, bias, residual, y, M, N, K, nthreads);
     return;
   }

@@ -26,14 +26,21 @@
  * not the same bits. A row's result depends only on that row, so it is the same in every
  * call of any number of rows. A non-finite x makes its block's sums NaN, as float32 would.
  *
+ * int8 (VNNI_INT8, `--cpu-activations int8`): the same with L = 127 and one part, X = X0, as
+ * llama.cpp's Q8_1 activations: a third of the dot products, and 1 + 1 accumulators per row
+ * and panel, so tiles hold more rows. Each x_k is then off by up to half of max|x| / 127 of
+ * its block: the served model's numbers change (docs/CPU.md says by how much). A row's
+ * rounding still depends on that row alone: this mode runs every call, AMX machines' included,
+ * so a token's logits are the same in a decoding step and in a verification pass of any width.
+ *
  * Layout: gemm_quant.c's panels unchanged. A byte permute gathers, for 4 consecutive k, each
  * column's 4 quants into that column's 32-bit lane: Q8_0 from a 64-byte load of 4 quant
  * rows (column c at byte c), then +128; Q4_1 from a load of 8 rows (column c's nibble at bit
  * 32 * (c % 2) + 4 * (c / 2) of row k's 8 bytes) the bytes holding the nibbles, then a
  * per-lane shift and a mask.
  *
- * Off by default: gemm_quant.c's float32 kernel is as fast at 1 row and faster at the 2-5
- * rows of a verification pass on the machines measured (docs/BENCHMARKS.md).
+ * The 24-bit mode is off by default: gemm_quant.c's float32 kernel is as fast at 1 row and
+ * faster at the 2-5 rows of a verification pass on the machines measured (docs/BENCHMARKS.md).
  * `TANDEM_VNNI=1` in the environment turns it on.
  */
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
@@ -56,7 +63,7 @@ static __m512i gather_idx[2], nibble_shift, q8_idx;
 int tandem_vnni_active(void) {
   if (vnni_state < 0) {
     const char *env = getenv("TANDEM_VNNI");
-    vnni_state = env && env[0] == '1';
+    vnni_state = env && env[0] == '1' ? VNNI_EXACT : VNNI_OFF;
     uint8_t idx[2][64], q8[64];
     uint32_t shift[16];
     for (int c = 0; c < 16; c++) {
@@ -75,29 +82,31 @@ int tandem_vnni_active(void) {
   return vnni_state;
 }
 
-/* Turn the path off (0) or on (1): for tests and side-by-side timings in one process. */
-int tandem_vnni_enable(int enable) {
+/* The mode: VNNI_OFF, VNNI_EXACT or VNNI_INT8 (vec.h); returns it, VNNI_OFF where the CPU
+ * has no VNNI. Set once by the engine at start; tests and timings switch it in one process. */
+int tandem_vnni_enable(int mode) {
   vnni_state = -1;
   tandem_vnni_active();
-  vnni_state = enable != 0;
+  vnni_state = mode == VNNI_EXACT || mode == VNNI_INT8 ? mode : VNNI_OFF;
   return vnni_state;
 }
 
 /* Row x (K floats) as prepared blocks (VPREP int32 each, see above; the parts' sums only for
- * Q8_0, q8). */
-static void prepare_row(const int q8, const float *x, int64_t K, int32_t *out) {
+ * Q8_0, q8). parts: 3 (x in 24-bit fixed point, split into three bytes) or 1 (x in int8). */
+static void prepare_row(const int q8, const int parts, const float *x, int64_t K, int32_t *out) {
+  const float limit = parts == 1 ? 127.0f : VLIMIT;
   for (int64_t b = 0; b < K / VBLOCK; b++, out += VPREP) {
     const __m512 lo = _mm512_loadu_ps(x + b * VBLOCK), hi = _mm512_loadu_ps(x + b * VBLOCK + 16);
     const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
     const int finite = !_mm512_cmp_ps_mask(lo, hi, _CMP_UNORD_Q) && top <= 3.4028235e38f;
-    const float inv = finite && top > 0.0f ? VLIMIT / top : 0.0f;
-    const float s = finite ? top / VLIMIT : NAN;
+    const float inv = finite && top > 0.0f ? limit / top : 0.0f;
+    const float s = finite ? top / limit : NAN;
     const __m512i half[2] = {_mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv))),
                              _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)))};
     int32_t sums[3] = {0, 0, 0};
     for (int h = 0; h < 2; h++) {
       __m512i rest = half[h];
-      for (int j = 0; j < 3; j++) { /* the part: rest's low byte, sign-extended */
+      for (int j = 0; j < parts; j++) { /* the part: rest's low byte, sign-extended */
         const __m512i part = _mm512_srai_epi32(_mm512_slli_epi32(rest, 24), 24);
         _mm_storeu_si128((__m128i *)(out + 8 * j + 4 * h), _mm512_cvtepi32_epi8(part));
         if (q8) sums[j] += _mm512_reduce_add_epi32(part);
@@ -116,7 +125,8 @@ INLINE __m512 halves(const uint8_t *p) {
 /* y[rows, the columns of np panels `pstride` bytes apart]; xp: the rows' prepared blocks,
  * xsum: their block sums (gemm_quant.c's block_sums; Q4_1), nb blocks a row. Q8_0 (q8):
  * the int8 quants become unsigned with +128, and each part's sum times 128 comes off. */
-INLINE void vnni_tile(const int q8, const int np, const int rows, const int32_t *xp,
+INLINE void vnni_tile(const int q8, const int parts, const int np, const int rows,
+                      const int32_t *xp,
                       const float *xsum,
                       int64_t nb, const uint8_t *panel, int64_t pstride, const float *bias,
                       const float *res, float *y, int64_t N, int cols) {
@@ -130,7 +140,7 @@ INLINE void vnni_tile(const int q8, const int np, const int rows, const int32_t 
     __m512i acc[4][4][3];
     for (int p = 0; p < np; p++)
       for (int r = 0; r < rows; r++)
-        for (int j = 0; j < 3; j++) acc[p][r][j] = _mm512_setzero_si512();
+        for (int j = 0; j < parts; j++) acc[p][r][j] = _mm512_setzero_si512();
     for (int h = 0; h < (q8 ? 8 : 4); h++) /* a 64-byte load: quant rows 4h.. (Q8_0), 8h.. */
       for (int p = 0; p < np; p++) {
         const __m512i raw = _mm512_loadu_si512(panel + p * pstride + b * bytes + head + 64 * h);
@@ -141,9 +151,9 @@ INLINE void vnni_tile(const int q8, const int np, const int rows, const int32_t 
                        _mm512_srlv_epi32(_mm512_permutexvar_epi8(gather_idx[g], raw), nibble_shift),
                        low4);
           for (int r = 0; r < rows; r++) {
-            const int32_t *parts = xp + (r * nb + b) * VPREP + (q8 ? h : 2 * h + g);
-            for (int j = 0; j < 3; j++)
-              acc[p][r][j] = _mm512_dpbusd_epi32(acc[p][r][j], q, _mm512_set1_epi32(parts[8 * j]));
+            const int32_t *xj = xp + (r * nb + b) * VPREP + (q8 ? h : 2 * h + g);
+            for (int j = 0; j < parts; j++)
+              acc[p][r][j] = _mm512_dpbusd_epi32(acc[p][r][j], q, _mm512_set1_epi32(xj[8 * j]));
           }
         }
       }
@@ -155,7 +165,11 @@ INLINE void vnni_tile(const int q8, const int np, const int rows, const int32_t 
         float s;
         memcpy(&s, prep + 3 * 8, 4);
         __m512 sum;
-        if (q8) { /* S_j = acc_j - 128 sum_j, |S_j| <= 128 * 128 * 32; S0 + 256 S1 < 2^31 */
+        if (parts == 1) { /* |S0| <= 128 * 127 * 32 */
+          const __m512i s0 = q8 ? _mm512_sub_epi32(acc[p][r][0], _mm512_set1_epi32(128 * prep[3 * 8 + 1]))
+                                : acc[p][r][0];
+          sum = _mm512_cvtepi32_ps(s0);
+        } else if (q8) { /* S_j = acc_j - 128 sum_j, |S_j| <= 128 * 128 * 32; S0 + 256 S1 < 2^31 */
           __m512i part[3];
           for (int j = 0; j < 3; j++)
             part[j] = _mm512_sub_epi32(acc[p][r][j], _mm512_set1_epi32(128 * prep[3 * 8 + 1 + j]));
@@ -187,58 +201,68 @@ INLINE void vnni_tile(const int q8, const int np, const int rows, const int32_t 
   }
 }
 
-/* Panels per tile of `rows` rows: 3 accumulators per row and panel, within 32 registers. */
-INLINE int vnni_panels(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
+/* Panels per tile of `rows` rows: `parts` accumulators and a float32 total per row and
+ * panel, within 32 registers. */
+INLINE int vnni_panels(int parts, int rows) {
+  return parts == 1 ? (rows <= 3 ? 4 : 2) : (rows == 1 ? 4 : rows == 2 ? 2 : 1);
+}
 
 /* One work item: np panels, all M rows, in tiles of up to 4 rows. */
-INLINE void vnni_group(const int q8, const int np, const int32_t *xp, const float *xsum,
-                       const uint8_t *panel,
-                       int64_t panel_bytes, const float *bias, const float *residual, float *y,
-                       int64_t M, int64_t N, int64_t nb, int cols) {
-  for (int64_t r = 0; r < M; r += 4) {
-    const int rows = M - r < 4 ? (int)(M - r) : 4, tp = vnni_panels(rows);
+INLINE void vnni_group(const int q8, const int parts, const int np, const int32_t *xp,
+                       const float *xsum, const uint8_t *panel, int64_t panel_bytes,
+                       const float *bias, const float *residual, float *y, int64_t M, int64_t N,
+                       int64_t nb, int cols) {
+  /* Rows a tile: up to 4, or for int8 up to 3, as even as can be (4 rows: 2 + 2). */
+  const int64_t most = parts == 1 ? 3 : 4, tiles = (M + most - 1) / most;
+  for (int64_t r = 0, t = 0; r < M; r += M / tiles + (t < M % tiles), t++) {
+    const int rows = (int)(M / tiles + (t < M % tiles)), tp = vnni_panels(parts, rows);
     const int32_t *xr = xp + r * nb * VPREP;
     const float *sr = xsum ? xsum + r * nb : 0, *rr = residual ? residual + r * N : 0;
-    for (int p0 = 0; p0 < np; p0 += tp) {
-      const int n = np - p0 < tp ? np - p0 : tp;
-      const uint8_t *pp = panel + p0 * panel_bytes;
-      const float *bp = bias ? bias + p0 * VPANEL : 0, *rp = rr ? rr + p0 * VPANEL : 0;
-      float *yp = y + r * N + p0 * VPANEL;
-      const int c = span(cols, p0 * VPANEL, n * VPANEL);
-#define VTILE(g, m) vnni_tile(q8, g, m, xr, sr, nb, pp, panel_bytes, bp, rp, yp, N, c)
-      if (n == 4 && rows == 1) VTILE(4, 1);
-      else if (n == 2 && rows == 2) VTILE(2, 2);
-      else
-        for (int p = 0; p < n; p++) { /* one panel at a time (and a group's last panels) */
-          const uint8_t *p1 = pp + p * panel_bytes;
-          const float *b1 = bp ? bp + p * VPANEL : 0, *r1 = rp ? rp + p * VPANEL : 0;
-          const int c1 = span(c, p * VPANEL, VPANEL);
-#define VTILE1(m) vnni_tile(q8, 1, m, xr, sr, nb, p1, panel_bytes, b1, r1, yp + p * VPANEL, N, c1)
-          switch (rows) {
-            case 1: VTILE1(1); break;
-            case 2: VTILE1(2); break;
-            case 3: VTILE1(3); break;
-            default: VTILE1(4); break;
-          }
-#undef VTILE1
+    for (int p = 0; p < np;) { /* whole tiles, then a group's last panels one at a time */
+      const int n = np - p >= tp ? tp : 1;
+      const uint8_t *pp = panel + p * panel_bytes;
+      const float *bp = bias ? bias + p * VPANEL : 0, *rp = rr ? rr + p * VPANEL : 0;
+      float *yp = y + r * N + p * VPANEL;
+      const int c = span(cols, p * VPANEL, n * VPANEL);
+#define VTILE(g, m) vnni_tile(q8, parts, g, m, xr, sr, nb, pp, panel_bytes, bp, rp, yp, N, c)
+      if (n == 1) {
+        switch (rows) {
+          case 1: VTILE(1, 1); break;
+          case 2: VTILE(1, 2); break;
+          case 3: VTILE(1, 3); break;
+          default: VTILE(1, 4); break;
         }
+      } else if (parts != 1) { /* tp > 1: 1 row on 4 panels or 2 rows on 2 */
+        if (rows == 1) VTILE(4, 1);
+        else VTILE(2, 2);
+      } else {
+        switch (rows) {
+          case 1: VTILE(4, 1); break;
+          case 2: VTILE(4, 2); break;
+          case 3: VTILE(4, 3); break;
+          default: VTILE(2, 4); break;
+        }
+      }
 #undef VTILE
+      p += n;
     }
   }
 }
 
-/* The group kernels, each compiled for its type (outside the OpenMP region, which GCC
- * outlines before inlining: a type passed into it would stay a run-time value). */
+/* The group kernels, each compiled for its type and parts (outside the OpenMP region, which
+ * GCC outlines before inlining: a type passed into it would stay a run-time value). */
 #define VGROUP_ARGS                                                                       \
   const int np, const int32_t *xp, const float *xsum, const uint8_t *panel,              \
       int64_t panel_bytes, const float *bias, const float *residual, float *y, int64_t M, \
       int64_t N, int64_t nb, int cols
-static void group_q4_1(VGROUP_ARGS) {
-  vnni_group(0, np, xp, xsum, panel, panel_bytes, bias, residual, y, M, N, nb, cols);
-}
-static void group_q8_0(VGROUP_ARGS) {
-  vnni_group(1, np, xp, xsum, panel, panel_bytes, bias, residual, y, M, N, nb, cols);
-}
+#define VGROUP(name, q8, parts)                                                            \
+  static void name(VGROUP_ARGS) {                                                          \
+    vnni_group(q8, parts, np, xp, xsum, panel, panel_bytes, bias, residual, y, M, N, nb, cols); \
+  }
+VGROUP(group_q4_1, 0, 3)
+VGROUP(group_q8_0, 1, 3)
+VGROUP(group_q4_1_int8, 0, 1)
+VGROUP(group_q8_0_int8, 1, 1)
 
 /* gemm_quant.c's tandem_linear_q4_1 (q4) or tandem_linear_q8_0 on VNNI; xsum: x's block
  * sums [M][K / 32] (Q4_1). */
@@ -253,13 +277,15 @@ void tandem_vnni_linear(const int q4, const float *x, const float *xsum, const u
     size = M * nb * VPREP;
     buf = malloc((size_t)size * sizeof(int32_t));
   }
-  for (int64_t r = 0; r < M; r++) prepare_row(!q4, x + r * K, K, buf + r * nb * VPREP);
+  const int parts = tandem_vnni_active() == VNNI_INT8 ? 1 : 3;
+  for (int64_t r = 0; r < M; r++) prepare_row(!q4, parts, x + r * K, K, buf + r * nb * VPREP);
   const int32_t *xp = buf;
   const int64_t num_panels = (N + VPANEL - 1) / VPANEL;
   const int64_t panel_bytes = nb * (q4 ? Q4_BYTES : Q8_BYTES);
-  const int group = M == 1 ? 4 : 2; /* panels per work item */
+  const int group = M == 1 || parts == 1 ? 4 : 2; /* panels per work item */
   const int64_t num_groups = (num_panels + group - 1) / group;
-  void (*const run)(VGROUP_ARGS) = q4 ? group_q4_1 : group_q8_0;
+  void (*const run)(VGROUP_ARGS) = parts == 1 ? (q4 ? group_q4_1_int8 : group_q8_0_int8)
+                                              : (q4 ? group_q4_1 : group_q8_0);
   /* Guided: a worker takes a run of consecutive work items, the first half of them, then a
    * quarter..., the last ones one at a time. So each reads the weights as one long stream
    * (the prefetcher keeps up, and the tile prefetches into its successor), and a worker the
@@ -279,7 +305,7 @@ void tandem_vnni_linear(const int q4, const float *x, const float *xsum, const u
 #else /* no VNNI: gemm_quant.c's float32 kernel runs every call */
 
 int tandem_vnni_active(void) { return 0; }
-int tandem_vnni_enable(int enable) { (void)enable; return 0; }
+int tandem_vnni_enable(int mode) { (void)mode; return VNNI_OFF; }
 void tandem_vnni_linear(const int q4, const float *x, const float *xsum, const uint8_t *panels,
                         const float *bias, const float *residual, float *y, int64_t M, int64_t N,
                         int64_t K, int nthreads) {

@@ -24,6 +24,13 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* How the GGUF linears take x (gemm_vnni.c): float32 (gemm_quant.c's kernel, AMX tiles from
+ * AMX_MIN_ROWS rows), VNNI on x in 24-bit fixed point (as close as float32), or VNNI on x
+ * rounded to int8 per block of 32 (every call, whatever its row count). */
+#define VNNI_OFF 0
+#define VNNI_EXACT 1
+#define VNNI_INT8 2
+
 INLINE v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 
 /* acc + a * b, rounded once on x86 machines with FMA. Without FMA (the x86-64 baseline) it is
