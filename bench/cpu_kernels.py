@@ -2,22 +2,16 @@
 model's (SmolLM2-135M's) shapes. Milliseconds, best of --repeats rounds of --iters calls, one
 thread unless --threads.
 
-  python -m bench.cpu_kernels gguf            # the GGUF linears: float32, VNNI, AMX
-  python -m bench.cpu_kernels linear          # float32 linears: torch, oneDNN, Tandem panels
-  python -m bench.cpu_kernels attention       # one layer's attention, per batch shape
+  python -m bench.cpu_kernels gguf            # the GGUF linears: float32, VNNI, int8, AMX
   python -m bench.cpu_kernels attention-pass  # the 30 layers' attention, caches in memory
   python -m bench.cpu_kernels gguf-vs BASE --repeats 100      # against commit BASE's kernels
   python -m bench.cpu_kernels attention-vs BASE --threads 2 --repeats 40
 
 `gguf`: the 30 layers' linears on Q4_1 blocks and the LM head on Q8_0, as the GGUF file has
-them (random weights quantized by the `gguf` package): the float32 vector kernel, its VNNI
-dot products, and AMX tiles from 6 rows ("n/a" where the CPU lacks the unit); the last column
-is the median of the rounds' VNNI / float32 ratios. `linear`: 8 layers' q|k|v, o, gate|up and
-down plus the LM head in float32 (bfloat16 values, as a Hugging Face checkpoint loads; each
-weight its own copy, so weights come from memory): torch `F.linear`, oneDNN on prepacked
-weights (vLLM's CPU path), Tandem's packed GEMM on float32 and on bfloat16 panels.
-`attention`: the reference backend (gather + SDPA) against the C kernel on a paged cache with
-scattered block tables. `attention-pass`: the C kernel over all 30 layers, each with its own
+them (random weights quantized by the `gguf` package): the float32 vector kernel, VNNI dot
+products on x in 24-bit fixed point and on x in int8 (--cpu-activations int8), and AMX tiles
+from 6 rows ("n/a" where the CPU lacks the unit); the last column is the median of the
+rounds' int8 / float32 ratios. `attention-pass`: the C kernel over all 30 layers, each with its own
 cache, and the rate it reads keys and values at. The `-vs BASE` modes build commit BASE's
 engine/cpu/csrc and alternate the two libraries round by round (a shared machine's speed
 drifts within minutes; the median of the rounds' ratios is steadier than two best-ofs).
@@ -37,11 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention.cpu import CPU
 from engine.attention.paged import build_metadata
-from engine.attention.reference import REFERENCE
 from engine.cpu import build as kernel_build
 from engine.cpu import kernels as cpu_kernels
 from engine.cpu import memory as cpu_memory
@@ -64,40 +56,6 @@ def best_ms(fn, iters: int, repeats: int) -> float:
             fn()
         times.append((time.perf_counter() - start) / iters * 1e3)
     return min(times)
-
-
-def bench_linear(args: argparse.Namespace) -> None:
-    shapes = [(out, inp) for out, inp, _ in GGUF_LAYER * 8 + [GGUF_HEAD]]
-    # bfloat16 values in float32, as a Hugging Face checkpoint loads
-    weights = [torch.randn(out, inp).bfloat16().float() for out, inp in shapes]
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
-    panels = [cpu_panels.pack_linear_weight(w, allow_bf16=False) for w in weights]
-    panels16 = [cpu_panels.pack_linear_weight(w) for w in weights]
-    assert all(p.dtype == torch.bfloat16 for p in panels16)
-    print(
-        "| rows | torch F.linear | oneDNN prepacked | Tandem, float32 panels | Tandem, bfloat16 panels |"
-    )
-    print("|---:|---:|---:|---:|---:|")
-    for rows in args.rows:
-        xs = {inp: torch.randn(rows, inp) for _, inp in shapes}
-
-        def run(kind: str, xs: dict = xs):
-            def one_model() -> None:
-                for i, (out, inp) in enumerate(shapes):
-                    x = xs[inp]
-                    if kind == "torch":
-                        F.linear(x, weights[i])
-                    elif kind == "onednn":
-                        torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")
-                    elif kind == "tandem":
-                        cpu_kernels.linear(x, panels[i], None, out)
-                    else:
-                        cpu_kernels.linear(x, panels16[i], None, out)
-
-            return best_ms(one_model, args.iters, args.repeats)
-
-        times = [run(kind) for kind in ("torch", "onednn", "tandem", "tandem-bf16")]
-        print(f"| {rows} | " + " | ".join(f"{t:.2f} ms" for t in times) + " |")
 
 
 def bench_gguf(args: argparse.Namespace) -> None:
@@ -275,31 +233,6 @@ def bench_attention_vs(args: argparse.Namespace) -> None:
         print(f"| {seqs} | {q_len} | {ctx} | {_vs_cells(times)} | {'yes' if same else 'no'} |")
 
 
-def bench_attention(args: argparse.Namespace) -> None:
-    heads, kv_heads, head_dim, block = ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM, ATTN_BLOCK
-    num_blocks = 1200
-    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim)
-    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim)
-    gen = torch.Generator().manual_seed(0)
-    print("| requests | queries each | keys each | reference (gather + SDPA) | C kernel |")
-    print("|---:|---:|---:|---:|---:|")
-    for seqs, q_len, ctx in [(1, 1, 250), (1, 5, 250), (16, 1, 250), (16, 5, 250), (4, 17, 100)]:
-        tables = [torch.randperm(num_blocks, generator=gen)[:64].tolist() for _ in range(seqs)]
-        shape = ([q_len] * seqs, [ctx] * seqs, tables)
-        query = torch.randn(seqs * q_len, heads, head_dim)
-        times = []
-        for backend in (REFERENCE, CPU):
-            md = build_metadata([(k_cache, v_cache)], block, *shape, torch.device("cpu"), backend)
-            times.append(
-                best_ms(
-                    lambda b=backend, m=md, q=query: b.attend(q, k_cache, v_cache, m, 0.125),
-                    args.iters,
-                    args.repeats,
-                )
-            )
-        print(f"| {seqs} | {q_len} | {ctx} | {times[0]:.3f} ms | {times[1]:.3f} ms |")
-
-
 def _pass_caches(seqs: int, ctx: int, gen: torch.Generator) -> tuple[list, torch.Tensor]:
     """Each layer's own caches for `seqs` requests of `ctx` keys, and their block tables
     (scattered over the pool): a pass's keys and values come from memory, as in a real pass."""
@@ -334,7 +267,7 @@ def bench_attention_pass(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    whats = ["linear", "attention", "attention-pass", "attention-vs", "gguf", "gguf-vs"]
+    whats = ["attention-pass", "attention-vs", "gguf", "gguf-vs"]
     p.add_argument("what", choices=whats)
     p.add_argument("base", nargs="?", default="HEAD", help="*-vs: the commit to compare with")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 5, 9, 16, 33, 64, 512])
@@ -348,8 +281,6 @@ def main() -> None:
         raise SystemExit(f"the kernels are unavailable: {cpu_kernels.unavailable_reason()}")
     print(f"{args.what}, {args.threads} thread(s), torch {torch.__version__}")
     run = {
-        "linear": bench_linear,
-        "attention": bench_attention,
         "attention-pass": bench_attention_pass,
         "attention-vs": bench_attention_vs,
         "gguf": bench_gguf,

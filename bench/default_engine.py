@@ -6,11 +6,10 @@ the held-out chat prompts (bench/prompts.py).
   python -m bench.default_engine speed --concurrency 16 --requests 32 --configs off adaptive
   python -m bench.default_engine speed --temperature 0.7 --verification token block seeded
   python -m bench.default_engine speed --configs K=2 K=3 --branches 1 2 3   # draft trees
-  python -m bench.default_engine speed --draft models/eagle   # another draft
-  python -m bench.default_engine speed --configs off ngram --model FILE.gguf  # any model
+  python -m bench.default_engine speed --draft models/eagle --model FILE.gguf
   python -m bench.default_engine speed --workload families --requests 48 --configs off ngram
   python -m bench.default_engine passes --concurrency 16 --kv-cache-dtypes auto float16
-  python -m bench.default_engine draft-passes --draft-quantizations none int8 int4
+  python -m bench.default_engine passes --rows 1 2 3 5 9 17 --cpu-activations float32 int8
 
 `speed` runs --requests held-out instructions at --temperature (greedy by default) up to
 --max-tokens each, --concurrency at a time, after max(concurrency, 4) warm-up requests (on
@@ -25,8 +24,8 @@ warm-up on chat prompts), and a line per family and overall of the decode and en
 adding the request, so at concurrency above 1 it includes waiting for a slot).
 
 `passes` prints the best time of one target pass in which each of --concurrency requests feeds
-1..5 tokens after --context cached ones; `draft-passes` the median and best one-token draft
-pass per `--draft-quantizations` value, the runners alternating pass by pass.
+--rows tokens after --context cached ones, per --kv-cache-dtypes and --cpu-activations value,
+the variants alternating pass by pass.
 
 `run_closed_loop` is the closed-loop driver the GPU benchmark (bench/gpu_bench.py) runs its
 Tandem rows with: `concurrency` requests in flight, greedy, EOS ignored.
@@ -62,7 +61,6 @@ from engine import (
     SpecConfig,
 )
 from engine.core.kv_budget import kv_cache_dtype
-from engine.cpu import kernels as cpu_kernels
 from engine.model.files import prepare
 from engine.model.inputs import SeqInput
 from engine.spec.proposers.eagle import is_feature_draft
@@ -94,7 +92,7 @@ CONFIGS = {
 
 def engine(
     spec: SpecConfig, model: str = TARGET, quantization: str = "none",
-    kv_cache_dtype: str = "auto", activations: str = "float32",
+    kv_cache_dtype: str = "auto", activations: str = "auto",
 ) -> LLMEngine:  # fmt: skip
     cache = CacheConfig(
         block_size=16, memory_gb=1.0, gpu_memory_utilization=0.3, kv_cache_dtype=kv_cache_dtype
@@ -114,7 +112,7 @@ def engine(
 def passes(
     model: str, quantization: str, kv_cache_dtypes: list[str], requests: int = 1,
     context: int = 150, repeats: int = 30, rows: tuple[int, ...] = (1, 2, 3, 4, 5),
-    activations: tuple[str, ...] = ("float32",),
+    activations: tuple[str, ...] = ("auto",),
 ) -> None:  # fmt: skip
     """Best-of-`repeats` time of one target pass in which each of `requests` requests feeds
     `rows` tokens after `context` cached ones, for each KV cache dtype and --cpu-activations
@@ -122,6 +120,7 @@ def passes(
     alternate between the variants pass by pass (the machine's speed drifts over seconds:
     one pass each, in turn, sees the same drift)."""
     runner = engine(CONFIGS["off"], model, quantization).runner
+    activations = tuple(runner.cpu_activations if m == "auto" else m for m in activations)
     per_request = -(-(context + max(rows)) // 16)
     tables = [list(range(i * per_request, (i + 1) * per_request)) for i in range(requests)]
     pools = {}
@@ -136,8 +135,7 @@ def passes(
         seqs = [SeqInput(tokens, context, table, list(range(q))) for table in tables]
         for _, (kv, mode) in itertools.product(range(repeats + 3), variants):
             runner.kv_caches = pools[kv]
-            if runner.kernels != "torch":
-                cpu_kernels.set_activations(mode)
+            runner.cpu_activations = mode
             sync(runner.device)  # a GPU pass is done when the device says so
             start = time.perf_counter()
             runner.forward(seqs)
@@ -147,34 +145,6 @@ def passes(
         label = f"{requests} request(s) x tokens over {context}, KV cache {kv}, x {mode}"
         cells = ", ".join(f"{q}: {t * 1e3:.2f}" for q, t in times.items())
         print(f"target pass ms, {label}: {cells}", flush=True)
-
-
-def draft_passes(draft: str, methods: list[str], context: int = 150, repeats: int = 2000) -> None:
-    """Median and best of `repeats` one-token draft passes over `context` cached keys, for
-    each --draft-quantization in `methods`, alternating runner by runner."""
-    runners = {}
-    for method in methods:
-        spec = SpecConfig(method="draft", draft_model=draft, draft_quantization=method)
-        runners[method] = engine(spec).proposer.runner
-        print(f"draft {method}: {runners[method].kernels}", flush=True)
-    table = list(range(-(-context // 16) + 1))
-    seqs = [SeqInput([100], context - 1, table, [0])]
-    for runner in runners.values():
-        runner.allocate_kv(len(table), 16)
-        for _ in range(10):
-            runner.forward(seqs, widen=False)
-    times: dict[str, list[float]] = {method: [] for method in runners}
-    for i in range(repeats):
-        for method, runner in list(runners.items())[:: 1 if i % 2 else -1]:
-            start = time.perf_counter()
-            runner.forward(seqs, widen=False)
-            times[method].append(time.perf_counter() - start)
-    for method, t in times.items():
-        print(
-            f"draft pass, 1 token over {context}, --draft-quantization {method}: "
-            f"median {statistics.median(t) * 1e3:.3f} ms, best {min(t) * 1e3:.3f} ms",
-            flush=True,
-        )
 
 
 def _prompts(model_dir: str, messages: list[list[dict]]) -> list[list[int]]:
@@ -203,7 +173,7 @@ def speed(
     kv_cache_dtype: str = "auto",
     draft_quantization: str = "auto",
     workload: str = "chat",
-    activations: str = "float32",
+    activations: str = "auto",
 ) -> None:
     seeded = verification == "seeded"
     spec = replace(CONFIGS[name], verification="block" if seeded else verification)
@@ -243,7 +213,7 @@ def speed(
     lookup = spec.ngram_assist > 0
     label = f"{name} {verification}" if name != "off" else name
     label += f" draft {draft_quantization}" if draft_quantization != "auto" else ""
-    label += f" x {activations}" if activations != "float32" else ""
+    label += f" x {activations}" if activations != "auto" else ""
     if name != "off" and spec.draft_branches != 1:
         label += f" x{spec.draft_branches or 'auto'}"
         label += " sampled" if tree_drafts == "sampled" else ""
@@ -460,7 +430,7 @@ def _counters(engine: LLMEngine) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("mode", choices=["passes", "draft-passes", "speed"])
+    p.add_argument("mode", choices=["passes", "speed"])
     p.add_argument("--model", default=TARGET, help="a .gguf file or Hugging Face directory")
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -482,15 +452,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--tree-drafts", default="top", choices=["top", "sampled"])
     p.add_argument("--draft", default=DRAFT, help="the draft directory of the draft configs")
-    p.add_argument(
-        "--draft-quantizations", nargs="+", default=None, choices=["auto", *QUANTIZATIONS],
-        help="draft-passes: the draft's --draft-quantization settings to time (default none "
-        "int8); speed: run every draft config with each (default auto)",
-    )  # fmt: skip
+    p.add_argument("--draft-quantizations", nargs="+", default=["auto"],
+                   choices=["auto", *QUANTIZATIONS], help="run every draft config with each")  # fmt: skip
     p.add_argument("--context", type=int, default=150, help="passes: keys cached per request")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="passes: tokens")
     p.add_argument(
-        "--cpu-activations", nargs="+", default=["float32"], choices=CPU_ACTIVATIONS,
+        "--cpu-activations", nargs="+", default=["auto"], choices=CPU_ACTIVATIONS,
         help="passes: alternate these modes; speed: the first",
     )  # fmt: skip
     p.add_argument(
@@ -504,10 +471,8 @@ def main(argv: list[str] | None = None) -> None:
                 args.model, args.quantization, args.kv_cache_dtypes, args.concurrency,
                 args.context, rows=args.rows, activations=args.cpu_activations,
             )  # fmt: skip
-        elif args.mode == "draft-passes":
-            draft_passes(args.draft, args.draft_quantizations or ["none", "int8"], args.context)
         else:
-            varied = (args.verification, args.branches, args.draft_quantizations or ["auto"])
+            varied = (args.verification, args.branches, args.draft_quantizations)
             for name, kv in itertools.product(args.configs, args.kv_cache_dtypes):
                 # speculation off: one run, nothing of the draft's to vary
                 each = [["block"], [None], ["auto"]] if name == "off" else varied

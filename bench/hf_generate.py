@@ -68,27 +68,9 @@ def generated_length(row: torch.Tensor, eos: int | None) -> int:
 
 
 @torch.inference_mode()
-def run_batch1(model, tokenizer, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Prompts (token ids) one after another, each alone, greedy."""
-    settings = greedy_kwargs(tokenizer, max_tokens)
-    traces = []
-    sync(model.device)
-    start = time.perf_counter()
-    for prompt in prompts:
-        inputs = encode(tokenizer, [prompt], model.device)
-        streamer = TimingStreamer(1)
-        trace = Trace(start=time.perf_counter())
-        out = model.generate(**inputs, streamer=streamer, **settings)
-        sync(model.device)
-        trace.chunks = streamer.chunks
-        trace.output_tokens = out.shape[1] - inputs["input_ids"].shape[1]
-        traces.append(trace)
-    return summarize(traces, time.perf_counter() - start)
-
-
-@torch.inference_mode()
 def run_padded(model, tokenizer, prompts: list[list[int]], max_tokens: int, batch: int) -> dict:
-    """Static batches of `batch` prompts (token ids), left-padded, greedy."""
+    """Static batches of `batch` prompts (token ids), left-padded, greedy (batch 1: each
+    prompt alone, unpadded)."""
     settings = greedy_kwargs(tokenizer, max_tokens)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -115,9 +97,8 @@ def run_level(
 ) -> dict:
     """Plain greedy generate() at one concurrency level, after a warm-up on `warm`: batch 1
     at level 1, else static left-padded batches of `level` prompts."""
-    if level == 1:
-        run_batch1(model, tokenizer, warm[:1], warmup_tokens)
-        return run_batch1(model, tokenizer, prompts, max_tokens)
     run_padded(model, tokenizer, warm[:level], warmup_tokens, level)
     row = run_padded(model, tokenizer, prompts, max_tokens, level)
+    if level == 1:
+        return row
     return row | {"notes": f"static batches of {level}, left padding; TTFT from each batch's start"}

@@ -3,14 +3,10 @@
   python -m bench.policy_cost                 # batches 1, 16, 64; K_max 4
   python -m bench.policy_cost --batches 8 32 --max-draft 8
 
-Per step the engine asks the policy for every decoding request's K (`choose`) and reports
-each drafting request's verified drafts back (`observe`). Both run in Python on the engine
-thread, between passes; on a GPU, where a step of 64 requests takes 1-2 ms, that time counts.
-The requests here hold 150 tokens of context and a record of 79% acceptance, and a synthetic
-cost model (1 ms passes flat up to 256 tokens, as on a GPU, then rising; 0.1 ms drafts)
-makes the policy draft. Each step observes what was chosen, with the drafts kept up to a
-random depth. Prints the mean microseconds per step (best of --repeats rounds of --steps
-steps).
+Per step: `choose` every decoding request's K, `observe` the drafts kept (up to a random
+depth), in Python on the engine thread (on a GPU a 64-request step takes 1-2 ms, so it counts).
+Requests of 150 tokens with 79% acceptance, a synthetic GPU-like cost model (1 ms passes flat
+to 256 tokens; 0.1 ms drafts). Prints the mean microseconds per step, best of --repeats.
 """
 
 from __future__ import annotations

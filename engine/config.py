@@ -15,7 +15,7 @@ VERIFICATIONS = ("block", "token")  # rejection_sample's `method`
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")  # attention/backends.py + auto
 MODEL_IMPLS = ("auto", "native", "transformers")  # model/native MODEL_IMPLS
 QUANTIZATIONS = ("none", "bf16", "int8", "int4")
-CPU_ACTIVATIONS = ("float32", "int8")  # engine/cpu/kernels.py ACTIVATIONS
+CPU_ACTIVATIONS = ("auto", "float32", "int8")  # engine/cpu/kernels.py ACTIVATIONS
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -43,7 +43,7 @@ class ModelConfig:
     quantization: str = "none"
     cache_dir: str | None = None
     cpu_bind: bool = True
-    cpu_activations: str = "float32"
+    cpu_activations: str = "auto"
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "--model must name a model directory or GGUF file")

@@ -131,10 +131,11 @@ OPTIONS: tuple[Option, ...] = (
         "--cpu-activations",
         str,
         "how the CPU kernels take a quantized linear's input (GGUF blocks, --quantization "
-        "int8/int4): float32 (default) = as it is; int8 = rounded to int8 per block of 32 and "
-        "multiplied on integer dot products (AVX-512 VNNI), as llama.cpp does: a change to "
-        "the served model's numbers (docs/CPU.md measures it), with verification passes much "
-        "cheaper per row; speculative output stays exactly the same server's output",
+        "int8/int4): int8 = rounded to int8 per block of 32 and multiplied on integer dot "
+        "products (AVX-512 VNNI), as llama.cpp does: a change to the served model's numbers "
+        "(docs/CPU.md measures it) that makes prefill and verified rows much cheaper; float32 "
+        "= as it is; auto (default) = int8 where the CPU has VNNI, else float32. Speculative "
+        "output stays exactly the same server's output in every mode",
         choices=CPU_ACTIVATIONS,
     ),
     Option(

@@ -25,6 +25,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _float32_kernels():
+    """The kernels' --cpu-activations mode is process-wide, and each runner sets its own
+    before its passes: a test that calls the kernels itself starts from float32."""
+    from engine.cpu import kernels as cpu_kernels
+
+    if cpu_kernels.activations() != "float32":
+        cpu_kernels.use_activations("float32")
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     """Tiny random models sharing one tokenizer: two Llamas, a Qwen2 (GQA), a Mistral."""

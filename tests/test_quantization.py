@@ -177,20 +177,21 @@ def float32_after():
     """--cpu-activations is process-wide: put the kernels back to float32 after the test."""
     yield
     if cpu_kernels.available():
-        cpu_kernels.set_activations("float32")
+        cpu_kernels.use_activations("float32")
 
 
 def test_int8_activations_keep_speculation_exactly_the_servers_own_output(
     tiny_dirs: dict[str, Path], float32_after, monkeypatch
 ):
     """--cpu-activations int8 changes the model's numbers, never the lossless contract: with
-    drafts or without, greedy output is the same engine's speculation-off output. It is
+    drafts or without, greedy output is the same engine's speculation-off output, and a
+    prompt's output is the same whether its blocks came from the prefix cache or not. It is
     refused where nothing runs on quantized blocks and where the CPU has no VNNI."""
-    if not cpu_kernels.available() or not cpu_kernels.set_activations("int8"):
+    if not cpu_kernels.available() or not cpu_kernels.use_activations("int8"):
         pytest.skip("no CPU kernels with AVX-512 VNNI here")
     with pytest.raises(ValueError, match="--cpu-activations int8 applies to quantized linears"):
         make_engine(tiny_dirs["llama"], cpu_activations="int8")
-    prompts = random_prompts([5, 17, 9, 30], vocab=200, seed=5)
+    prompts = random_prompts([5, 17, 45, 70], vocab=200, seed=5)  # 45, 70: prefill chunks
     outputs = {}
     for spec in (
         SpecConfig(method="off"),
@@ -206,7 +207,10 @@ def test_int8_activations_keep_speculation_exactly_the_servers_own_output(
         got = drain(engine)
         outputs[spec.method] = [got[str(i)] for i in range(len(prompts))]
         assert spec.method == "off" or engine.stats().spec_drafted_tokens > 0
+        for i, prompt in enumerate(prompts):  # alone now, the prompts' blocks cached
+            engine.add_request(f"again{i}", prompt, greedy(16))
+            assert drain(engine)[f"again{i}"] == outputs[spec.method][i]
     assert outputs["draft"] == outputs["off"] == outputs["ngram"]
-    monkeypatch.setattr(cpu_kernels, "set_activations", lambda mode: mode == "float32")
+    monkeypatch.setattr(cpu_kernels, "use_activations", lambda mode: mode == "float32")
     with pytest.raises(ValueError, match="--cpu-activations int8 needs AVX-512 VNNI"):
         make_engine(tiny_dirs["llama"], quantization="int4", cpu_activations="int8")

@@ -1,17 +1,20 @@
-"""The `cpu` attention backend (float32): queries of at most `MAX_KERNEL_QUERY` tokens go to the
-C kernel, which reads K/V in place; longer ones (prefill chunks) to the reference SDPA."""
+"""The `cpu` attention backend (float32): every query, decode, verification or prefill chunk,
+goes to the C kernel, which reads K/V in place. One kernel for all of them is what keeps a
+token's numbers independent of how its prompt was split into passes (a prefix-cache hit, a
+chunked prefill): a row's arithmetic depends on its position alone. SDPA on the long queries
+was faster at long contexts, but rounded otherwise, and with --cpu-activations int8 such a
+difference can flip a rounding to int8 and so a greedy choice."""
 
 from __future__ import annotations
 
 import torch
 
 from engine.attention.paged import AttentionMetadata, BatchLayout, KernelSeqs, tree_bits
-from engine.attention.reference import build_groups, reference_attention
 from engine.cpu import kernels as cpu_kernels
 
-MAX_KERNEL_QUERY = 32
-"""Longest query (one request's tokens in a pass) the kernel attends: about where SDPA's
-whole-tile products start to win."""
+STACK_MAX_QUERY = 32
+"""Longest query (one request's tokens in a pass) the C layer stack takes whole
+(engine/model/native/lists.py); longer passes run layer by layer, on the same kernels."""
 
 
 def supports(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> str | None:
@@ -35,7 +38,7 @@ def kernel_tables(
 
 
 class CpuBackend:
-    """Short queries through the C kernel, long ones through the reference SDPA path."""
+    """Every query through the C kernel."""
 
     graph_safe = False
 
@@ -47,25 +50,17 @@ class CpuBackend:
     def prepare(
         self, metadata: AttentionMetadata, layout: BatchLayout, device: torch.device
     ) -> None:
-        short = [i for i, q in enumerate(layout.query_lens) if q <= MAX_KERNEL_QUERY]
-        if len(short) < len(layout.query_lens):
-            long = [i for i, q in enumerate(layout.query_lens) if q > MAX_KERNEL_QUERY]
-            metadata.groups = build_groups(layout, device, long)
-        if not short:
+        if not layout.query_lens:
             return
         trees = tree_bits(layout)
-        tables = kernel_tables(
-            [layout.block_tables[i] for i in short],
-            [layout.context_lens[i] for i in short],
-            layout.block_size,
-        )
+        tables = kernel_tables(layout.block_tables, layout.context_lens, layout.block_size)
         metadata.kernel_seqs = KernelSeqs(
             tables=torch.tensor(tables, dtype=torch.int64),
-            q_starts=torch.tensor([layout.query_starts[i] for i in short], dtype=torch.int64),
-            q_lens=torch.tensor([layout.query_lens[i] for i in short], dtype=torch.int64),
-            ctx_lens=torch.tensor([layout.context_lens[i] for i in short], dtype=torch.int64),
+            q_starts=torch.tensor(layout.query_starts[: len(layout.query_lens)], dtype=torch.int64),
+            q_lens=torch.tensor(layout.query_lens, dtype=torch.int64),
+            ctx_lens=torch.tensor(layout.context_lens, dtype=torch.int64),
             tree=None if trees is None else trees[0],
-            tree_base=None if trees is None else trees[1][short],
+            tree_base=None if trees is None else trees[1],
         )
 
     def attend(
@@ -77,8 +72,6 @@ class CpuBackend:
         scale: float,
     ) -> torch.Tensor:
         seqs = metadata.kernel_seqs
-        if seqs is None:
-            return reference_attention(query, key_cache, value_cache, metadata, scale)
         query = query.contiguous()
         out = torch.empty_like(query)
         cpu_kernels.paged_attention(
@@ -94,8 +87,6 @@ class CpuBackend:
             seqs.tree,
             seqs.tree_base,
         )
-        if metadata.groups:
-            reference_attention(query, key_cache, value_cache, metadata, scale, out=out)
         return out
 
 

@@ -288,7 +288,7 @@ class LLMEngine:
                 cpu_kernels.unavailable_reason(),
             )
             return
-        cpu_kernels.set_activations("float32")  # for the probes; _set_activations after
+        cpu_kernels.use_activations("float32")  # for the probes; _set_activations after
         logger.info("Tandem's CPU kernels: compiled for %s", cpu_kernels.isa())
         for runner in self.runners:
             logger.info(
@@ -297,20 +297,31 @@ class LLMEngine:
         self._set_activations()
 
     def _set_activations(self) -> None:
-        """--cpu-activations, process-wide (the last engine started sets it), after the
-        start-up probes, which compare the float32 kernels with transformers: refused where
-        nothing or no CPU would use it."""
-        mode = self.config.model.cpu_activations
-        if mode != "float32" and not any(quantized_linears(r) for r in self.runners):
+        """--cpu-activations for both runners' passes, after the start-up probes (which
+        compare the float32 kernels with transformers'): auto is int8 where the CPU has VNNI
+        and some linear runs on quantized blocks, else float32; int8 is refused where it
+        cannot apply."""
+        mode, quantized = (
+            self.config.model.cpu_activations,
+            any(quantized_linears(r) for r in self.runners),
+        )
+        if mode == "int8" and not quantized:
             raise ValueError(
-                f"--cpu-activations {mode} applies to quantized linears (a .gguf model's blocks "
+                "--cpu-activations int8 applies to quantized linears (a .gguf model's blocks "
                 "or --quantization int8/int4); this model runs none on the CPU kernels"
             )
-        if not cpu_kernels.set_activations(mode):
+        if mode != "float32" and quantized and cpu_kernels.use_activations("int8"):
+            mode = "int8"
+        elif mode == "int8":
             raise ValueError(
-                f"--cpu-activations {mode} needs AVX-512 VNNI; this CPU's kernels are "
+                f"--cpu-activations int8 needs AVX-512 VNNI; this CPU's kernels are "
                 f"{cpu_kernels.isa()}: use --cpu-activations float32"
             )
+        else:
+            mode = "float32"
+        for runner in self.runners:
+            runner.cpu_activations = mode
+        cpu_kernels.use_activations(mode)
 
     def _max_model_len(self) -> int:
         limit = self.runner.max_positions

@@ -65,18 +65,28 @@ ACTIVATIONS = ("float32", "int8")
 """How the GGUF linears take their input rows: float32, or rounded to int8 per block of 32
 (integer dot products on VNNI: gemm_vnni.c; a change of the served model's numbers)."""
 
+_activations = "float32"
 
-def set_activations(mode: str) -> bool:
-    """Switch the GGUF linears to `mode` (one of ACTIVATIONS), process-wide; whether the CPU
-    can (int8 needs AVX-512 VNNI; float32 always can)."""
+
+def activations() -> str:
+    """The mode the GGUF linears run in now (process-wide)."""
+    return _activations
+
+
+def use_activations(mode: str) -> bool:
+    """Switch the GGUF linears to `mode` (one of ACTIVATIONS), process-wide, for the calls
+    that follow (each runner sets its own before its passes); whether the CPU can: int8
+    needs AVX-512 VNNI, float32 always can (and keeps `TANDEM_VNNI=1`'s exact VNNI path)."""
+    global _activations
     if mode not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, not {mode!r}")
     lib = require()
     if mode == "float32":
-        if lib.tandem_vnni_active() == 2:
-            lib.tandem_vnni_enable(int(os.environ.get("TANDEM_VNNI") == "1"))
-        return True
-    return lib.tandem_vnni_enable(2) == 2
+        lib.tandem_vnni_enable(int(os.environ.get("TANDEM_VNNI") == "1"))
+    elif lib.tandem_vnni_enable(2) != 2:
+        return False
+    _activations = mode
+    return True
 
 
 _KERNELS = {

@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.attention import paged as attention
 from engine.attention.backends import BACKENDS
+from engine.cpu import kernels as cpu_kernels
 from engine.model.decode_graphs import DecodeGraphs
 from engine.model.files import gguf_source
 from engine.model.head import OUTSIDE_HEAD, restrict_head
@@ -100,6 +101,9 @@ class ModelRunner:
         self.model_impl_setting = model_impl
         self.kernels = "torch"
         """What runs the layers: torch, triton (native, CUDA) or engine/model/on_cpu.py's."""
+        self.cpu_activations = "float32"
+        """How the CPU kernels' quantized linears take x in this runner's passes
+        (--cpu-activations; set once the start-up probes, which need float32, are done)."""
         if model_impl != "transformers":
             self.native = self._load_native(strict=model_impl == "native")
         self.model_impl = "native" if self.native is not None else "transformers"
@@ -280,6 +284,10 @@ class ModelRunner:
         return float32 logits [num_logits, vocab], in the order of seqs and, within a request,
         of its logit_offsets. `widen=False`: a restricted head's own columns
         [num_logits, len(head_tokens)] (`widen` makes them the vocabulary's)."""
+        if self.cpu_activations != "float32":
+            cpu_kernels.use_activations(self.cpu_activations)
+        elif self.kernels != "torch" and cpu_kernels.activations() != "float32":
+            cpu_kernels.use_activations("float32")  # another engine's passes set it
         batch = PackedBatch.pack(seqs)
         route = next(r for r in ROUTES if r.takes(self, batch))
         self.last_route = route.name

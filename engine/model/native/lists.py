@@ -1,5 +1,5 @@
 """A CPU pass built straight from the runner's lists for batches the C layer stack takes whole
-(no tree, at most `MAX_KERNEL_QUERY` tokens a request): the metadata path's bits, less work."""
+(no tree, at most `STACK_MAX_QUERY` tokens a request): the metadata path's bits, less work."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from engine.attention.backends import BACKENDS
-from engine.attention.cpu import MAX_KERNEL_QUERY, kernel_tables
+from engine.attention.cpu import STACK_MAX_QUERY, kernel_tables
 from engine.attention.paged import cache_slots
 from engine.cpu import kernels as cpu_kernels
 
@@ -27,7 +27,7 @@ def lists_take(runner: ModelRunner, query_lens: list[int], trees: list | None) -
         and runner.attention_backend is BACKENDS["cpu"]
         and trees is None
         and query_lens
-        and max(query_lens) <= MAX_KERNEL_QUERY
+        and max(query_lens) <= STACK_MAX_QUERY
     )
 
 
