@@ -84,9 +84,9 @@ def bench_gguf(args: argparse.Namespace) -> None:
 
         def one_round(unit: str) -> float:  # a warm-up call after the switch, then --iters
             x_as, tiles = units[unit]
-            cpu_kernels.set_vnni(x_as == "vnni")
-            if x_as == "int8":
-                cpu_kernels.set_activations("int8")
+            cpu_kernels.use_activations("int8" if x_as == "int8" else "float32")
+            if x_as != "int8":
+                cpu_kernels.set_vnni(x_as == "vnni")
             cpu_kernels.set_amx(tiles)
             return best_ms(one_model, args.iters, 1)
 

@@ -198,7 +198,7 @@ def test_engine_greedy_tokens_are_the_same_with_and_without(interpreted, tiny_di
     )
     tree = replace(spec, draft_branches=2, max_draft_tokens=2)  # tree passes take graphs too
     ngram = SpecConfig(method="ngram", draft_length="fixed")  # K differs between requests
-    for spec_config in (None, spec, tree, ngram):
+    for spec_config in (None, tree, ngram):  # a tree's passes: the draft's and the target's
         outputs = {}
         for graphs in (True, False):
             engine = make_engine(

@@ -194,8 +194,7 @@ def test_a_q4_0_file_runs_on_its_own_blocks_and_equals_hf_generate(tmp_path):
     assert sum(m.quant == "Q4_1" for m in linears) == 30 * 4
     with running(settings, engine, timeout=120) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
-        _check_against_reference(client, model_dir, reference, concurrency=1)
-        _check_against_reference(client, model_dir, reference, concurrency=6)
+        _check_against_reference(client, model_dir, reference, concurrency=3)
         assert engine.stats().spec_drafted_tokens > 0
 
 
