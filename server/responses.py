@@ -17,11 +17,17 @@ def now() -> int:
     return int(time.time())
 
 
-class SpeculativeUsage(BaseModel):
-    """Tandem extension: what speculative decoding did for this request."""
-
+class DraftCounts(BaseModel):
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+
+
+class SpeculativeUsage(DraftCounts):
+    """Tandem extension: what speculative decoding did for this request, in all and by what
+    drafted (`by_proposer`: draft, ngram, suffix; lookup: prompt lookups in the draft model's
+    place; grammar: tokens a structured-output grammar forced)."""
+
+    by_proposer: dict[str, DraftCounts] = Field(default_factory=dict)
 
 
 class PromptTokensDetails(BaseModel):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from engine import RequestOutput, SamplingParams, TokenLogprob
 from server.detokenizer import IncrementalDetokenizer, Piece, StopStringFilter
 from server.errors import APIError
-from server.responses import PromptTokensDetails, SpeculativeUsage, Usage
+from server.responses import DraftCounts, PromptTokensDetails, SpeculativeUsage, Usage
 from server.state import ServerState
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ class ChoiceUsage:
     cached_tokens: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    by_source: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, out: RequestOutput) -> ChoiceUsage:
@@ -53,6 +54,7 @@ class ChoiceUsage:
             cached_tokens=out.num_cached_tokens,
             drafted_tokens=out.num_drafted_tokens,
             accepted_tokens=out.num_accepted_tokens,
+            by_source=out.drafts_by_source,
         )
 
 
@@ -220,5 +222,17 @@ def total_usage(prompt_lengths: list[int], n: int, usages: dict[int, ChoiceUsage
         speculative=SpeculativeUsage(
             drafted_tokens=sum(u.drafted_tokens for u in usages.values()),
             accepted_tokens=sum(u.accepted_tokens for u in usages.values()),
+            by_proposer=_by_proposer(usages.values()),
         ),
     )
+
+
+def _by_proposer(usages) -> dict[str, DraftCounts]:
+    """The choices' drafts by what drafted them, summed."""
+    out: dict[str, DraftCounts] = {}
+    for usage in usages:
+        for source, (drafted, accepted) in usage.by_source.items():
+            counts = out.setdefault(source, DraftCounts())
+            counts.drafted_tokens += drafted
+            counts.accepted_tokens += accepted
+    return out

@@ -63,6 +63,11 @@ def test_greedy_output_is_the_same_whatever_the_request_chooses(served):
             assert _drafted(out) == 0, speculation
     if method == "draft":  # the random tiny draft always drafts; a lookup only on repeats
         assert _drafted(plain) > 0
+        spec = plain.usage.model_extra["speculative"]
+        by = spec["by_proposer"]  # which proposer drafted what, summing to the totals
+        assert by["draft"]["drafted_tokens"] > 0 and set(by) <= {"draft", "lookup"}
+        for key in ("drafted_tokens", "accepted_tokens"):
+            assert sum(counts[key] for counts in by.values()) == spec[key]
         capped = _complete(served, {"max_draft_tokens": 1})
         # At most one draft a step: no more drafts than tokens, and fewer than K = 2 gives.
         assert 0 < _drafted(capped) <= 12 and _drafted(capped) < _drafted(plain)
@@ -74,6 +79,7 @@ def test_chat_accepts_the_field(served):
     off = _chat(served, {"method": "off"})
     assert off.choices[0].message.content == plain.choices[0].message.content
     assert _drafted(off) == 0
+    assert off.usage.model_extra["speculative"]["by_proposer"] == {}
     served.wait_idle()
 
 

@@ -45,6 +45,7 @@ class SpecPlanner:
         self.proposer = proposer
         self.cost_model = cost_model
         self.lookup = assist_lookup(spec, proposer)
+        self.method = spec.method
         self.keeps_draft_kv = proposer is not None and proposer.keeps_kv
         self.counters = SpecCounters()
         self._step_start = 0.0
@@ -114,10 +115,13 @@ class SpecPlanner:
                 counters.lookup_drafted += drafted
                 counters.lookup_accepted += accepted
                 self.policy.observe_lookup(drafted, accepted)
+                req.spec.count("lookup", drafted, accepted)
             elif item.forced:
                 counters.forced_drafted += drafted
                 counters.forced_accepted += accepted
+                req.spec.count("grammar", drafted, accepted)
             elif drafted:
+                req.spec.count(self.method, drafted, accepted)
                 req.spec.record(drafted, accepted)
                 counters.totals.record(drafted, accepted)
                 self.policy.observe(req, drafted, accepted, item.branches)

@@ -128,6 +128,14 @@ class SpecStats:
     verify_passes: int = 0
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
+    by_source: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Drafted and accepted tokens by what drafted them: the proposer's method (draft, ngram,
+    suffix), "lookup" (prompt lookups in the draft model's place), "grammar" (forced
+    tokens). Only a request's own stats keep these."""
+
+    def count(self, source: str, num_drafted: int, num_accepted: int) -> None:
+        drafted, accepted = self.by_source.get(source, (0, 0))
+        self.by_source[source] = (drafted + num_drafted, accepted + num_accepted)
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         self.drafted += num_drafted
