@@ -35,9 +35,6 @@ QUESTIONS = [
     "Write a Python function that reverses a string.",
     "Explain photosynthesis in simple terms.",
     "Write a haiku about the sea.",
-    "What is the difference between weather and climate?",
-    "How do I make a cup of tea?",
-    "Tell me about the Moon.",
 ]
 
 pytestmark = [
