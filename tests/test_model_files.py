@@ -116,6 +116,28 @@ def test_prepare_reuses_a_complete_conversion_and_redoes_an_interrupted_one(tmp_
     assert model_files.prepare(str(other), str(cache)) != first
 
 
+def test_the_conversion_command_converts_into_the_servers_cache(tmp_path, monkeypatch, capsys):
+    """`python -m engine.model.files` (the Dockerfile's build step) writes where `tandem serve`
+    will look: $TANDEM_MODEL_CACHE_DIR, the variable of --model-cache-dir, when set."""
+    from server.options import BY_KEY
+
+    assert BY_KEY["model.cache_dir"].env == model_files.CACHE_DIR_ENV
+    helped = subprocess.run(
+        [sys.executable, "-m", "engine.model.files", "--help"], capture_output=True, text=True
+    )
+    assert helped.returncode == 0 and model_files.CACHE_DIR_ENV in helped.stdout
+    path, cache = write_gguf(tmp_path / "m.gguf"), tmp_path / "image-cache"
+
+    def fake_convert(src, target, info, digest):  # the conversion itself: test_default_model
+        target.mkdir(parents=True)
+        (target / model_files._COMPLETE).write_text("{}")
+
+    monkeypatch.setattr(model_files, "convert_gguf", fake_convert)
+    monkeypatch.setenv(model_files.CACHE_DIR_ENV, str(cache))
+    assert model_files.main([str(path)]) == 0
+    assert Path(capsys.readouterr().out.strip()).parent == cache
+
+
 def test_prepare_config_converts_target_and_draft(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(

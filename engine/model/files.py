@@ -26,6 +26,10 @@ _COMPLETE = "tandem-gguf.json"
 _PLAIN_TYPES = frozenset({"F32", "F16", "BF16"})
 
 
+CACHE_DIR_ENV = "TANDEM_MODEL_CACHE_DIR"
+"""The server's --model-cache-dir variable, which the command below reads too."""
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "tandem" / "models"
@@ -299,14 +303,19 @@ def default_served_name(path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m engine.model_files PATH [--cache-dir DIR]`: convert (or find) a GGUF file's
-    Hugging Face directory ahead of serving, and print it."""
+    """`python -m engine.model.files PATH [--cache-dir DIR]`: convert (or find) a GGUF file's
+    Hugging Face directory ahead of serving, and print it. The cache is the server's: the
+    `TANDEM_MODEL_CACHE_DIR` variable (`--model-cache-dir`) when set, as `tandem serve` reads
+    it, so an image that converts at build time is found again at start."""
     import argparse
     import sys
 
-    p = argparse.ArgumentParser(prog="python -m engine.model_files", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m engine.model.files", description=main.__doc__)
     p.add_argument("path", help="a .gguf file, pkg://PACKAGE/FILE, or a model directory")
-    p.add_argument("--cache-dir", default=None, help=f"default {default_cache_dir()}")
+    env = os.environ.get(CACHE_DIR_ENV) or None
+    p.add_argument(
+        "--cache-dir", default=env, help=f"default ${CACHE_DIR_ENV}, else {default_cache_dir()}"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
