@@ -56,26 +56,6 @@ def reference(model_dir) -> dict[str, list[int]]:
     return _hf_reference(model_dir)
 
 
-@pytest.fixture(scope="module")
-def served_reference(model_dir) -> dict[str, list[int]]:
-    """The shipped configuration's greedy answers with speculation off (question -> token
-    ids), in the activations `auto` chose on this machine: what its speculation must equal."""
-    from transformers import AutoTokenizer
-
-    from engine import LLMEngine, SamplingParams
-    from tests.engine_utils import drain
-
-    engine = LLMEngine(load_settings(None, {"speculative.method": "off"}, {}).engine)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    for i, q in enumerate(QUESTIONS):
-        messages = [{"role": "user", "content": q}]
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = tok.encode(text, add_special_tokens=False)
-        engine.add_request(str(i), ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-    out = drain(engine)
-    return {q: out[str(i)] for i, q in enumerate(QUESTIONS)}
-
-
 def _hf_reference(model_dir: str, questions: list[str] = QUESTIONS) -> dict[str, list[int]]:
     """Hugging Face generate(), greedy, on the dequantized weights: question -> token ids."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -101,32 +81,46 @@ def _start(**overrides):
     return settings, AsyncEngine.from_config(settings.engine)
 
 
+def _ask(client, questions: list[str], concurrency: int, extra: dict | None = None) -> list:
+    """Greedy chat answers to `questions`, `concurrency` at a time: (text, finish, tokens)."""
+
+    def ask(q: str):
+        answer = client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": q}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body=extra,
+        )
+        choice = answer.choices[0]
+        return choice.message.content, choice.finish_reason, answer.usage.completion_tokens
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(ask, questions))
+
+
 def _check_against_reference(client, model_dir, reference, concurrency: int) -> None:
-    """Each question of `reference` (twice over when concurrent) against its answer."""
+    """Each question of `reference` (twice over when concurrent) against its answer:
+    token ids (generate()'s), or (text, finish, tokens) as `_ask` gives them."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     eos = {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
 
-    def ask(q: str):
-        return client.chat.completions.create(
-            model="default",
-            messages=[{"role": "user", "content": q}],
-            max_tokens=MAX_TOKENS,
-            temperature=0,
+    def expected(want) -> tuple:
+        if isinstance(want, tuple):
+            return want
+        stopped = want[-1] in eos
+        return (
+            tok.decode(want[:-1] if stopped else want),
+            "stop" if stopped else "length",
+            len(want),
         )
 
     questions = list(reference) * 2 if concurrency > 1 else list(reference)
-    with ThreadPoolExecutor(concurrency) as pool:
-        answers = list(pool.map(ask, questions))
+    answers = _ask(client, questions, concurrency)
     for q, answer in zip(questions, answers, strict=True):
-        want = reference[q]
-        stopped = want[-1] in eos
-        text = tok.decode(want[:-1] if stopped else want)
-        choice = answer.choices[0]
-        assert choice.message.content == text, q
-        assert choice.finish_reason == ("stop" if stopped else "length"), q
-        assert answer.usage.completion_tokens == len(want), q
+        assert answer == expected(reference[q]), q
 
 
 FLOAT32 = {"model.cpu_activations": "float32"}  # the numbers generate() computes
@@ -147,10 +141,14 @@ FLOAT32 = {"model.cpu_activations": "float32"}  # the numbers generate() compute
     ids=["draft-adaptive", "ngram-fixed", "eagle-fixed"],
 )
 def test_greedy_chat_equals_hf_generate_or_the_servers_own(model_dir, request, spec):
-    reference = request.getfixturevalue("reference" if spec else "served_reference")
     settings, engine = _start(**spec)
     with running(settings, engine, timeout=120) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        if spec:
+            reference = request.getfixturevalue("reference")
+        else:  # the same server's answers with speculation off (the per-request field)
+            off = _ask(client, QUESTIONS, 1, {"speculation": {"method": "off"}})
+            reference = dict(zip(QUESTIONS, off, strict=True))
         _check_against_reference(client, model_dir, reference, concurrency=1)
         _check_against_reference(client, model_dir, reference, concurrency=16)
         stats = engine.stats()
