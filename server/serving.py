@@ -42,9 +42,8 @@ class ChoiceUsage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
     by_source: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Drafted and accepted tokens by what drafted them (RequestOutput.drafts_by_source)."""
 
     @classmethod
     def of(cls, out: RequestOutput) -> ChoiceUsage:
@@ -52,8 +51,6 @@ class ChoiceUsage:
             prompt_tokens=out.num_prompt_tokens,
             completion_tokens=out.num_output_tokens,
             cached_tokens=out.num_cached_tokens,
-            drafted_tokens=out.num_drafted_tokens,
-            accepted_tokens=out.num_accepted_tokens,
             by_source=out.drafts_by_source,
         )
 
@@ -219,20 +216,18 @@ def total_usage(prompt_lengths: list[int], n: int, usages: dict[int, ChoiceUsage
         completion_tokens=completion,
         total_tokens=sum(prompt_lengths) + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
-        speculative=SpeculativeUsage(
-            drafted_tokens=sum(u.drafted_tokens for u in usages.values()),
-            accepted_tokens=sum(u.accepted_tokens for u in usages.values()),
-            by_proposer=_by_proposer(usages.values()),
-        ),
+        speculative=_speculative(usages.values()),
     )
 
 
-def _by_proposer(usages) -> dict[str, DraftCounts]:
-    """The choices' drafts by what drafted them, summed."""
-    out: dict[str, DraftCounts] = {}
+def _speculative(usages) -> SpeculativeUsage:
+    """The choices' drafts by what drafted them, summed, and in all."""
+    out = SpeculativeUsage()
     for usage in usages:
         for source, (drafted, accepted) in usage.by_source.items():
-            counts = out.setdefault(source, DraftCounts())
+            counts = out.by_proposer.setdefault(source, DraftCounts())
             counts.drafted_tokens += drafted
             counts.accepted_tokens += accepted
+            out.drafted_tokens += drafted
+            out.accepted_tokens += accepted
     return out

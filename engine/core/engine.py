@@ -301,24 +301,20 @@ class LLMEngine:
         compare the float32 kernels with transformers'): auto is int8 where the CPU has VNNI
         and some linear runs on quantized blocks, else float32; int8 is refused where it
         cannot apply."""
-        mode, quantized = (
-            self.config.model.cpu_activations,
-            any(quantized_linears(r) for r in self.runners),
-        )
-        if mode == "int8" and not quantized:
+        asked = self.config.model.cpu_activations
+        quantized = any(quantized_linears(r) for r in self.runners)
+        if asked == "int8" and not quantized:
             raise ValueError(
                 "--cpu-activations int8 applies to quantized linears (a .gguf model's blocks "
                 "or --quantization int8/int4); this model runs none on the CPU kernels"
             )
-        if mode != "float32" and quantized and cpu_kernels.use_activations("int8"):
-            mode = "int8"
-        elif mode == "int8":
+        int8 = asked != "float32" and quantized and cpu_kernels.use_activations("int8")
+        if asked == "int8" and not int8:
             raise ValueError(
                 f"--cpu-activations int8 needs AVX-512 VNNI; this CPU's kernels are "
                 f"{cpu_kernels.isa()}: use --cpu-activations float32"
             )
-        else:
-            mode = "float32"
+        mode = "int8" if int8 else "float32"
         for runner in self.runners:
             runner.cpu_activations = mode
         cpu_kernels.use_activations(mode)

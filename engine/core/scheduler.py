@@ -242,8 +242,6 @@ def make_output(req: Request, new_tokens: list[int], logprobs: list | None) -> R
         num_prompt_tokens=req.num_prompt_tokens,
         num_output_tokens=req.num_output_tokens,
         num_cached_tokens=req.num_cached_tokens,
-        num_drafted_tokens=sum(d for d, _ in req.spec.by_source.values()),
-        num_accepted_tokens=sum(a for _, a in req.spec.by_source.values()),
         drafts_by_source=dict(req.spec.by_source),
         error=req.error,
         error_code=req.error_code,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -170,10 +171,15 @@ def gguf_reader(path, mode: str = "r"):
     """A `gguf.GGUFReader` of `path` that keeps the mapped file as a plain ndarray view:
     parsing a large vocabulary slices it hundreds of thousands of times, and each slice of an
     `np.memmap` runs numpy's Python-level subclass hooks. The same bytes, the same fields."""
+    return _plain_reader()(path, mode)
+
+
+@functools.cache
+def _plain_reader() -> type:
     import numpy as np
     from gguf.gguf_reader import GGUFReader  # the class, also where _gguf_parsed_once runs
 
-    class Reader(GGUFReader):
+    class PlainReader(GGUFReader):
         @property
         def data(self):
             return self._plain
@@ -182,7 +188,7 @@ def gguf_reader(path, mode: str = "r"):
         def data(self, value):
             self._plain = value.view(np.ndarray)
 
-    return Reader(path, mode)
+    return PlainReader
 
 
 @contextmanager

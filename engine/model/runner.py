@@ -284,10 +284,8 @@ class ModelRunner:
         return float32 logits [num_logits, vocab], in the order of seqs and, within a request,
         of its logit_offsets. `widen=False`: a restricted head's own columns
         [num_logits, len(head_tokens)] (`widen` makes them the vocabulary's)."""
-        if self.cpu_activations != "float32":
-            cpu_kernels.use_activations(self.cpu_activations)
-        elif self.kernels != "torch" and cpu_kernels.activations() != "float32":
-            cpu_kernels.use_activations("float32")  # another engine's passes set it
+        if self.kernels != "torch" and cpu_kernels.activations() != self.cpu_activations:
+            cpu_kernels.use_activations(self.cpu_activations)  # another runner's passes set it
         batch = PackedBatch.pack(seqs)
         route = next(r for r in ROUTES if r.takes(self, batch))
         self.last_route = route.name

@@ -27,8 +27,6 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
-    num_drafted_tokens: int = 0  # every source's (drafts_by_source)
-    num_accepted_tokens: int = 0
     drafts_by_source: dict[str, tuple[int, int]] = field(default_factory=dict)
     """(drafted, accepted) by what drafted them (SpecStats.by_source)."""
     error: str | None = None
