@@ -13,9 +13,10 @@ $(VENV)/.installed: pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV) runtime
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed
+# The dev extras include the runtime install: one pip run for both, both stamps.
+$(VENV)/.installed-dev: pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV) dev
-	touch $@
+	touch $(VENV)/.installed $@
 
 install: $(VENV)/.installed
 

@@ -35,7 +35,7 @@ def test_greedy_with_lookups_equals_target_only(tiny_dirs):
     lookup = engine.planner.lookup
     assert lookup is not None
 
-    def recording_lookup(tokens: list[int], k: int) -> list[int]:
+    def recording_lookup(tokens: list[int], k: int) -> tuple[int, list[int]]:
         asked.append((tokens, sum(not r.is_prefill for r in engine.scheduler.running)))
         return lookup(tokens, k)
 

@@ -20,7 +20,7 @@ class RecordingPolicy:
     def __init__(self, ks: dict[str, int], max_draft_tokens: int = 3, branches: int = 1) -> None:
         self.ks, self.max_draft_tokens, self.branches = ks, max_draft_tokens, branches
         self.observed: list[tuple[str, int, int, int]] = []
-        self.lookups: list[tuple[int, int]] = []
+        self.lookups: list[tuple[int, int, int]] = []
 
     def choose(self, requests: list[Request], num_other_tokens: int = 0) -> DraftLengths:
         ks = [self.ks[r.request_id] for r in requests]
@@ -30,11 +30,11 @@ class RecordingPolicy:
     def observe(self, request: Request, num_drafted: int, num_accepted: int, branches=1) -> None:
         self.observed.append((request.request_id, num_drafted, num_accepted, branches))
 
-    def lookup_length(self, request: Request, k: int, found: int, batch: int) -> int:
+    def lookup_length(self, request: Request, k: int, match: int, found: int, batch: int) -> int:
         return min(k, found)
 
-    def observe_lookup(self, num_drafted: int, num_accepted: int) -> None:
-        self.lookups.append((num_drafted, num_accepted))
+    def observe_lookup(self, match: int, num_drafted: int, num_accepted: int) -> None:
+        self.lookups.append((match, num_drafted, num_accepted))
 
 
 class ForcingGrammar:
@@ -67,7 +67,9 @@ def test_a_grammar_forces_its_tokens_and_a_lookup_gives_its_continuation():
     planner = SpecPlanner(spec, policy, proposer=None)
     assert planner.lookup is None  # a lookup assists a draft model only
     # As the n-gram lookup finds them: only `repeats` has an earlier occurrence of its suffix.
-    planner.lookup = lambda tokens, k: [8, 5, 6][:k] if tokens == repeats.all_token_ids else []
+    planner.lookup = lambda tokens, k: (
+        (3, [8, 5, 6][:k]) if tokens == repeats.all_token_ids else (0, [])
+    )
     plans = planner.plan([forced, repeats, plain], num_other_tokens=0)
 
     g = plans[forced]  # the grammar's tokens whatever K the policy chose, as a chain
@@ -79,7 +81,7 @@ def test_a_grammar_forces_its_tokens_and_a_lookup_gives_its_continuation():
         None,
     )
     lookup = plans[repeats]  # the lookup's drafts in place of the proposer's, as a chain
-    assert (lookup.k, lookup.given, lookup.width, lookup.looked_up) == (2, [8, 5], 1, True)
+    assert (lookup.k, lookup.given, lookup.width, lookup.lookup_match) == (2, [8, 5], 1, 3)
     assert lookup.reason == "low_acceptance"  # the policy's reason stands
     p = plans[plain]  # the proposer drafts, in the policy's tree width
     assert (p.k, p.given, p.width) == (1, None, 2)
@@ -90,7 +92,7 @@ def test_observe_feeds_each_kind_of_draft_to_its_own_count_and_skips_aborted_req
     sched = SchedulerOutput(
         [
             ScheduledRequest(reqs[0], 1, 3, reason=None),
-            ScheduledRequest(reqs[1], 1, 2, forced=[4, 5], looked_up=True, reason="batch_cost"),
+            ScheduledRequest(reqs[1], 1, 2, forced=[4, 5], lookup_match=3, reason="batch_cost"),
             ScheduledRequest(reqs[2], 1, 2, forced=[6, 7]),
             ScheduledRequest(reqs[3], 1, 3, reason="kv_memory"),
         ]
@@ -107,7 +109,7 @@ def test_observe_feeds_each_kind_of_draft_to_its_own_count_and_skips_aborted_req
     planner.observe(StepResult(sched, None, VerifyResult(tokens), 0.0, 0.0))
 
     assert policy.observed == [("proposed", 3, 2, 1)]  # only the proposer's drafts teach it
-    assert policy.lookups == [(2, 0)]
+    assert policy.lookups == [(3, 2, 0)]
     counters = planner.counters
     assert (counters.totals.drafted, counters.totals.accepted) == (3, 2)
     assert (reqs[0].spec.drafted, reqs[0].spec.accepted) == (3, 2)

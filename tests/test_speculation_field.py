@@ -136,7 +136,7 @@ def test_the_planner_caps_k_after_the_policy_with_its_own_reason():
     policy = RecordingPolicy({"p": 3, "o": 3, "one": 3, "low": 2, "g": 3, "g1": 3})
     spec = SpecConfig("draft", "unused", max_draft_tokens=3, ngram_assist=2)
     planner = SpecPlanner(spec, policy, proposer=None)
-    planner.lookup = lambda tokens, k: [9, 9, 9][:k]  # every request would find a lookup
+    planner.lookup = lambda tokens, k: (3, [9, 9, 9][:k])  # every request would find a lookup
     reqs = [plain, off, one, low, forced, forced_one]
     plans = planner.plan(reqs, 0)
     assert (plans[plain].k, plans[plain].reason) == (3, None)

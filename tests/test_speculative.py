@@ -39,10 +39,10 @@ class PerRequestK:
     ) -> None:
         pass
 
-    def lookup_length(self, request: Request, k: int, found: int, batch: int) -> int:
+    def lookup_length(self, request: Request, k: int, match: int, found: int, batch: int) -> int:
         return min(k, found)
 
-    def observe_lookup(self, num_drafted: int, num_accepted: int) -> None:
+    def observe_lookup(self, match: int, num_drafted: int, num_accepted: int) -> None:
         pass
 
 

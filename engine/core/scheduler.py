@@ -75,7 +75,7 @@ class Scheduler:
                 reason, k = REASON_MEMORY, 0
             given = plan.given[:k] if plan.given and k else None
             item = ScheduledRequest(
-                req, num_new, k, width if k else 1, given, plan.looked_up and k > 0, reason
+                req, num_new, k, width if k else 1, given, plan.lookup_match if k else 0, reason
             )
             out.scheduled.append(item)
             budget -= num_new + item.num_draft_slots

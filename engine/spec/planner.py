@@ -19,6 +19,10 @@ from engine.types.request import Request, SpecStats
 FORCED_MAX = 4
 """The most grammar-forced drafts a step takes per request when K_max is smaller."""
 
+LOOKUP_MAX = 16
+"""The most drafts a prompt lookup offers a request decoding alone (the policy prices each of
+them): text copied from the context tends to go on being copied, well past K_max."""
+
 
 @dataclass
 class SpecCounters:
@@ -70,10 +74,11 @@ class SpecPlanner:
                 plans[req] = DraftPlan(len(forced), None, 1, forced)
                 continue
             if cap and self._may_look_up(req, k, batch):
-                found = self.lookup(req.all_token_ids, min(self.policy.max_draft_tokens, cap))
-                n = self.policy.lookup_length(req, k, len(found), batch) if found else 0
-                if n := min(n, cap):
-                    plans[req] = DraftPlan(n, reason, 1, found[:n], looked_up=True)
+                limit = LOOKUP_MAX if req.params.max_draft_tokens is None else cap
+                match, found = self.lookup(req.all_token_ids, limit)
+                n = self.policy.lookup_length(req, k, match, len(found), batch) if found else 0
+                if n := min(n, limit):
+                    plans[req] = DraftPlan(n, reason, 1, found[:n], lookup_match=match)
                     continue
             width = 1 if req.grammar is not None else choice.branches  # a grammar's are chains
             plans[req] = DraftPlan(k, reason, width)
@@ -114,7 +119,7 @@ class SpecPlanner:
             if item.looked_up:  # a lookup's or a grammar's drafts say nothing of the proposer's
                 counters.lookup_drafted += drafted
                 counters.lookup_accepted += accepted
-                self.policy.observe_lookup(drafted, accepted)
+                self.policy.observe_lookup(item.lookup_match, drafted, accepted)
                 req.spec.count("lookup", drafted, accepted)
             elif item.forced:
                 counters.forced_drafted += drafted

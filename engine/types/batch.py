@@ -15,9 +15,13 @@ class ScheduledRequest:
     branches: int = 1  # draft-tree candidates for the next token, each to depth K
     # Drafts replacing the proposer's: a grammar's forced tokens, or a prompt lookup's.
     forced: list[int] | None = None
-    looked_up: bool = False
+    lookup_match: int = 0  # a prompt lookup's: how many tokens of the context it matched
     reason: str | None = None
     """Why K is below K_max this step (the policy's reason or the scheduler's cut), or None."""
+
+    @property
+    def looked_up(self) -> bool:
+        return self.lookup_match > 0
 
     @property
     def num_proposed_tokens(self) -> int:
@@ -56,7 +60,12 @@ class DraftPlan:
     width: int = 1  # as ScheduledRequest.branches
     given: list[int] | None = None
     """Drafts in place of the proposer's: a grammar's forced tokens or a prompt lookup's."""
-    looked_up: bool = False
+    lookup_match: int = 0
+    """A prompt lookup's: how many tokens of the context it matched (0: not a lookup)."""
+
+    @property
+    def looked_up(self) -> bool:
+        return self.lookup_match > 0
 
 
 NO_DRAFTS = DraftPlan()

@@ -41,7 +41,10 @@
  * other rows of its tile or batch, so a query gets the same bits in a verification and in a
  * decode at its position (tests/test_cpu_kernels.py).
  */
-#define QTILE 16
+/* Query rows a task holds: every row of one kv head in a verification of up to 64 / group
+ * tokens (21 at 3 query heads per kv head), so that a long prompt lookup's rows read each key
+ * and value once, as a decode's one row does. */
+#define QTILE 64
 #define MAX_BLOCK 256
 /* Keys a task attends at most (rounded down to whole blocks, at least one): small enough that
  * short contexts still split evenly between threads. */

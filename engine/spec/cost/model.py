@@ -201,9 +201,26 @@ class CostModel:
         overhead: tuple[float, float] = (0.0, 0.0),
         free_drafts: bool = False,
     ) -> int:
-        """The K in 0..max_drafts with the most expected tokens per second (first of ties) for
-        one chain (`gains[d - 1]`: its d-th draft kept) among `base_tokens` others; K > 0 feeds
-        `catch_up` tokens unless `free_drafts`; `overhead`: (plain, drafting) step time."""
+        """The K in 0..max_drafts with the most expected tokens per second (first of ties);
+        `chain_rates` says of what."""
+        rates = self.chain_rates(
+            gains, context, base_tokens, max_drafts, catch_up, overhead, free_drafts
+        )
+        return rates.index(max(rates))
+
+    def chain_rates(
+        self,
+        gains: list[float],
+        context: float,
+        base_tokens: int,
+        max_drafts: int,
+        catch_up: float = 0.0,
+        overhead: tuple[float, float] = (0.0, 0.0),
+        free_drafts: bool = False,
+    ) -> list[float]:
+        """Per K in 0..max_drafts, the expected tokens per second of one chain (`gains[d - 1]`:
+        its d-th draft kept) among `base_tokens` others; K > 0 feeds `catch_up` tokens unless
+        `free_drafts`; `overhead`: (plain, drafting) step time."""
         tokens, rates = 1.0, []
         for k in range(max_drafts + 1):
             tokens += gains[k - 1] if k else 0.0
@@ -213,7 +230,7 @@ class CostModel:
             target_scale = self.target_scale_at(base_tokens + k)
             seconds = target_scale * target + draft + overhead[k > 0]
             rates.append(tokens / seconds)
-        return rates.index(max(rates))
+        return rates
 
     # Scalar twins of the numpy formulas: numpy's per-call cost dominates on scalars.
     def _target_at(self, num_tokens: float, kv_tokens: float, qk_pairs: float) -> float:

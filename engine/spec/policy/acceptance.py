@@ -1,5 +1,5 @@
 """What the adaptive policy has learned of acceptance (decayed counts): the engine-wide rate,
-each request's estimate, depth and tree-root corrections, prompt lookups."""
+each request's estimate, depth and tree-root corrections, prompt lookups by match length."""
 
 from __future__ import annotations
 
@@ -36,15 +36,23 @@ class AcceptanceEstimates:
         self._depth_kept = [0.0] * max_draft_tokens
         self._depth_predicted = [0.0] * max_draft_tokens
         self._depth_cache: tuple[list[float], tuple] | None = None
-        self._lookup = [prior * prior_weight, float(prior_weight)]  # kept, trials
+        self._lookup = [prior * prior_weight, float(prior_weight)]  # kept, trials: all lookups
+        self._lookup_by_match: dict[int, list[float]] = {}  # the same per match length
 
     @property
     def global_acceptance(self) -> float:
         return self._accepted / self._trials
 
-    @property
-    def lookup_acceptance(self) -> float:
-        return self._lookup[0] / self._lookup[1]
+    def lookup_acceptance(self, match: int = 0) -> float:
+        """Per-token acceptance of a prompt lookup whose context matched `match` tokens (a
+        longer match is likelier copied text), all lookups' rate as a prior of `prior_weight`
+        trials; all lookups' rate for match 0."""
+        pooled = self._lookup[0] / self._lookup[1]
+        counts = self._lookup_by_match.get(match)
+        if counts is None:
+            return pooled
+        w = self.prior_weight
+        return min((counts[0] + w * pooled) / (counts[1] + w), 0.99)
 
     def acceptance(self, req: Request) -> float:
         """The engine-wide rate (a prior of `request_weight` trials) updated by the request's."""
@@ -117,7 +125,9 @@ class AcceptanceEstimates:
         self._accepted = PRIOR_DECAY * self._accepted + num_accepted
         self._trials = PRIOR_DECAY * self._trials + num_accepted + (num_accepted < num_drafted)
 
-    def observe_lookup(self, num_drafted: int, num_accepted: int) -> None:
-        decay, counts = ACCEPTANCE_DECAY, self._lookup
-        counts[0] = decay * counts[0] + num_accepted
-        counts[1] = decay * counts[1] + num_accepted + (num_accepted < num_drafted)
+    def observe_lookup(self, match: int, num_drafted: int, num_accepted: int) -> None:
+        """A verified lookup of `match` matched tokens."""
+        trials = num_accepted + (num_accepted < num_drafted)
+        for counts in (self._lookup, self._lookup_by_match.setdefault(match, [0.0, 0.0])):
+            counts[0] = ACCEPTANCE_DECAY * counts[0] + num_accepted
+            counts[1] = ACCEPTANCE_DECAY * counts[1] + trials

@@ -53,19 +53,27 @@ class AdaptiveDraftLength:
     ) -> None:
         self.estimates.observe(request, num_drafted, num_accepted, branches)
 
-    def observe_lookup(self, num_drafted: int, num_accepted: int) -> None:
-        self.estimates.observe_lookup(num_drafted, num_accepted)
+    def observe_lookup(self, match: int, num_drafted: int, num_accepted: int) -> None:
+        self.estimates.observe_lookup(match, num_drafted, num_accepted)
 
-    def lookup_length(self, request: Request, k: int, found: int, batch: int) -> int:
-        """Alone, the best chain of the lookup's drafts at their own acceptance (no draft
-        pass); in a batch, the draft model's K (its search priced the rows)."""
+    def lookup_length(self, request: Request, k: int, match: int, found: int, batch: int) -> int:
+        """Alone: the best chain of the lookup's drafts at the acceptance of lookups matching
+        `match` tokens (no draft pass), or 0 where the draft model's K is expected to emit
+        faster. In a batch: the draft model's K (its search priced the rows)."""
         if batch > 1:
             return min(k, found)
-        rate = self.estimates.lookup_acceptance
-        gains = [min(rate**d, 0.99) for d in range(1, found + 1)]
+        a = self.estimates.lookup_acceptance(match)
+        gains = [min(a**d, 0.99) for d in range(1, found + 1)]
         over = (self.cost.step_overhead(1), self.cost.step_overhead(1, drafting=True))
         context = float(request.num_tokens)
-        return self.cost.best_chain_length(gains, context, 1, found, 0.0, over, free_drafts=True)
+        rates = self.cost.chain_rates(gains, context, 1, found, 0.0, over, free_drafts=True)
+        n = rates.index(max(rates))
+        if k > 0 and n > 0:  # the draft model's choice, at its own acceptance and catch-up
+            g = self.estimates.gains_one(self.estimates.acceptance(request))
+            lag = self.catch_up.tokens(request)
+            if self.cost.chain_rates(g, context, 1, k, lag, over)[k] >= rates[n]:
+                return 0
+        return n
 
     def choose(self, requests: list[Request], num_other_tokens: int = 0) -> DraftLengths:
         batch, k_max = len(requests), self.max_draft_tokens

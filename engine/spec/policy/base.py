@@ -37,11 +37,12 @@ class DraftLengthPolicy(Protocol):
         """A verified step of `request` (`branches` 1: a chain)."""
         ...
 
-    def lookup_length(self, request: Request, k: int, found: int, batch: int) -> int:
-        """How many of `found` prompt-lookup drafts `request` verifies instead of its K."""
+    def lookup_length(self, request: Request, k: int, match: int, found: int, batch: int) -> int:
+        """How many of `found` prompt-lookup drafts, whose context matched `match` tokens,
+        `request` verifies instead of its K."""
         ...
 
-    def observe_lookup(self, num_drafted: int, num_accepted: int) -> None: ...
+    def observe_lookup(self, match: int, num_drafted: int, num_accepted: int) -> None: ...
 
 
 class FixedDraftLength:
@@ -60,10 +61,10 @@ class FixedDraftLength:
     ) -> None:
         pass
 
-    def lookup_length(self, request: Request, k: int, found: int, batch: int) -> int:
+    def lookup_length(self, request: Request, k: int, match: int, found: int, batch: int) -> int:
         return min(k, found)
 
-    def observe_lookup(self, num_drafted: int, num_accepted: int) -> None:
+    def observe_lookup(self, match: int, num_drafted: int, num_accepted: int) -> None:
         pass
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from engine.config import SpecConfig
 from engine.spec.proposers.base import DraftBatch, ModelFreeProposer, Proposer
 
@@ -14,8 +16,36 @@ if TYPE_CHECKING:
 
 def prompt_lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
     """Up to k tokens that followed the latest earlier match of the longest suffix n-gram."""
-    found = prompt_lookup_branches(tokens, k, n_max, n_min, 1)
-    return found[0] if found else []
+    return longest_match(tokens, k, n_max, n_min)[1]
+
+
+def longest_match(tokens: list[int], k: int, n_max: int, n_min: int) -> tuple[int, list[int]]:
+    """(n, up to k tokens): the longest suffix n-gram of `tokens` (n_min <= n <= n_max) that
+    occurred earlier, and what followed its latest earlier occurrence; (0, []) if none.
+
+    One pass over the context in numpy: the earlier positions holding the last token are the
+    candidate match ends, and each one's match length is counted backwards to n_max."""
+    length = len(tokens)
+    if length < 2 or n_min < 1:
+        return 0, []
+    seq = np.asarray(tokens)
+    ends = np.flatnonzero(seq[: length - 1] == seq[-1])  # a match's end, before the suffix's
+    if len(ends) == 0:
+        return 0, []
+    matched = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for t in range(1, min(n_max, length - 1)):
+        back = ends - t
+        alive &= back >= 0
+        alive[alive] = seq[back[alive]] == seq[length - 1 - t]
+        if not alive.any():
+            break
+        matched += alive
+    best = int(matched.max())
+    if best < n_min:
+        return 0, []
+    end = int(ends[np.flatnonzero(matched == best)[-1]])  # the latest of the longest
+    return best, tokens[end + 1 : end + 1 + k]
 
 
 def prompt_lookup_branches(
@@ -41,13 +71,13 @@ def prompt_lookup_branches(
 
 def assist_lookup(
     spec: SpecConfig, proposer: Proposer | None
-) -> Callable[[list[int], int], list[int]] | None:
-    """`speculative.ngram_assist`: the scheduler's lookup for drafts in place of a draft model's (a
-    match of the context's last ngram_assist tokens or more, up to ngram_max), or None."""
+) -> Callable[[list[int], int], tuple[int, list[int]]] | None:
+    """`speculative.ngram_assist`: the planner's lookup for drafts in place of a draft model's,
+    `longest_match` of at least ngram_assist tokens and at most ngram_max; or None."""
     if not spec.ngram_assist or proposer is None or not proposer.keeps_kv:
         return None
     n_min, n_max = spec.ngram_assist, max(spec.ngram_assist, spec.ngram_max)
-    return lambda tokens, k: prompt_lookup(tokens, k, n_max, n_min)
+    return lambda tokens, k: longest_match(tokens, k, n_max, n_min)
 
 
 class NgramProposer(ModelFreeProposer):
