@@ -105,7 +105,7 @@ class Verifier:
         # Split rows back per request, in the order they were laid out.
         cursor = 0
         prompt_logits: dict[str, torch.Tensor] = {}
-        sample_parts: list[torch.Tensor] = []
+        sample_parts: list[tuple[int, int]] = []  # (first row, rows) of each sampling request
         prompt_iter = iter(prompt_rows)
         next_prompt = next(prompt_iter, None)
         sampled = iter(samplers)
@@ -118,15 +118,19 @@ class Verifier:
                 next_prompt = next(prompt_iter, None)
             if item.samples:
                 n = 1 + len(next(sampled)[1])
-                sample_parts.append(logits[cursor : cursor + n])
+                sample_parts.append((cursor, n))
                 cursor += n
 
         for req, _ in prompt_rows:
             result.prompt_logprobs[req.request_id] = _prompt_logprobs(
                 req, prompt_logits[req.request_id]
             )
-        if samplers:  # (a single part, as at concurrency 1, need not be copied)
-            rows = sample_parts[0] if len(sample_parts) == 1 else torch.cat(sample_parts)
+        if samplers:  # the sampling rows: one view where nothing lies between them
+            first, last = sample_parts[0][0], sum(sample_parts[-1])
+            if last - first == sum(n for _, n in sample_parts):
+                rows = logits[first:last]
+            else:
+                rows = torch.cat([logits[a : a + n] for a, n in sample_parts])
             if trees:
                 self._verify_trees(samplers, rows, drafts, trees, runner, result)
             else:
