@@ -25,12 +25,19 @@ install-dev: $(VENV)/.installed-dev
 serve: $(VENV)/.installed
 	$(VENV)/bin/tandem serve --config $(CONFIG) --host $(HOST) --port $(PORT)
 
+# The suite on TEST_WORKERS processes, a test module each at a time (its module fixtures, a
+# server or a model, are built once). Much of a test's time is spent waiting on a server, a
+# subprocess or Python, so two workers keep two cores busy; their OpenMP threads sleep when
+# idle instead of spinning (OMP_WAIT_POLICY), or they would take the cores from each other.
+TEST_WORKERS ?= 2
+PYTEST := OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 
 # The edit-and-rerun loop: everything but the slow tests and the benchmark tooling's.
 test-fast: $(VENV)/.installed-dev
-	$(PY) -m pytest -m "not slow and not bench" $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow and not bench" $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
