@@ -47,6 +47,26 @@ def test_high_acceptance_alone_drafts_k_max():
     assert choice.ks == [8] and choice.reasons == [None]
 
 
+def test_a_lookup_is_priced_by_its_match_length_and_may_outrun_k_max():
+    """Alone, a lookup whose matched length was mostly kept verifies long chains (past K_max),
+    a length mostly refused verifies none, and a lookup no better
+    than the draft model's expected rate leaves the step to the draft."""
+    seconds = [0.010 + 0.001 * (n - 1) for n in SIZES]  # each row a tenth of a pass
+    policy = AdaptiveDraftLength(4, CostModel(SIZES, seconds, 0.001, 0.00002))
+    for _ in range(200):
+        policy.observe_lookup(8, 16, 16)  # long matches: copied text, every draft kept
+        policy.observe_lookup(1, 4, 0)  # one-token matches: none kept
+    alone = _requests(1, accepted=0, trials=1000, temperature=0)[0]  # a hopeless draft
+    assert policy.lookup_length(alone, 0, 8, 16, batch=1) == 16  # past K_max = 4
+    assert policy.lookup_length(alone, 0, 1, 16, batch=1) == 0
+    assert policy.lookup_length(alone, 2, 8, 16, batch=4) == 2  # in a batch: the policy's K
+    good = _requests(1, accepted=990, trials=1000, temperature=0)[0]  # a near-perfect draft
+    for _ in range(200):
+        policy.observe_lookup(3, 4, 1)  # three-token matches: a quarter kept
+    assert policy.lookup_length(good, 4, 3, 16, batch=1) == 0  # the draft is expected faster
+    assert policy.lookup_length(good, 4, 8, 16, batch=1) == 16
+
+
 def test_a_decision_is_reused_only_while_its_inputs_round_alike(monkeypatch):
     policy = AdaptiveDraftLength(4, memory_then_compute_bound(), max_branches=3, reuse_steps=1)
     decisions = []
@@ -749,8 +769,10 @@ def test_depth_factors_follow_the_decayed_counts():
     )
 
 
-def test_policy_cost_bench_runs():
-    from bench.policy_cost import per_step_us
+def test_host_cost_bench_separates_plain_and_drafting_steps():
+    from bench.host_cost import measure
 
-    us, mean_k = per_step_us(4, 4, steps=5, repeats=1)
-    assert us > 0 and 0 <= mean_k <= 4
+    times = measure([2], steps=6, rounds=1)
+    assert times[2, "off"][1] == [] and len(times[2, "off"][0]) == 6  # off never drafts
+    assert times[2, "K=2"][0] == [] and len(times[2, "K=2"][1]) == 6  # fixed K always does
+    assert all(t > 0 for kinds in times.values() for xs in kinds for t in xs)

@@ -29,18 +29,23 @@ class RowSpec:
 
 def changes_logits(rows: list[RowSpec]) -> bool:
     """Whether `apply_penalties_and_masks` changes any of these rows' logits."""
-    return any(
-        _masks_stops(r) or r.request.params.has_penalties or r.request.grammar is not None
-        for r in rows
-    )
+    return any(_changes(r) for r in rows)
+
+
+def _changes(row: RowSpec) -> bool:
+    req = row.request
+    return req.grammar is not None or req.params.has_penalties or _masks_stops(row)
 
 
 def apply_penalties_and_masks(
     logits: torch.Tensor,  # [num_rows, vocab], modified in place unless an inference tensor
     rows: list[RowSpec],
 ) -> torch.Tensor:
+    changed = [i for i, row in enumerate(rows) if _changes(row)]
+    if not changed:  # the common case: plain rows, left as they are
+        return logits
     # A forward's logits are inference tensors, not writable in place outside inference_mode.
-    if logits.is_inference() and changes_logits(rows):
+    if logits.is_inference():
         logits = logits.clone()
     constrained = [i for i, row in enumerate(rows) if row.request.grammar is not None]
     if constrained:  # one host-to-device copy and one fill for every constrained row
@@ -48,7 +53,8 @@ def apply_penalties_and_masks(
         index = torch.tensor(constrained, device=logits.device)
         refused = ~allowed.to(logits.device)
         logits[index] = logits[index].masked_fill(refused, float("-inf"))
-    for i, row in enumerate(rows):
+    for i in changed:
+        row = rows[i]
         params = row.request.params
         if row.request.grammar is None and _masks_stops(row):  # (grammar rows: done above)
             logits[i, list(row.request.stop_token_ids)] = float("-inf")
@@ -78,7 +84,8 @@ def _grammar_mask(row: RowSpec, vocab: int) -> torch.Tensor:  # [vocab] bool, on
 
 
 def _masks_stops(row: RowSpec) -> bool:
-    return row.num_generated < row.request.params.min_tokens and bool(row.request.stop_token_ids)
+    min_tokens = row.request.params.min_tokens
+    return bool(min_tokens) and row.num_generated < min_tokens and bool(row.request.stop_token_ids)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows]
