@@ -12,3 +12,32 @@ Shared: bench/prompts.py (the workloads), bench/serving.py (servers, client, tim
 bench/hf_generate.py (the HF reference). Results go to bench/results/; docs/BENCHMARKS.md
 cites the current ones.
 """
+
+
+def machine() -> dict:
+    """What a result records of the machine it ran on. isa: what Tandem's CPU kernels were
+    built for (two machines of one model name may differ: an AMD EPYC may be Zen 3, AVX2, or
+    Zen 4, AVX-512)."""
+    import os
+    import platform
+    from datetime import date
+    from pathlib import Path
+
+    import torch
+
+    from engine.cpu import kernels
+
+    cpu = platform.machine()
+    info = Path("/proc/cpuinfo")
+    for line in info.read_text().splitlines() if info.exists() else []:
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "isa": kernels.isa(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": date.today().isoformat(),
+    }

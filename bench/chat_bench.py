@@ -39,16 +39,15 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import time
-from datetime import date
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 
+from bench import machine
 from bench.prompts import chat_messages, family_cycle, family_rates, rates_lines
 from bench.serving import (
     VLLM_PYTHON,
@@ -201,20 +200,6 @@ async def run_level(
             (n, t.start, t.chunks[0][0], t.chunks[-1][0], t.output_tokens, t.chunks[0][1])
             for n, (t, _) in zip(labels, results, strict=True) if t.chunks and not t.error])  # fmt: skip
     return row
-
-
-def machine() -> dict:
-    cpu = platform.machine()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    from engine.cpu import kernels as cpu_kernels
-
-    # isa: what Tandem's CPU kernels were built for here (avx2+fma, avx512f+vnni, ...): two
-    # machines of one model name may differ (an AMD EPYC may be Zen 3, AVX2, or Zen 4, AVX-512).
-    return {"cpu": cpu, "cores": os.cpu_count(), "isa": cpu_kernels.isa(),
-            "python": platform.python_version(), "date": date.today().isoformat()}  # fmt: skip
 
 
 LLAMA_SERVER_SLOTS = {"llama-server-np1": 1, "llama-server-np16": 16}

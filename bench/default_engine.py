@@ -8,7 +8,6 @@ the held-out chat prompts (bench/prompts.py).
   python -m bench.default_engine speed --configs K=2 K=3 --branches 1 2 3   # draft trees
   python -m bench.default_engine speed --draft models/eagle --model FILE.gguf
   python -m bench.default_engine speed --workload families --requests 48 --configs off ngram
-  python -m bench.default_engine passes --concurrency 16 --kv-cache-dtypes auto float16
   python -m bench.default_engine passes --rows 1 2 3 5 9 17 --cpu-activations float32 int8
 
 `speed` runs --requests held-out instructions at --temperature (greedy by default) up to
@@ -24,8 +23,8 @@ warm-up on chat prompts), and a line per family and overall of the decode and en
 adding the request, so at concurrency above 1 it includes waiting for a slot).
 
 `passes` prints the best time of one target pass in which each of --concurrency requests feeds
---rows tokens after --context cached ones, per --kv-cache-dtypes and --cpu-activations value,
-the variants alternating pass by pass.
+--rows tokens after --context cached ones, per --cpu-activations value, the modes alternating
+pass by pass.
 
 `run_closed_loop` is the closed-loop driver the GPU benchmark (bench/gpu_bench.py) runs its
 Tandem rows with: `concurrency` requests in flight, greedy, EOS ignored.
@@ -49,7 +48,6 @@ from bench.hf_generate import sync
 from bench.prompts import chat_messages, family_cycle, family_rates, rates_lines
 from engine import (
     CPU_ACTIVATIONS,
-    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
@@ -60,7 +58,6 @@ from engine import (
     SchedulerConfig,
     SpecConfig,
 )
-from engine.core.kv_budget import kv_cache_dtype
 from engine.model.files import prepare
 from engine.model.inputs import SeqInput
 from engine.spec.proposers.eagle import is_feature_draft
@@ -91,12 +88,9 @@ CONFIGS = {
 
 
 def engine(
-    spec: SpecConfig, model: str = TARGET, quantization: str = "none",
-    kv_cache_dtype: str = "auto", activations: str = "auto",
-) -> LLMEngine:  # fmt: skip
-    cache = CacheConfig(
-        block_size=16, memory_gb=1.0, gpu_memory_utilization=0.3, kv_cache_dtype=kv_cache_dtype
-    )
+    spec: SpecConfig, model: str = TARGET, quantization: str = "none", activations: str = "auto"
+) -> LLMEngine:
+    cache = CacheConfig(block_size=16, memory_gb=1.0, gpu_memory_utilization=0.3)
     return LLMEngine(
         EngineConfig(
             model=ModelConfig(
@@ -110,39 +104,31 @@ def engine(
 
 
 def passes(
-    model: str, quantization: str, kv_cache_dtypes: list[str], requests: int = 1,
-    context: int = 150, repeats: int = 30, rows: tuple[int, ...] = (1, 2, 3, 4, 5),
-    activations: tuple[str, ...] = ("auto",),
+    model: str, quantization: str, requests: int = 1, context: int = 150, repeats: int = 30,
+    rows: tuple[int, ...] = (1, 2, 3, 4, 5), activations: tuple[str, ...] = ("auto",),
 ) -> None:  # fmt: skip
     """Best-of-`repeats` time of one target pass in which each of `requests` requests feeds
-    `rows` tokens after `context` cached ones, for each KV cache dtype and --cpu-activations
-    mode: one runner holds a pool in each dtype and switches modes, and the timed passes
-    alternate between the variants pass by pass (the machine's speed drifts over seconds:
+    `rows` tokens after `context` cached ones, for each --cpu-activations mode: the timed
+    passes alternate between the modes pass by pass (the machine's speed drifts over seconds:
     one pass each, in turn, sees the same drift)."""
     runner = engine(CONFIGS["off"], model, quantization).runner
     activations = tuple(runner.cpu_activations if m == "auto" else m for m in activations)
     per_request = -(-(context + max(rows)) // 16)
     tables = [list(range(i * per_request, (i + 1) * per_request)) for i in range(requests)]
-    pools = {}
-    for kv in kv_cache_dtypes:
-        runner.kv_dtype = kv_cache_dtype(kv, runner.device, runner.dtype)
-        runner.allocate_kv(requests * per_request, 16)
-        pools[kv] = runner.kv_caches
-    variants = list(itertools.product(pools, activations))
-    best = {v: {q: float("inf") for q in rows} for v in variants}
+    runner.allocate_kv(requests * per_request, 16)
+    best = {mode: {q: float("inf") for q in rows} for mode in activations}
     for q in rows:
         tokens = list(range(100, 100 + q))
         seqs = [SeqInput(tokens, context, table, list(range(q))) for table in tables]
-        for _, (kv, mode) in itertools.product(range(repeats + 3), variants):
-            runner.kv_caches = pools[kv]
+        for _, mode in itertools.product(range(repeats + 3), activations):
             runner.cpu_activations = mode
             sync(runner.device)  # a GPU pass is done when the device says so
             start = time.perf_counter()
             runner.forward(seqs)
             sync(runner.device)
-            best[kv, mode][q] = min(best[kv, mode][q], time.perf_counter() - start)
-    for (kv, mode), times in best.items():
-        label = f"{requests} request(s) x tokens over {context}, KV cache {kv}, x {mode}"
+            best[mode][q] = min(best[mode][q], time.perf_counter() - start)
+    for mode, times in best.items():
+        label = f"{requests} request(s) x tokens over {context}, x {mode}"
         cells = ", ".join(f"{q}: {t * 1e3:.2f}" for q, t in times.items())
         print(f"target pass ms, {label}: {cells}", flush=True)
 
@@ -170,20 +156,17 @@ def speed(
     branches: int | None = 1,
     tree_drafts: str = "top",
     draft: str = DRAFT,
-    kv_cache_dtype: str = "auto",
-    draft_quantization: str = "auto",
     workload: str = "chat",
     activations: str = "auto",
 ) -> None:
     seeded = verification == "seeded"
     spec = replace(CONFIGS[name], verification="block" if seeded else verification)
-    spec = replace(spec, draft_quantization=draft_quantization)
     if spec.method != "off":
         spec = replace(spec, draft_branches=branches, tree_drafts=tree_drafts)
     if spec.method == "draft":
         chains = branches is None and is_feature_draft(draft)  # a feature draft drafts chains
         spec = replace(spec, draft_model=draft, draft_branches=1 if chains else branches)
-    eng = engine(spec, model, quantization, kv_cache_dtype, activations)
+    eng = engine(spec, model, quantization, activations)
     # Warm-up requests (other prompts, same concurrency) first: they capture the CUDA graphs
     # of the shapes the run will use, which a long-running server has done long before.
     warm = max(concurrency, 4)
@@ -212,7 +195,6 @@ def speed(
     per_pass = (s.spec_accepted_tokens + s.spec_verify_passes) / max(s.spec_verify_passes, 1)
     lookup = spec.ngram_assist > 0
     label = f"{name} {verification}" if name != "off" else name
-    label += f" draft {draft_quantization}" if draft_quantization != "auto" else ""
     label += f" x {activations}" if activations != "auto" else ""
     if name != "off" and spec.draft_branches != 1:
         label += f" x{spec.draft_branches or 'auto'}"
@@ -452,38 +434,28 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--tree-drafts", default="top", choices=["top", "sampled"])
     p.add_argument("--draft", default=DRAFT, help="the draft directory of the draft configs")
-    p.add_argument("--draft-quantizations", nargs="+", default=["auto"],
-                   choices=["auto", *QUANTIZATIONS], help="run every draft config with each")  # fmt: skip
     p.add_argument("--context", type=int, default=150, help="passes: keys cached per request")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="passes: tokens")
     p.add_argument(
         "--cpu-activations", nargs="+", default=["auto"], choices=CPU_ACTIVATIONS,
         help="passes: alternate these modes; speed: the first",
     )  # fmt: skip
-    p.add_argument(
-        "--kv-cache-dtypes", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES),
-        help="run every config with each of these KV caches, one after the other",
-    )  # fmt: skip
     args = p.parse_args(argv)
     with torch.inference_mode():
         if args.mode == "passes":
             passes(
-                args.model, args.quantization, args.kv_cache_dtypes, args.concurrency,
-                args.context, rows=args.rows, activations=args.cpu_activations,
+                args.model, args.quantization, args.concurrency, args.context,
+                rows=args.rows, activations=args.cpu_activations,
             )  # fmt: skip
         else:
-            varied = (args.verification, args.branches, args.draft_quantizations)
-            for name, kv in itertools.product(args.configs, args.kv_cache_dtypes):
+            for name in args.configs:
                 # speculation off: one run, nothing of the draft's to vary
-                each = [["block"], [None], ["auto"]] if name == "off" else varied
-                for verification, branches, dq in itertools.product(*each):
-                    if len(args.kv_cache_dtypes) > 1:
-                        print(f"KV cache {kv}:", flush=True)
+                each = [["block"], [None]] if name == "off" else [args.verification, args.branches]
+                for verification, branches in itertools.product(*each):
                     speed(
                         name, args.requests, args.concurrency, args.max_tokens, args.model,
                         args.quantization, args.temperature, verification, branches,
-                        args.tree_drafts, args.draft, kv, dq, args.workload,
-                        args.cpu_activations[0],
+                        args.tree_drafts, args.draft, args.workload, args.cpu_activations[0],
                     )  # fmt: skip
 
 

@@ -26,16 +26,16 @@ import argparse
 import dataclasses
 import json
 import logging
-import platform
 import sys
 import time
-from datetime import date, datetime, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench import machine
 from bench.default_engine import run_closed_loop
 from bench.gpu_floor import measure_floor
 from bench.hf_generate import run_level, sync
@@ -87,23 +87,6 @@ def build_engine(
             spec=spec,
         )
     )
-
-
-def machine() -> dict[str, str]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {  # provenance() adds the device
-        "cpu": cpu,
-        "cores": str(torch.get_num_threads()),
-        "torch": torch.__version__,
-        "date": date.today().isoformat(),
-    }
 
 
 @torch.inference_mode()
