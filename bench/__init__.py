@@ -5,8 +5,7 @@
 - `python -m bench.cpu_kernels`: the CPU kernels against torch's operators.
 - `python -m bench.quality`: what --cpu-activations costs in quality (agreement, cloze).
 - `bench/gpu_session.sh`: a GPU session (bench.gpu_pair, bench.gpu_bench, bench.gpu_floor).
-- `python -m bench.host_cost`: the engine's host time per step outside its passes (the CPU
-  proxy of a GPU step's).
+- `python -m bench.host_cost`: the engine's host time a step outside its passes (GPU proxy).
 
 Shared: bench/prompts.py (the workloads), bench/serving.py (servers, client, timings),
 bench/hf_generate.py (the HF reference). Results go to bench/results/; docs/BENCHMARKS.md

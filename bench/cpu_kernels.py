@@ -3,7 +3,6 @@ model's (SmolLM2-135M's) shapes. Milliseconds, best of --repeats rounds of --ite
 thread unless --threads.
 
   python -m bench.cpu_kernels gguf            # the GGUF linears: float32, VNNI, int8, AMX
-  python -m bench.cpu_kernels attention-pass  # the 30 layers' attention, caches in memory
   python -m bench.cpu_kernels gguf-vs BASE --repeats 100      # against commit BASE's kernels
   python -m bench.cpu_kernels attention-vs BASE --threads 2 --repeats 40
 
@@ -11,8 +10,7 @@ thread unless --threads.
 them (random weights quantized by the `gguf` package): the float32 vector kernel, VNNI dot
 products on x in 24-bit fixed point and on x in int8 (--cpu-activations int8), and AMX tiles
 from 6 rows ("n/a" where the CPU lacks the unit); the last column is the median of the
-rounds' int8 / float32 ratios. `attention-pass`: the C kernel over all 30 layers, each with its own
-cache, and the rate it reads keys and values at. The `-vs BASE` modes build commit BASE's
+rounds' int8 / float32 ratios. The `-vs BASE` modes build commit BASE's
 engine/cpu/csrc and alternate the two libraries round by round (a shared machine's speed
 drifts within minutes; the median of the rounds' ratios is steadier than two best-ofs).
 """
@@ -32,8 +30,6 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.cpu import CPU
-from engine.attention.paged import build_metadata
 from engine.cpu import build as kernel_build
 from engine.cpu import kernels as cpu_kernels
 from engine.cpu import memory as cpu_memory
@@ -189,7 +185,8 @@ ATTENTION_CASES = [(1, 1, 150), (1, 2, 150), (1, 3, 150), (1, 5, 150), (1, 1, 60
 
 
 def bench_attention_vs(args: argparse.Namespace) -> None:
-    """attention-pass's shapes on BASE's kernel and this checkout's, alternated."""
+    """The C kernel over all 30 layers (each its own cache) on BASE's kernels and this
+    checkout's, alternated."""
     heads, kv_heads, head_dim, block = ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM, ATTN_BLOCK
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     kernels = {}
@@ -243,32 +240,9 @@ def _pass_caches(seqs: int, ctx: int, gen: torch.Generator) -> tuple[list, torch
     return caches, torch.randperm(seqs * per_seq, generator=gen).view(seqs, per_seq)
 
 
-def bench_attention_pass(args: argparse.Namespace) -> None:
-    heads, head_dim, block = ATTN_HEADS, ATTN_HEAD_DIM, ATTN_BLOCK
-    kv_heads, layers = ATTN_KV_HEADS, ATTN_LAYERS
-    gen = torch.Generator().manual_seed(0)
-    print("| requests | queries each | keys each | K/V read a pass | C kernel, a pass | rate |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for seqs, q_len, ctx in [(1, 1, 150), (1, 1, 400), (1, 5, 150), (16, 1, 150), (16, 1, 400),
-                             (16, 5, 150)]:  # fmt: skip
-        caches, tables = _pass_caches(seqs, ctx, gen)
-        shape = ([q_len] * seqs, [ctx] * seqs, tables.tolist())
-        query = torch.randn(seqs * q_len, heads, head_dim, generator=gen)
-        md = build_metadata(caches[:1], block, *shape, torch.device("cpu"), CPU)
-
-        def one_pass(caches=caches, query=query, md=md) -> None:
-            for k, v in caches:
-                CPU.attend(query, k, v, md, 0.125)
-
-        ms = best_ms(one_pass, args.iters, args.repeats)
-        mb = layers * seqs * ctx * kv_heads * head_dim * 2 * 4 / 1e6
-        print(f"| {seqs} | {q_len} | {ctx} | {mb:.1f} MB | {ms:.2f} ms | {mb / ms:.1f} GB/s |")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    whats = ["attention-pass", "attention-vs", "gguf", "gguf-vs"]
-    p.add_argument("what", choices=whats)
+    p.add_argument("what", choices=["attention-vs", "gguf", "gguf-vs"])
     p.add_argument("base", nargs="?", default="HEAD", help="*-vs: the commit to compare with")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 5, 9, 16, 33, 64, 512])
     p.add_argument("--threads", type=int, default=1)
@@ -281,7 +255,6 @@ def main() -> None:
         raise SystemExit(f"the kernels are unavailable: {cpu_kernels.unavailable_reason()}")
     print(f"{args.what}, {args.threads} thread(s), torch {torch.__version__}")
     run = {
-        "attention-pass": bench_attention_pass,
         "attention-vs": bench_attention_vs,
         "gguf": bench_gguf,
         "gguf-vs": bench_gguf_vs,

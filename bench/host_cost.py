@@ -1,17 +1,14 @@
 """The engine's host time per step outside its model passes: the CPU proxy of a GPU step's cost.
 
   python -m bench.host_cost                       # batches 1, 16, 64
-  python -m bench.host_cost --batches 16 --steps 200 --rounds 5
+  python -m bench.host_cost --batches 16 --steps 150 --rounds 5
 
-On a GPU a small model's pass at batch 16-64 takes about a millisecond, so the engine's host
-work around it (scheduling, the policy, drafting, verification, the update) decides whether
-speculation can pay. Here the passes run on tiny random models (bench/gpu_pair.py's TINY
-shapes on SmolLM2's tokenizer, a 1,024-token vocabulary so that the work on each row's logits,
-device work on a GPU, is small too); every runner `forward` call is timed and taken out of
-the step's wall time. Engines: `off`; `adaptive` (the draft model, adaptive K); `K=2` (fixed:
-every step drafts). Per engine and batch (32-token prompts, greedy, EOS ignored): the median
-host time of its plain steps (no drafts) and of its drafting steps over --rounds rounds of
---steps steps, the engines in turn each round, and each over the off engine's plain steps.
+Engines `off`, `adaptive` (the draft model, adaptive K) and `K=2` (always drafting) on tiny
+random models (bench/gpu_pair.py's TINY shapes, a 1,024-token vocabulary: the passes and the
+work on each row's logits, device work on a GPU, cost little); every runner `forward` call is
+timed and taken out of its step's time. Per engine and batch (32-token prompts, greedy): the
+median host time of its plain steps (no drafts) and of its drafting steps, over --rounds
+rounds of --steps steps, the engines in turn each round, and each over off's plain steps.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ import torch
 from transformers import AutoTokenizer
 
 from bench.gpu_pair import TINY_DRAFT, TINY_TARGET, TOKENIZER, build_model, save_member
-from engine import (
+from engine import (  # noqa: I001
     CacheConfig,
     EngineConfig,
     LLMEngine,
@@ -41,25 +38,15 @@ ENGINES = {
     "adaptive": {"method": "draft", "max_draft_tokens": 4, "draft_length": "adaptive"},
     "K=2": {"method": "draft", "max_draft_tokens": 2, "draft_length": "fixed"},
 }
-VOCAB, PROMPT_TOKENS = 1024, 32
+VOCAB, PROMPT = 1024, 32
 
 
-def tiny_pair(root: Path) -> tuple[str, str]:
-    """A random tiny target and draft, saved under `root`."""
-    tok = AutoTokenizer.from_pretrained(TOKENIZER)
-    eot, end = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
-    for name, shape, seed in (("target", TINY_TARGET, 0), ("draft", TINY_DRAFT, 1)):
-        torch.manual_seed(seed)
-        save_member(build_model(shape, VOCAB, eot, end), tok, root / name)
-    return str(root / "target"), str(root / "draft")
-
-
-def timed_engine(target: str, draft: str, name: str, batch: int) -> tuple[LLMEngine, list]:
-    """An engine, and a one-item list summing the seconds of its runners' `forward` calls."""
-    spec = ENGINES[name] | ({"draft_model": draft} if name != "off" else {})
+def timed_engine(root: Path, name: str, batch: int) -> tuple[LLMEngine, list[float]]:
+    """An engine on the tiny pair under `root`, and a list whose item sums its passes' time."""
+    spec = ENGINES[name] | ({"draft_model": str(root / "draft")} if name != "off" else {})
     eng = LLMEngine(
         EngineConfig(
-            model=ModelConfig(model=target),
+            model=ModelConfig(model=str(root / "target")),
             cache=CacheConfig(block_size=16, memory_gb=0.5),
             scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=4096),
             spec=SpecConfig(**spec),
@@ -79,46 +66,48 @@ def timed_engine(target: str, draft: str, name: str, batch: int) -> tuple[LLMEng
     return eng, passes
 
 
-def host_times(eng: LLMEngine, passes: list, batch: int, steps: int, seed: int) -> tuple:
+def host_times(eng: LLMEngine, passes: list[float], batch: int, steps: int, seed: int):
     """(plain, drafting): the host seconds of each of `steps` decode steps of `batch` requests."""
-    gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)  # never reached
-    ids = [f"{seed}-{i}" for i in range(batch)]
+    gen, ids = torch.Generator().manual_seed(seed), [f"{seed}-{i}" for i in range(batch)]
     for rid in ids:
-        eng.add_request(
-            rid, torch.randint(100, VOCAB, (PROMPT_TOKENS,), generator=gen).tolist(), params
-        )
-    while any(r.is_prefill for r in eng.scheduler.running) or eng.scheduler.waiting:
-        eng.step()  # the prefills, untimed
-    for _ in range(8):
-        eng.step()  # warm-up decodes
-    plain, drafting = [], []
-    for _ in range(steps):
-        stats = eng.stats()
-        drafted, before = stats.spec_drafted_tokens + stats.spec_lookup_drafted, passes[0]
-        start = time.perf_counter()
+        eng.add_request(rid, torch.randint(100, VOCAB, (PROMPT,), generator=gen).tolist(), params)
+    for _ in range(9):  # the prefills (one step: they fit its token budget), 8 decodes: untimed
         eng.step()
-        host = time.perf_counter() - start - (passes[0] - before)
-        stats = eng.stats()
-        now = stats.spec_drafted_tokens + stats.spec_lookup_drafted
-        (drafting if now > drafted else plain).append(host)
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(steps):
+        before, passed, start = _drafted(eng), passes[0], time.perf_counter()
+        eng.step()
+        host = time.perf_counter() - start - (passes[0] - passed)
+        times[_drafted(eng) > before].append(host)
     for rid in ids:
         eng.abort(rid)
-    return plain, drafting
+    return times
+
+
+def _drafted(eng: LLMEngine) -> int:
+    stats = eng.stats()
+    return stats.spec_drafted_tokens + stats.spec_lookup_drafted
 
 
 def measure(batches: list[int], steps: int, rounds: int) -> dict[tuple[int, str], tuple]:
     """(batch, engine) -> (plain, drafting) host seconds of every step measured."""
     out: dict[tuple[int, str], tuple] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        target, draft = tiny_pair(Path(tmp))
+        tok = AutoTokenizer.from_pretrained(TOKENIZER)
+        stops = [tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
+        for name, shape, seed in (("target", TINY_TARGET, 0), ("draft", TINY_DRAFT, 1)):
+            torch.manual_seed(seed)
+            save_member(build_model(shape, VOCAB, *stops), tok, Path(tmp) / name)
         for batch in batches:
-            engines = {name: timed_engine(target, draft, name, batch) for name in ENGINES}
+            engines = {name: timed_engine(Path(tmp), name, batch) for name in ENGINES}
             for r in range(rounds):
                 for name in list(engines)[:: 1 if r % 2 == 0 else -1]:
-                    plain, drafting = host_times(*engines[name], batch, steps, seed=r)
-                    old = out.setdefault((batch, name), ([], []))
-                    old[0].extend(plain), old[1].extend(drafting)
+                    times = host_times(*engines[name], batch, steps, seed=r)
+                    for kind, xs in zip(
+                        out.setdefault((batch, name), ([], [])), times, strict=True
+                    ):
+                        kind.extend(xs)
     return out
 
 
