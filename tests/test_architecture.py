@@ -1,14 +1,19 @@
 """The shape of the code (docs/ARCHITECTURE.md): no import circles in `engine/` or `server/`,
 every module imports on its own (`__main__` modules aside: they run), `engine/` never
 imports the server or the HTTP stack, the scheduler and the KV bookkeeping import without
-torch, `engine/`'s packages import downward only, and no module outgrows 400 lines."""
+torch, `engine/`'s packages import downward only, and no module outgrows 400 lines; comments
+and docstrings stay contracts (at most 15% of `engine/`'s lines, no dates, no `fmt: skip`), and
+bench/ stays a few entry points (at most 3,000 lines in 15 modules)."""
 
 from __future__ import annotations
 
 import ast
+import io
 import os
+import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,6 +167,41 @@ def test_no_module_over_400_lines():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, long
+
+
+def _comment_lines(source: str) -> set[int]:
+    """Line numbers of comments and of docstrings (every line of each)."""
+    lines = {t.start[0] for t in tokenize.generate_tokens(io.StringIO(source).readline)
+             if t.type == tokenize.COMMENT}  # fmt: skip
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        for stmt in body if isinstance(body, list) else []:
+            if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+                if isinstance(stmt.value.value, str):
+                    lines.update(range(stmt.lineno, stmt.end_lineno + 1))
+    return lines
+
+
+def test_comments_are_contracts_not_diaries():
+    comments = total = 0
+    dated, skips = [], []
+    for name, path in _modules().items():
+        source = path.read_text()
+        lines = source.splitlines()
+        found = _comment_lines(source)
+        dated += [f"{name}:{i}" for i in found if re.search(r"20\d\d-\d\d-\d\d", lines[i - 1])]
+        skips += [name for line in lines if "fmt: skip" in line]
+        if name.startswith("engine"):
+            nonblank = {i + 1 for i, line in enumerate(lines) if line.strip()}
+            comments, total = comments + len(found & nonblank), total + len(nonblank)
+    assert not dated and not skips, (dated, skips)
+    assert comments <= 0.15 * total, f"{comments} of engine's {total} lines are comments"
+
+
+def test_bench_stays_a_few_entry_points():
+    modules = sorted((ROOT / "bench").glob("*.py"))
+    lines = sum(len(path.read_text().splitlines()) for path in modules)
+    assert len(modules) <= 15 and lines <= 3000, (len(modules), lines)
 
 
 def test_every_engine_client_has_the_protocols_members_and_signatures():

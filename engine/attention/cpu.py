@@ -1,9 +1,6 @@
-"""The `cpu` attention backend (float32): every query, decode, verification or prefill chunk,
-goes to the C kernel, which reads K/V in place. One kernel for all of them is what keeps a
-token's numbers independent of how its prompt was split into passes (a prefix-cache hit, a
-chunked prefill): a row's arithmetic depends on its position alone. SDPA on the long queries
-was faster at long contexts, but rounded otherwise, and with --cpu-activations int8 such a
-difference can flip a rounding to int8 and so a greedy choice."""
+"""The `cpu` attention backend (float32): every query goes to the C kernel (K/V read in place),
+so a row's numbers do not depend on how its prompt was split into passes (prefix-cache hits,
+chunked prefills), which --cpu-activations int8 would turn into different greedy choices."""
 
 from __future__ import annotations
 

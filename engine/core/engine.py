@@ -297,10 +297,8 @@ class LLMEngine:
         self._set_activations()
 
     def _set_activations(self) -> None:
-        """--cpu-activations for both runners' passes, after the start-up probes (which
-        compare the float32 kernels with transformers'): auto is int8 where the CPU has VNNI
-        and some linear runs on quantized blocks, else float32; int8 is refused where it
-        cannot apply."""
+        """--cpu-activations for both runners, after the (float32) start-up probes: auto is
+        int8 where the CPU has VNNI and a linear runs on quantized blocks, else float32."""
         asked = self.config.model.cpu_activations
         quantized = any(quantized_linears(r) for r in self.runners)
         if asked == "int8" and not quantized:

@@ -74,9 +74,8 @@ def activations() -> str:
 
 
 def use_activations(mode: str) -> bool:
-    """Switch the GGUF linears to `mode` (one of ACTIVATIONS), process-wide, for the calls
-    that follow (each runner sets its own before its passes); whether the CPU can: int8
-    needs AVX-512 VNNI, float32 always can (and keeps `TANDEM_VNNI=1`'s exact VNNI path)."""
+    """Switch the GGUF linears to `mode` (ACTIVATIONS) process-wide for the calls that follow;
+    whether the CPU can (int8 needs AVX-512 VNNI; float32 keeps `TANDEM_VNNI=1`'s path)."""
     global _activations
     if mode not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, not {mode!r}")

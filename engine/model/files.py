@@ -193,10 +193,9 @@ def _plain_reader() -> type:
 
 @contextmanager
 def _gguf_parsed_once() -> Iterator[None]:
-    """Within it, the gguf package's reader parses each file once, and its tensor-name map is
-    built once per (architecture, layers): transformers builds a reader per call (the config,
-    the tokenizer, the weights), and a large vocabulary makes each parse slow; it builds a
-    name map per module of the model. Both are only read, so sharing them changes nothing."""
+    """Within it, the gguf package parses each file once and builds its tensor-name map once
+    per (architecture, layers), where transformers redoes both per call and per module; both
+    are only read, so sharing them changes nothing."""
     try:
         import gguf
     except ImportError:  # inspect_gguf says what is missing

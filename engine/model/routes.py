@@ -1,9 +1,7 @@
-"""How ModelRunner.forward runs a packed batch: a table of routes tried in order, the first
-that takes the batch runs it, as attention backends are chosen (engine/attention/backends.py).
-
-Every route returns the head's float32 logits [len(logit_index), head columns] and leaves the
-body's output in `runner.last_hidden`: every fed token's row, or only the logit rows where a
-decode graph ran (`hidden_rows` keeps graphs off when a proposer needs every row)."""
+"""How ModelRunner.forward runs a packed batch: routes tried in order, the first that takes
+the batch runs it. Each returns the head's float32 logits [len(logit_index), head columns] and
+leaves the body's output in `runner.last_hidden`: every fed token's row, or only the logit rows
+where a decode graph ran (`hidden_rows` keeps graphs off when a proposer needs every row)."""
 
 from __future__ import annotations
 

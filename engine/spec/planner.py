@@ -20,8 +20,7 @@ FORCED_MAX = 4
 """The most grammar-forced drafts a step takes per request when K_max is smaller."""
 
 LOOKUP_MAX = 16
-"""The most drafts a prompt lookup offers a request decoding alone (the policy prices each of
-them): text copied from the context tends to go on being copied, well past K_max."""
+"""The most drafts a prompt lookup offers a request decoding alone (copied text goes on)."""
 
 
 @dataclass

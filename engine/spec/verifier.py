@@ -1,6 +1,5 @@
-"""The target pass of a step: one packed forward, then rejection sampling per request. Rows
-(positions whose logits are kept), per request: its prompt positions if prompt logprobs were
-asked for, then, if it samples this step, its last token and every draft (1 + k rows)."""
+"""The target pass of a step: one packed forward, then rejection sampling per request. A request's
+rows: its prompt positions (prompt logprobs), then if it samples its last token and drafts."""
 
 from __future__ import annotations
 

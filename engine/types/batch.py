@@ -61,7 +61,6 @@ class DraftPlan:
     given: list[int] | None = None
     """Drafts in place of the proposer's: a grammar's forced tokens or a prompt lookup's."""
     lookup_match: int = 0
-    """A prompt lookup's: how many tokens of the context it matched (0: not a lookup)."""
 
     @property
     def looked_up(self) -> bool:

@@ -235,9 +235,8 @@ def _log_sizes(limit: int) -> list[int]:
 
 
 def _min_time(fn: Callable[[], object], repeats: int, budget: float = _TIMING_BUDGET) -> float:
-    """Best of 1 + `repeats` calls: interference on a shared machine, like a first call's own
-    costs, only ever adds time. Once the calls took `budget` seconds it stops at two: a long
-    pass's noise is a small share of it, and the longest would otherwise take most of the start."""
+    """Best of 1 + `repeats` calls (interference only ever adds time); at two once they took
+    `budget` seconds: a long pass's noise is a small share, and it would take the start."""
     times: list[float] = []
     while len(times) <= repeats and (len(times) < 2 or sum(times) < budget):
         start = time.perf_counter()

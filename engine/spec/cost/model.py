@@ -201,8 +201,7 @@ class CostModel:
         overhead: tuple[float, float] = (0.0, 0.0),
         free_drafts: bool = False,
     ) -> int:
-        """The K in 0..max_drafts with the most expected tokens per second (first of ties);
-        `chain_rates` says of what."""
+        """The K in 0..max_drafts with the best `chain_rates` (the first of ties)."""
         rates = self.chain_rates(
             gains, context, base_tokens, max_drafts, catch_up, overhead, free_drafts
         )

@@ -44,9 +44,8 @@ class AcceptanceEstimates:
         return self._accepted / self._trials
 
     def lookup_acceptance(self, match: int = 0) -> float:
-        """Per-token acceptance of a prompt lookup whose context matched `match` tokens (a
-        longer match is likelier copied text), all lookups' rate as a prior of `prior_weight`
-        trials; all lookups' rate for match 0."""
+        """Per-token acceptance of lookups that matched `match` tokens, all lookups' rate as
+        a prior of `prior_weight` trials (match 0: all lookups' rate)."""
         pooled = self._lookup[0] / self._lookup[1]
         counts = self._lookup_by_match.get(match)
         if counts is None:
@@ -126,7 +125,6 @@ class AcceptanceEstimates:
         self._trials = PRIOR_DECAY * self._trials + num_accepted + (num_accepted < num_drafted)
 
     def observe_lookup(self, match: int, num_drafted: int, num_accepted: int) -> None:
-        """A verified lookup of `match` matched tokens."""
         trials = num_accepted + (num_accepted < num_drafted)
         for counts in (self._lookup, self._lookup_by_match.setdefault(match, [0.0, 0.0])):
             counts[0] = ACCEPTANCE_DECAY * counts[0] + num_accepted

@@ -57,9 +57,7 @@ class AdaptiveDraftLength:
         self.estimates.observe_lookup(match, num_drafted, num_accepted)
 
     def lookup_length(self, request: Request, k: int, match: int, found: int, batch: int) -> int:
-        """Alone: the best chain of the lookup's drafts at the acceptance of lookups matching
-        `match` tokens (no draft pass), or 0 where the draft model's K is expected to emit
-        faster. In a batch: the draft model's K (its search priced the rows)."""
+        """Alone: the best chain at `match`'s acceptance unless the draft's K wins; else K."""
         if batch > 1:
             return min(k, found)
         a = self.estimates.lookup_acceptance(match)

@@ -1,10 +1,9 @@
 """A feature draft (EAGLE, Li et al. 2024): one decoder layer that reads the target's hidden states.
 
-Input at position p: the target's embedding of x_p beside its final-norm feature at p - 1 (past
-the first draft, the draft's own); the target's LM head makes the logits. A directory whose
-config.json says `"tandem_draft": {"kind": "eagle"}` holds it. KV lives in the target's blocks;
-keys from predicted features are dropped, so each step feeds the verified tokens again. Chains.
-"""
+Input at p: the target's embedding of x_p beside its final-norm feature at p - 1 (past the
+first draft, the draft's own); the target's LM head makes the logits. Its config.json says
+`"tandem_draft": {"kind": "eagle"}`. KV lives in the target's blocks; keys from predicted
+features are dropped, so each step feeds the verified tokens again. Chains."""
 
 from __future__ import annotations
 

@@ -21,15 +21,12 @@ def prompt_lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int
 
 def longest_match(tokens: list[int], k: int, n_max: int, n_min: int) -> tuple[int, list[int]]:
     """(n, up to k tokens): the longest suffix n-gram of `tokens` (n_min <= n <= n_max) that
-    occurred earlier, and what followed its latest earlier occurrence; (0, []) if none.
-
-    One pass over the context in numpy: the earlier positions holding the last token are the
-    candidate match ends, and each one's match length is counted backwards to n_max."""
+    occurred earlier, and what followed its latest earlier occurrence; (0, []) if none."""
     length = len(tokens)
     if length < 2 or n_min < 1:
         return 0, []
     seq = np.asarray(tokens)
-    ends = np.flatnonzero(seq[: length - 1] == seq[-1])  # a match's end, before the suffix's
+    ends = np.flatnonzero(seq[: length - 1] == seq[-1])  # candidate ends, counted backwards
     if len(ends) == 0:
         return 0, []
     matched = np.ones(len(ends), dtype=np.int64)
@@ -51,9 +48,8 @@ def longest_match(tokens: list[int], k: int, n_max: int, n_min: int) -> tuple[in
 def prompt_lookup_branches(
     tokens: list[int], k: int, n_max: int, n_min: int, branches: int
 ) -> list[list[int]]:
-    """Up to `branches` continuations of up to k tokens with distinct first tokens, from the
-    latest earlier matches of the context's suffix: the longest suffix n-gram first, then
-    shorter ones for the branches still missing."""
+    """Up to `branches` continuations of up to k tokens with distinct first tokens: the latest
+    earlier matches of the longest suffix n-gram first, then shorter ones for the rest."""
     length, found, firsts = len(tokens), [], set()
     for n in range(min(n_max, length - 1), n_min - 1, -1):
         suffix = tokens[length - n :]

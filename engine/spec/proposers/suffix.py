@@ -1,27 +1,11 @@
-"""Suffix decoding (SuffixDecoding, as in Arctic Inference): model-free drafts from suffix
-tries over the request's own tokens and over recent requests' outputs.
-
-Per request, a trie over its prompt and output (verified tokens only: a rejected draft never
-enters `output_token_ids`), extended at `propose` by the tokens verified since the last time.
-Globally, a trie over the outputs of the latest finished requests (`SuffixCache`, at most
-`speculative.suffix_cache_tokens` tokens; prompts are left out: each request's own prompt is
-in its own trie, and other requests' prompts would take most of the budget).
-
-Drafting for a request asked for K drafts:
-- the match: in each trie, the longest suffix of the context, at most D - K_max tokens
-  (D = `speculative.suffix_max_depth`, so the trie always has room for K_max drafts after
-  it), that occurred before followed by a token; the longer of the two matches wins, the
-  request's own on a tie; no match, no drafts;
-- the adaptive length: a match of m tokens drafts at most min(K, ceil(ALPHA x m));
-- a chain (branches == 1, or a grammar: its drafts cut at what the grammar refuses): the most
-  frequent child again and again; a tree (branches > 1): best-first by path probability, at
-  most `branches` candidates for the next token; either stops where a path falls below
-  MIN_PROB (suffix_tree.py).
-
-The per-request state lives in `SuffixProposer.requests` from the request's first drafting
-step until the scheduler lets it go (`release`: finished, aborted or failed), when its
-output joins the global cache (a failed request's does not).
-"""
+"""Suffix decoding (SuffixDecoding, as in Arctic Inference): drafts from suffix tries over the
+request's own verified tokens and the latest finished outputs (`SuffixCache`, at most
+`suffix_cache_tokens`). In each trie, the longest suffix of the context of at most D - K_max
+tokens (D = `suffix_max_depth`) followed before by a token; the longer wins, the request's on a
+tie. A match of m tokens drafts at most min(K, ceil(ALPHA x m)): most frequent children as a
+chain (cut where a grammar refuses), or a tree best-first by path probability, down to
+MIN_PROB. A request's trie lives until `release`, when its output joins the cache (unless it
+failed)."""
 
 from __future__ import annotations
 

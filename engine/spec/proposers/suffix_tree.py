@@ -1,17 +1,12 @@
 """Depth-bounded suffix tries for suffix decoding (engine/spec/proposers/suffix.py).
 
-A trie of depth D over one or more token sequences holds every substring of up to D tokens as
-a path from the root. A node's `count` is how often its string occurs; `total` is how often
-it occurs followed by a token (the sum of its children's counts), so a child's probability is
-child.count / parent.total. Each node links to its string less the first token (`link`, as
-Aho-Corasick's failure links): appending a token to a sequence walks the suffixes ending at
-its end (at most D of them) and extends each, and matching a context advances in amortized
-O(1) per token. Nothing here is torch: plain Python, on the engine's thread.
-
-Cost: a trie over N tokens holds at most N x D nodes (text that does not repeat comes close
-to that), each a Python object with a dict of children: indexing a token costs O(D) time and
-up to D nodes. suffix.py bounds N for the global cache (suffix_cache_tokens) and D
-(suffix_max_depth); a request's own trie grows with its context.
+A trie of depth D over token sequences holds every substring of up to D tokens as a path from
+the root. A node's `count` is how often its string occurs, `total` how often followed by a
+token, so a child's probability is child.count / parent.total. Each node links to its string
+less the first token (`link`, as Aho-Corasick's failure links): appending a token extends the
+at most D suffixes ending there, and matching a context advances in amortized O(1) a token.
+Plain Python on the engine's thread. A trie over N tokens holds at most N x D nodes (a Python
+object each); suffix.py bounds N for the global cache and D (suffix_max_depth).
 """
 
 from __future__ import annotations
