@@ -86,3 +86,19 @@ def test_sampled_continuations_with_lookups_follow_the_target(tiny_vocab_pair, p
     assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens  # the draft's too
     stat, bound = _chi_square_test(counts, exact, n)
     assert stat < bound, f"chi-square {stat:.1f} >= {bound:.1f}"
+
+
+def test_adaptive_ngram_decoding_alone_verifies_priced_lookups_past_k_max(tiny_dirs):
+    """With adaptive K a model-free `ngram` engine prices its lookups alone (as beside a draft
+    model, per match length) and may verify more than K_max of them; the output stays greedy."""
+    prompts = random_prompts([6, 10, 15], vocab=300, seed=5)
+    prompts = [p + p for p in prompts]  # repeats for the lookup to find
+    expected = hf_greedy(tiny_dirs["llama"], prompts, 48)
+    spec = SpecConfig("ngram", max_draft_tokens=2, draft_length="adaptive")
+    engine = make_engine(tiny_dirs["llama"], spec=spec)
+    for i, prompt in enumerate(prompts):  # one at a time: each decodes alone
+        engine.add_request(f"r{i}", prompt, greedy(48))
+        assert drain(engine)[f"r{i}"] == expected[i]
+    stats = engine.stats()
+    assert stats.spec_lookup_drafted == 0  # counted as the proposer's own drafts
+    assert len(stats.spec_drafted_by_position) > 2 and stats.spec_accepted_tokens > 0

@@ -67,6 +67,7 @@ def test_a_grammar_forces_its_tokens_and_a_lookup_gives_its_continuation():
     planner = SpecPlanner(spec, policy, proposer=None)
     assert planner.lookup is None  # a lookup assists a draft model only
     # As the n-gram lookup finds them: only `repeats` has an earlier occurrence of its suffix.
+    planner.keeps_draft_kv = True  # as beside a draft model
     planner.lookup = lambda tokens, k: (
         (3, [8, 5, 6][:k]) if tokens == repeats.all_token_ids else (0, [])
     )
@@ -106,6 +107,7 @@ def test_observe_feeds_each_kind_of_draft_to_its_own_count_and_skips_aborted_req
     }
     policy = RecordingPolicy({})
     planner = SpecPlanner(SpecConfig("draft", "unused"), policy, proposer=None)
+    planner.keeps_draft_kv = True  # as beside a draft model: lookups counted apart
     planner.observe(StepResult(sched, None, VerifyResult(tokens), 0.0, 0.0))
 
     assert policy.observed == [("proposed", 3, 2, 1)]  # only the proposer's drafts teach it

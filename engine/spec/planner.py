@@ -75,10 +75,12 @@ class SpecPlanner:
             if cap and self._may_look_up(req, k, batch):
                 limit = LOOKUP_MAX if req.params.max_draft_tokens is None else cap
                 match, found = self.lookup(req.all_token_ids, limit)
-                n = self.policy.lookup_length(req, k, match, len(found), batch) if found else 0
+                rival = k if self.keeps_draft_kv else 0  # a draft model's K, else the lookup's
+                n = self.policy.lookup_length(req, rival, match, len(found), batch) if found else 0
                 if n := min(n, limit):
                     plans[req] = DraftPlan(n, reason, 1, found[:n], lookup_match=match)
                     continue
+                k = k if self.keeps_draft_kv or batch > 1 else 0
             width = 1 if req.grammar is not None else choice.branches  # a grammar's are chains
             plans[req] = DraftPlan(k, reason, width)
         return plans
@@ -115,12 +117,13 @@ class SpecPlanner:
             if req.status.finished or result is None:  # aborted mid-step, or no sample yet
                 continue
             drafted, accepted = result.num_drafted, result.num_accepted
-            if item.looked_up:  # a lookup's or a grammar's drafts say nothing of the proposer's
+            if item.looked_up:
+                self.policy.observe_lookup(item.lookup_match, drafted, accepted)
+            if item.looked_up and self.keeps_draft_kv:  # says nothing of the draft model's
                 counters.lookup_drafted += drafted
                 counters.lookup_accepted += accepted
-                self.policy.observe_lookup(item.lookup_match, drafted, accepted)
                 req.spec.count("lookup", drafted, accepted)
-            elif item.forced:
+            elif item.forced and not item.looked_up:
                 counters.forced_drafted += drafted
                 counters.forced_accepted += accepted
                 req.spec.count("grammar", drafted, accepted)

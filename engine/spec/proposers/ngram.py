@@ -68,8 +68,10 @@ def prompt_lookup_branches(
 def assist_lookup(
     spec: SpecConfig, proposer: Proposer | None
 ) -> Callable[[list[int], int], tuple[int, list[int]]] | None:
-    """`speculative.ngram_assist`: the planner's lookup for drafts in place of a draft model's,
-    `longest_match` of at least ngram_assist tokens and at most ngram_max; or None."""
+    """The planner's `longest_match` or None: ngram_min..ngram_max tokens for adaptive `ngram`;
+    beside a draft model (`ngram_assist`), ngram_assist..max(ngram_assist, ngram_max)."""
+    if spec.method == "ngram" and spec.draft_length == "adaptive":
+        return lambda tokens, k: longest_match(tokens, k, spec.ngram_max, spec.ngram_min)
     if not spec.ngram_assist or proposer is None or not proposer.keeps_kv:
         return None
     n_min, n_max = spec.ngram_assist, max(spec.ngram_assist, spec.ngram_max)
