@@ -77,7 +77,7 @@ def build_router() -> APIRouter:
         engine = state.engine
         card = ModelCard(
             id=state.settings.served_model_name,
-            root=state.settings.model_path,
+            root=state.settings.model_root,
             max_model_len=engine.max_model_len if engine is not None else None,
         )
         return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))

@@ -82,6 +82,11 @@ class Settings:
         return self.engine.model.model
 
     @property
+    def model_root(self) -> str:
+        """The model as /v1/models shows it (`root`): its name, never its path on this host."""
+        return self.model_ref.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
     def served_model_name(self) -> str:
         return self.server.served_model_name or default_served_name(self.model_ref)
 

@@ -21,6 +21,7 @@ def test_health_models_version(served):
     models = served.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].model_extra["max_model_len"] == 256
+    assert models.data[0].model_extra["root"] == "llama"  # its name, not its path on the host
     version = httpx.get(f"{served.url}/version").json()
     assert version["version"] and version["version"] != "unknown"
     # The served (float32, CPU) model runs on the C kernels: /version names what they were
