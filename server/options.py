@@ -323,6 +323,13 @@ OPTIONS: tuple[Option, ...] = (
         "require 'Authorization: Bearer KEY' on /v1 routes (default: no key)",
         metavar="KEY",
     ),
+    Option(
+        "server.api_key_file",
+        "--api-key-file",
+        optional(str),
+        "read the API key from this file instead (off the command line, where ps shows it)",
+        metavar="FILE",
+    ),
     Option("server.log_level", "--log-level", str, "logging level", choices=LOG_LEVELS),
     Option(
         "server.max_request_tokens",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -38,6 +38,7 @@ class ServerConfig:
     served_model_name: str | None = None
     """None = the model path as written in the config or on the command line."""
     api_key: str | None = None
+    api_key_file: str | None = None
     log_level: str = "info"
     drain_timeout: float = 30.0
     """Seconds a SIGTERM waits for in-flight requests before the process exits."""
@@ -230,6 +231,22 @@ def _check_model(flag: str, path: str, ref: str | None) -> None:
         raise ValueError(f"{exc}{written}") from None
 
 
+def _with_key_file(server: ServerConfig) -> ServerConfig:
+    """`server` with the key read from --api-key-file (its content, stripped), if given."""
+    path = server.api_key_file
+    if path is None:
+        return server
+    if server.api_key is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    try:
+        key = Path(path).expanduser().read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--api-key-file: cannot read {path}: {exc}") from exc
+    if not key:
+        raise ValueError(f"--api-key-file: {path} is empty")
+    return replace(server, api_key=key)
+
+
 def _build(values: Mapping[str, Any], refs: Mapping[str, str]) -> Settings:
     model = _section(values, "model")
     if not model.get("model"):
@@ -242,7 +259,7 @@ def _build(values: Mapping[str, Any], refs: Mapping[str, str]) -> Settings:
         scheduler=SchedulerConfig(**_section(values, "scheduler")),
         spec=SpecConfig(**spec),
     )
-    server = ServerConfig(**_section(values, "server"))
+    server = _with_key_file(ServerConfig(**_section(values, "server")))
     _check_model("--model", engine.model.model, refs.get("model.path"))
     if engine.spec.method == "draft" and engine.spec.draft_model:
         _check_model("--draft-model", engine.spec.draft_model, refs.get("speculative.draft_model"))

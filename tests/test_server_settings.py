@@ -61,6 +61,25 @@ def test_flags_override_yaml_and_env_supplies_the_api_key(tiny_dirs, tmp_path):
     assert flagged.server.api_key == "flag"
 
 
+def test_the_api_key_may_come_from_a_file(tiny_dirs, tmp_path):
+    """--api-key-file keeps the key off the command line (ps shows argv): its content,
+    stripped; with --api-key too, or unreadable, or empty, the server refuses to start."""
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    model = {"model.path": str(tiny_dirs["llama"])}
+    settings = load_settings(None, {**model, "server.api_key_file": str(key_file)}, {})
+    assert settings.server.api_key == "s3cret"
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    for extra, message in [
+        ({"server.api_key_file": str(key_file), "server.api_key": "k"}, "not both"),
+        ({"server.api_key_file": str(tmp_path / "missing")}, "cannot read"),
+        ({"server.api_key_file": str(empty)}, "is empty"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            load_settings(None, {**model, **extra}, {})
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [
