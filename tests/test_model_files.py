@@ -48,6 +48,11 @@ def test_package_paths_find_files_without_importing_the_package(tmp_path, monkey
         model_files.locate("pkg://tandem_fake_pkg/other.gguf")
     with pytest.raises(ValueError, match="'no_such_pkg_xyz', which is not installed"):
         model_files.locate("pkg://no_such_pkg_xyz/model.gguf", "--draft-model")
+    # A package path stays inside its package: no climbing out, no absolute path after it.
+    (tmp_path / "outside.gguf").write_bytes(b"GGUF")
+    for escape in ("pkg://tandem_fake_pkg/../outside.gguf", f"pkg://tandem_fake_pkg/{tmp_path}"):
+        with pytest.raises(ValueError, match="points outside the package 'tandem_fake_pkg'"):
+            model_files.locate(escape)
 
 
 def test_served_name_of_a_gguf_is_its_file_name():

@@ -49,8 +49,10 @@ def locate(path: str, flag: str = "--model") -> Path:
                 f"{flag}: {path} names the Python package {package!r}, which is not installed "
                 "(scripts/install.sh installs the default model's package)"
             )
-        found = [Path(d) / relative for d in spec.submodule_search_locations]
-        for candidate in found:
+        for root in map(Path, spec.submodule_search_locations):
+            candidate = root / relative
+            if not candidate.resolve().is_relative_to(root.resolve()):
+                raise ValueError(f"{flag}: {path} points outside the package {package!r}")
             if candidate.exists():
                 return candidate
         raise ValueError(f"{flag}: package {package!r} has no file {relative!r}")
