@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
+from server.body_limit import BodyLimit
 from server.drain import DrainGate
 from server.errors import install_error_handlers
 from server.routes import build_router, package_version
@@ -56,6 +57,7 @@ def create_app(
     app = FastAPI(title="Tandem", version=package_version(), lifespan=lifespan)
     app.state.tandem = state
     app.add_middleware(DrainGate, state=state)
+    app.add_middleware(BodyLimit, limit=settings.server.max_body_bytes)
     install_error_handlers(app)
     app.include_router(build_router())
     return app

@@ -330,6 +330,13 @@ OPTIONS: tuple[Option, ...] = (
         "read the API key from this file instead (off the command line, where ps shows it)",
         metavar="FILE",
     ),
+    Option(
+        "server.max_body_bytes",
+        "--max-body-bytes",
+        int,
+        "a request body over this many bytes gets 413 before it is parsed",
+        metavar="N",
+    ),
     Option("server.log_level", "--log-level", str, "logging level", choices=LOG_LEVELS),
     Option(
         "server.max_request_tokens",

@@ -46,6 +46,8 @@ class ServerConfig:
     """Most tokens one request may ask for (prompts + max_tokens x n); None = 8 x max_model_len."""
     request_timeout: float | None = 600.0
     """Seconds from arrival to the last token before the request is aborted; None = no limit."""
+    max_body_bytes: int = 8 << 20
+    """A larger request body gets 413 before it is parsed."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -63,6 +65,8 @@ class ServerConfig:
                 "--request-timeout must be between 0 and 86400 seconds, or off "
                 f"(got {self.request_timeout})"
             )
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"--max-body-bytes must be at least 1024 (got {self.max_body_bytes})")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(
                 f"--log-level must be one of {', '.join(LOG_LEVELS)} (got {self.log_level!r})"

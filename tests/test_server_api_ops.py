@@ -149,3 +149,23 @@ def test_metrics_move_with_traffic(served):
     moved = {part: delta("tandem_step_seconds_total", part=part) for part in parts}
     assert all(seconds > 0 for seconds in moved.values()), moved
     assert sum(moved.values()) < wall
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_parsed(served):
+    """--max-body-bytes (8 MiB by default): declared or chunked, the answer is 413 in the
+    OpenAI error shape; a body just under it is parsed as usual (here: 400, bad JSON)."""
+    limit = served.settings.server.max_body_bytes
+    headers = {"Authorization": f"Bearer {served.client.api_key}"}
+    url = f"{served.url}/v1/completions"
+
+    def chunks(total: int) -> Iterator[bytes]:
+        for _ in range(total // (1 << 20)):
+            yield b" " * (1 << 20)
+        yield b" " * (total % (1 << 20))
+
+    for body in (b" " * (limit + 1), chunks(limit + 1)):  # Content-Length, then chunked
+        answer = httpx.post(url, content=body, headers=headers, timeout=30)
+        assert answer.status_code == 413
+        assert answer.json()["error"]["code"] == "request_too_large"
+    under = httpx.post(url, content=b"{" + b" " * (limit - 1), headers=headers, timeout=30)
+    assert under.status_code == 400
