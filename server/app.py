@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
-from server.body_limit import BodyLimit
 from server.drain import DrainGate
+from server.entry import EntryGate
 from server.errors import install_error_handlers
 from server.routes import build_router, package_version
 from server.settings import Settings
@@ -57,7 +57,9 @@ def create_app(
     app = FastAPI(title="Tandem", version=package_version(), lifespan=lifespan)
     app.state.tandem = state
     app.add_middleware(DrainGate, state=state)
-    app.add_middleware(BodyLimit, limit=settings.server.max_body_bytes)
+    server = settings.server
+    everywhere = server.api_key if server.api_key_scope == "all" else None
+    app.add_middleware(EntryGate, limit=server.max_body_bytes, key=everywhere)
     install_error_handlers(app)
     app.include_router(build_router())
     return app

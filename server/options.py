@@ -331,6 +331,14 @@ OPTIONS: tuple[Option, ...] = (
         metavar="FILE",
     ),
     Option(
+        "server.api_key_scope",
+        "--api-key-scope",
+        str,
+        "where the key is required: v1 (the API; /metrics, /version, /docs and /openapi.json "
+        "open to scrapers and browsers) or all (every path but /health)",
+        choices=("v1", "all"),
+    ),
+    Option(
         "server.max_body_bytes",
         "--max-body-bytes",
         int,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Mapping
 from importlib import metadata
 
 from fastapi import APIRouter, Depends, Request
@@ -25,18 +26,25 @@ def get_state(request: Request) -> ServerState:
 
 
 def require_api_key(request: Request) -> None:
-    key = get_state(request).settings.server.api_key
+    error = key_error(get_state(request).settings.server.api_key, request.headers)
+    if error is not None:
+        raise error
+
+
+def key_error(key: str | None, headers: Mapping[str, str]) -> APIError | None:
+    """The 401 for a request without `key` as its bearer token, or None (also with no key)."""
     if not key:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return None
+    scheme, _, token = headers.get("authorization", "").partition(" ")
     given = token.strip().encode("utf-8", "surrogateescape")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode("utf-8")):
-        raise APIError(
-            "Missing or incorrect API key: send 'Authorization: Bearer <key>'.",
-            401,
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    if scheme.lower() == "bearer" and hmac.compare_digest(given, key.encode("utf-8")):
+        return None
+    return APIError(
+        "Missing or incorrect API key: send 'Authorization: Bearer <key>'.",
+        401,
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 def _warn_unknown(request: Request, body: SamplingRequest) -> None:

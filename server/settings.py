@@ -39,6 +39,8 @@ class ServerConfig:
     """None = the model path as written in the config or on the command line."""
     api_key: str | None = None
     api_key_file: str | None = None
+    api_key_scope: str = "v1"
+    """Where the key is required: "v1" (the API) or "all" (every path but /health)."""
     log_level: str = "info"
     drain_timeout: float = 30.0
     """Seconds a SIGTERM waits for in-flight requests before the process exits."""
@@ -65,6 +67,8 @@ class ServerConfig:
                 "--request-timeout must be between 0 and 86400 seconds, or off "
                 f"(got {self.request_timeout})"
             )
+        if self.api_key_scope not in ("v1", "all"):
+            raise ValueError(f"--api-key-scope must be v1 or all (got {self.api_key_scope!r})")
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be at least 1024 (got {self.max_body_bytes})")
         if self.log_level not in LOG_LEVELS:

@@ -169,3 +169,26 @@ def test_a_body_over_the_limit_gets_413_before_it_is_parsed(served):
         assert answer.json()["error"]["code"] == "request_too_large"
     under = httpx.post(url, content=b"{" + b" " * (limit - 1), headers=headers, timeout=30)
     assert under.status_code == 400
+
+
+def test_the_key_scope_all_closes_every_path_but_health(tiny_dirs):
+    """--api-key-scope all: /metrics, /version, /docs and /openapi.json need the key too (401,
+    OpenAI shape); /health still answers the probes."""
+    server = serve(tiny_dirs, server__api_key_scope="all")
+    served = next(server)
+    try:
+        auth = {"Authorization": f"Bearer {served.client.api_key}"}
+        for path in ("/metrics", "/version", "/docs", "/openapi.json"):
+            refused = httpx.get(served.url + path, timeout=10)
+            assert refused.status_code == 401, path
+            assert refused.json()["error"]["code"] == "invalid_api_key"
+            assert httpx.get(served.url + path, headers=auth, timeout=10).status_code == 200
+        assert httpx.get(served.url + "/health", timeout=10).status_code == 200
+    finally:
+        server.close()
+
+
+def test_the_default_key_scope_leaves_scrapers_and_docs_open(served):
+    """--api-key-scope v1 (the default): only the API needs the key."""
+    for path in ("/metrics", "/version", "/docs", "/openapi.json", "/health"):
+        assert httpx.get(served.url + path, timeout=10).status_code == 200, path

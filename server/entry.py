@@ -1,5 +1,6 @@
-"""ASGI middleware: a request body over `--max-body-bytes` gets 413 in the OpenAI error shape
-before anything parses it, whether it declares its length or arrives in chunks."""
+"""ASGI middleware at the door: a request body over `--max-body-bytes` gets 413 in the OpenAI
+error shape before anything parses it, whether it declares its length or arrives in chunks;
+with `--api-key-scope all`, every path but /health needs the key (the /v1 routes always do)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,24 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError, error_response
+from server.routes import key_error
 
 
-class BodyLimit:
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+class EntryGate:
+    def __init__(self, app: ASGIApp, limit: int, key: str | None = None) -> None:
         self.app = app
         self.limit = limit
+        self.key = key  # required on every path but /health, if given
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.key and scope["path"] != "/health":
+            error = key_error(self.key, Request(scope).headers)
+            if error is not None:
+                await error_response(error, Request(scope))(scope, receive, send)
+                return
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
             await self._refuse(scope, receive, send)
