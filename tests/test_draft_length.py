@@ -560,7 +560,7 @@ def test_depths_kept_less_often_than_predicted_are_drafted_less():
 
 
 def test_one_requests_draft_length_is_what_the_vectorised_search_gives():
-    """A batch of one takes CostModel.best_chain_length (plain Python) instead of the numpy
+    """A batch of one takes CostModel.chain_rates (plain Python) instead of the numpy
     search: the same K and the same reason, over acceptances, contexts, other tokens in the
     pass, the draft's lag and online cost factors."""
     rng = np.random.default_rng(0)

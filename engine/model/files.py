@@ -28,7 +28,6 @@ _PLAIN_TYPES = frozenset({"F32", "F16", "BF16"})
 
 
 CACHE_DIR_ENV = "TANDEM_MODEL_CACHE_DIR"
-"""The server's --model-cache-dir variable, which the command below reads too."""
 
 
 def default_cache_dir() -> Path:

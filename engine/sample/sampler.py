@@ -47,7 +47,7 @@ def apply_penalties_and_masks(
     # A forward's logits are inference tensors, not writable in place outside inference_mode.
     if logits.is_inference():
         logits = logits.clone()
-    constrained = [i for i, row in enumerate(rows) if row.request.grammar is not None]
+    constrained = [i for i in changed if rows[i].request.grammar is not None]
     if constrained:  # one host-to-device copy and one fill for every constrained row
         allowed = torch.stack([_grammar_mask(rows[i], logits.shape[1]) for i in constrained])
         index = torch.tensor(constrained, device=logits.device)

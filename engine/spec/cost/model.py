@@ -191,22 +191,6 @@ class CostModel:
         """Verifier capacity P: most tokens a pass holds within CAPACITY_SLACK x one token."""
         return self._capacity
 
-    def best_chain_length(
-        self,
-        gains: list[float],
-        context: float,
-        base_tokens: int,
-        max_drafts: int,
-        catch_up: float = 0.0,
-        overhead: tuple[float, float] = (0.0, 0.0),
-        free_drafts: bool = False,
-    ) -> int:
-        """The K in 0..max_drafts with the best `chain_rates` (the first of ties)."""
-        rates = self.chain_rates(
-            gains, context, base_tokens, max_drafts, catch_up, overhead, free_drafts
-        )
-        return rates.index(max(rates))
-
     def chain_rates(
         self,
         gains: list[float],

@@ -65,7 +65,7 @@ class AdaptiveDraftLength:
         over = (self.cost.step_overhead(1), self.cost.step_overhead(1, drafting=True))
         context = float(request.num_tokens)
         rates = self.cost.chain_rates(gains, context, 1, found, 0.0, over, free_drafts=True)
-        n = rates.index(max(rates))
+        n = _best(rates)
         if k > 0 and n > 0:  # the draft model's choice, at its own acceptance and catch-up
             g = self.estimates.gains_one(self.estimates.acceptance(request))
             lag = self.catch_up.tokens(request)
@@ -133,10 +133,10 @@ class AdaptiveDraftLength:
         batch, k_max, search = len(a), self.max_draft_tokens, self.search
         if batch == 1 and self.max_branches == 1:  # one request: plain numbers, no arrays
             g1 = self.estimates.gains_one(float(a[0]))
-            best, c1, lag = self.cost.best_chain_length, float(context[0]), float(catch_up[0])
+            rates, c1, lag = self.cost.chain_rates, float(context[0]), float(catch_up[0])
             over = (self.cost.step_overhead(1), self.cost.step_overhead(1, drafting=True))
-            k = best(g1, c1, num_other_tokens + 1, k_max, lag, over)
-            solo = best(g1, c1, 1, k_max, lag, over) if num_other_tokens else k
+            k = _best(rates(g1, c1, num_other_tokens + 1, k_max, lag, over))
+            solo = _best(rates(g1, c1, 1, k_max, lag, over)) if num_other_tokens else k
             reason = None if k >= k_max else REASON_BATCH if k < solo else REASON_ACCEPTANCE
             return [k], [reason], 1
         gains = self.estimates.gains(a)  # [batch, k_max]: the d-th draft's expected tokens
@@ -160,3 +160,7 @@ class AdaptiveDraftLength:
                 ks, branches = np.full(batch, k_tree, dtype=np.int64), n
                 reasons = [None] * batch
         return [int(k) for k in ks], reasons, branches
+
+
+def _best(rates: list[float]) -> int:
+    return rates.index(max(rates))
