@@ -156,9 +156,10 @@ def test_greedy_chat_equals_hf_generate_or_the_servers_own(model_dir, request, s
         assert stats.spec_drafted_tokens > 0
         if "speculative.draft_model" in spec:  # a trained draft: most first drafts are kept
             assert stats.spec_accepted_by_position[0] > 0.4 * stats.spec_drafted_by_position[0]
-        if not spec:  # and prompt lookups in place of some (speculative.ngram_assist)
-            assert 0 < stats.spec_lookup_accepted <= stats.spec_lookup_drafted
-            # Beside the target's GGUF blocks the draft runs on int4 blocks (auto).
+        # Prompt lookups beside the draft are priced by the measured step costs, so whether
+        # any runs depends on the machine; tests/test_ngram_assist.py forces them.
+        assert stats.spec_lookup_accepted <= stats.spec_lookup_drafted
+        if not spec:  # beside the target's GGUF blocks the draft runs on int4 blocks (auto)
             gguf = "on Q4_1" in engine.engine.runner.kernels
             assert engine.engine.proposer.runner.quantization == ("int4" if gguf else "none")
             int8 = "+vnni-int8" in (engine.engine.cpu_isa or "")
