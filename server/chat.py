@@ -50,9 +50,10 @@ async def create_chat_completion(
     if req.top_logprobs and not req.logprobs:
         raise APIError("top_logprobs needs logprobs to be true", 400, param="top_logprobs")
     tools = tool_setup(req)
-    grammar = grammar_for(req)  # a required call's grammar takes its place (no text answer)
+    digits = state.settings.server.max_json_number_digits
+    grammar = grammar_for(req, digits)  # a required call's grammar takes its place (no text)
     if tools is not None:
-        grammar = tool_grammar(tools) or grammar
+        grammar = tool_grammar(tools, digits) or grammar
     prompt = await render_chat_off_loop(state, req.messages, tools)
     await compile_grammar(state, grammar)
     max_tokens = max_tokens_for(state, prompt, req.output_limit, None)

@@ -37,7 +37,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if req.max_tokens == 0 and not req.echo:
         raise APIError("max_tokens must be at least 1 (0 only with echo)", 400, param="max_tokens")
     prompts = await encode_prompts(state, req.prompts())
-    grammar = grammar_for(req)
+    grammar = grammar_for(req, state.settings.server.max_json_number_digits)
     await compile_grammar(state, grammar)
     # echo + logprobs scores the prompt; echo with max_tokens 0 needs that pass to finish at all.
     prompt_logprobs = req.logprobs if req.echo else None

@@ -345,6 +345,14 @@ OPTIONS: tuple[Option, ...] = (
         "a request body over this many bytes gets 413 before it is parsed",
         metavar="N",
     ),
+    Option(
+        "server.max_json_number_digits",
+        "--max-json-number-digits",
+        int,
+        "structured JSON output (response_format, guided_json, tool calls): each number takes at "
+        "most this many digits, so a small model cannot write one forever (0 = no limit)",
+        metavar="N",
+    ),
     Option("server.log_level", "--log-level", str, "logging level", choices=LOG_LEVELS),
     Option(
         "server.max_request_tokens",

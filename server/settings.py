@@ -50,6 +50,8 @@ class ServerConfig:
     """Seconds from arrival to the last token before the request is aborted; None = no limit."""
     max_body_bytes: int = 8 << 20
     """A larger request body gets 413 before it is parsed."""
+    max_json_number_digits: int = 24
+    """Digits a number in structured JSON output may take (0: no limit)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -69,6 +71,11 @@ class ServerConfig:
             )
         if self.api_key_scope not in ("v1", "all"):
             raise ValueError(f"--api-key-scope must be v1 or all (got {self.api_key_scope!r})")
+        if not 0 <= self.max_json_number_digits <= 10_000:
+            raise ValueError(
+                "--max-json-number-digits must be between 0 and 10000 "
+                f"(got {self.max_json_number_digits})"
+            )
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be at least 1024 (got {self.max_body_bytes})")
         if self.log_level not in LOG_LEVELS:

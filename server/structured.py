@@ -73,15 +73,16 @@ def _schema_text(schema: dict[str, Any] | str, param: str) -> str:
         raise APIError(f"The JSON schema is not usable JSON: {exc}", 400, param=param) from exc
 
 
-def grammar_for(req: SamplingRequest) -> GrammarSpec | None:
-    """The grammar the request's fields ask for, or None; a 400 if they ask for several."""
+def grammar_for(req: SamplingRequest, number_digits: int = 0) -> GrammarSpec | None:
+    """The grammar the request's fields ask for, or None; a 400 if they ask for several.
+    JSON output's numbers take at most `number_digits` digits (0: no limit)."""
     found: list[GrammarSpec] = []
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
-        found.append(GrammarSpec("json_object", param="response_format"))
+        found.append(GrammarSpec("json_object", "", "response_format", number_digits))
     elif fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
-        schema = fmt.json_schema.schema_ or {}
-        found.append(GrammarSpec("json_schema", _schema_text(schema, "response_format")))
+        schema = _schema_text(fmt.json_schema.schema_ or {}, "response_format")
+        found.append(GrammarSpec("json_schema", schema, "response_format", number_digits))
     so = req.structured_outputs
     for param, value, kind in [
         ("structured_outputs", so.json_ if so else None, "json_schema"),
@@ -102,7 +103,8 @@ def grammar_for(req: SamplingRequest) -> GrammarSpec | None:
             source = json.dumps(value)
         else:
             source = "" if kind == "json_object" else value
-        found.append(GrammarSpec(kind, source, param))
+        digits = number_digits if kind in ("json_schema", "json_object") else 0
+        found.append(GrammarSpec(kind, source, param, digits))
     if len(found) > 1:
         raise APIError(
             "Ask for one structured output at a time (response_format, structured_outputs or "

@@ -85,7 +85,7 @@ def _describe(choice: Any) -> str:
     return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
 
 
-def tool_grammar(setup: ToolSetup) -> GrammarSpec | None:
+def tool_grammar(setup: ToolSetup, number_digits: int = 0) -> GrammarSpec | None:
     """The grammar that enforces "required" or a named function (None for auto): blocks
     whose JSON is one allowed function's call, each function a %json rule of its own (so the
     `$defs` its parameters refer to stay at the root of its schema)."""
@@ -112,7 +112,7 @@ def tool_grammar(setup: ToolSetup) -> GrammarSpec | None:
     lark = "\n".join(
         [f"start: call{more}", f'call: "{OPEN}\\n" ({alternatives}) "\\n{CLOSE}"', *rules]
     )
-    return GrammarSpec("lark", lark + "\n", "tools")
+    return GrammarSpec("lark", lark + "\n", "tools", number_digits)  # JSON between the tags
 
 
 def supports_tools(template: str | None) -> bool:

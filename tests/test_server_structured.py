@@ -424,3 +424,32 @@ def test_schemas_with_combinators_compile_and_bad_ones_are_400s(served):
             )
         assert error_of(info.value)["param"] == param, body
     served.wait_idle()
+
+
+def test_json_output_and_tool_calls_carry_the_number_digit_limit():
+    """--max-json-number-digits reaches every grammar whose output is JSON (engine/sample/
+    grammar.py enforces it), and no other: a regex's or a Lark grammar's digits are theirs."""
+    from server.protocol import ChatCompletionRequest, CompletionRequest
+    from server.structured import grammar_for
+    from server.tools import tool_grammar, tool_setup
+
+    def chat(**fields) -> ChatCompletionRequest:
+        return ChatCompletionRequest(model="m", messages=_chat("hi"), **fields)
+
+    def completion(**fields) -> CompletionRequest:
+        return CompletionRequest(model="m", prompt="hi", **fields)
+
+    schema = Pet.model_json_schema()
+    json_requests = [
+        chat(response_format={"type": "json_schema", "json_schema": {"schema": schema}}),
+        chat(response_format={"type": "json_object"}),
+        completion(guided_json=schema),
+        completion(structured_outputs={"json": schema}),
+    ]
+    for req in json_requests:
+        assert grammar_for(req, 7).number_digits == 7
+        assert grammar_for(req).number_digits == 0
+    for req in [completion(guided_regex="[0-9]+"), completion(guided_grammar='start: "1"+')]:
+        assert grammar_for(req, 7).number_digits == 0
+    setup = tool_setup(chat(tools=TOOLS, tool_choice="required"))
+    assert setup is not None and tool_grammar(setup, 7).number_digits == 7

@@ -83,6 +83,30 @@ def test_parse_validates_for_every_city(client, stream):
         assert isinstance(answer.choices[0].message.parsed, City), city
 
 
+class Town(BaseModel):
+    name: str
+    country: str
+    population_millions: float
+
+
+def test_parse_at_temperature_0_ends_every_number(client):
+    """Greedy, the model writes some numbers forever (`311.2218888...` to max_tokens, and the
+    SDK raises LengthFinishReasonError); --max-json-number-digits (24) ends them."""
+    for city in ["Paris", "Cairo", "Oslo", "Berlin"]:
+        answer = client.chat.completions.parse(
+            model="default",
+            messages=[{"role": "user", "content": f"Describe {city} as JSON."}],
+            response_format=Town,
+            max_tokens=200,
+            temperature=0,
+        )
+        town = answer.choices[0].message.parsed
+        assert isinstance(town, Town), city
+        number = answer.choices[0].message.content.rpartition(": ")[2].rstrip("}")
+        assert float(number) == town.population_millions
+        assert sum(c.isdigit() for c in number) <= 24, number
+
+
 def test_tool_calls_on_the_real_model(client):
     tools = [
         {

@@ -279,3 +279,39 @@ def test_a_grammar_that_fails_mid_document_ends_its_request_with_a_grammar_error
     assert finals["endless"].error_code == "invalid_grammar"
     assert finals["fine"].finish_reason == "length"
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_json_numbers_take_at_most_the_digit_limit_and_strings_any(tiny_dirs):
+    """A number in JSON output stops at `number_digits` digits (the issue: a small model at
+    temperature 0 writing `3.8182862020000000381...` until max_tokens); a string's digits and
+    a grammar without a limit are untouched; drafts (`prior`) count as committed tokens do."""
+    engine = make_engine(tiny_dirs["llama"])
+    tok = AutoTokenizer.from_pretrained(tiny_dirs["llama"])
+
+    def ids(text: str) -> list[int]:
+        return [tok.convert_tokens_to_ids("Ġ" if c == " " else c) for c in text]
+
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "number"}, "s": {"type": "string"}},
+        "required": ["n", "s"],
+    }
+    spec = GrammarSpec("json_schema", json.dumps(schema), number_digits=5)
+    five, six, dot, exp, comma = ids("56.e,")
+
+    def mask(text: str, limit: int = 5, committed: int = 0) -> torch.Tensor:
+        state = engine.grammars.state(replace(spec, number_digits=limit))
+        tokens = ids(text)
+        for token in tokens[:committed]:
+            assert state.commit(token)
+        return state.allowed(tokens[committed:])
+
+    for committed in (0, 9):  # all drafts, or the object's start committed
+        four = mask('{"n": 1234', committed=committed)
+        assert four[five] and four[dot] and four[comma]  # a fifth digit, or `.` then one
+        full = mask('{"n": 12345', committed=committed)
+        assert not full[six] and not full[dot] and not full[exp] and full[comma]
+        point = mask('{"n": 1234.', committed=committed)
+        assert point[five] and not point[exp]  # the digit `.` needs, and only it
+    assert mask('{"n": 12345', limit=0)[six]  # no limit
+    assert mask('{"n": 1, "s": "1234567')[six]  # in a string

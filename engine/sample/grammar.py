@@ -42,6 +42,44 @@ def grammar_text(spec: GrammarSpec) -> str:
     return LLMatcher.grammar_from_lark(spec.source)
 
 
+_NUMBER_CHARS = frozenset(b"0123456789.eE+-")
+_OPEN_ENDS = frozenset(b".eE+-")  # a number ending here needs another digit
+
+
+def _json_scan(text: bytes, state: tuple[bool, bool, int]) -> tuple[bool, bool, int]:
+    """(in a string, after a backslash in it, digits in the number being written) after
+    `text`, outside strings a number being a run of number characters."""
+    in_string, escaped, digits = state
+    for c in text:
+        if in_string:
+            escaped = not escaped and c == 0x5C
+            in_string = escaped or c != 0x22
+            digits = 0
+        elif c == 0x22:
+            in_string, digits = True, 0
+        elif c in _NUMBER_CHARS:
+            digits += 0x30 <= c <= 0x39
+        else:
+            digits = 0
+    return in_string, escaped, digits
+
+
+class NumberDigits:
+    """Per token: the digits it adds to a number being written (its leading number characters'
+    plus one more it needs if it ends the number open, as `1.`); the most any token adds."""
+
+    def __init__(self, token_bytes: Sequence[bytes]) -> None:
+        cost = np.zeros(len(token_bytes), dtype=np.int32)
+        for i, text in enumerate(token_bytes):
+            lead = 0
+            while lead < len(text) and text[lead] in _NUMBER_CHARS:
+                lead += 1
+            cost[i] = sum(0x30 <= c <= 0x39 for c in text[:lead])
+            cost[i] += lead == len(text) > 0 and text[-1] in _OPEN_ENDS
+        self.cost = torch.from_numpy(cost)
+        self.most = int(cost.max(initial=0))
+
+
 class Grammars:
     """Compiles grammar specs against the model's tokenizer and hands out matchers."""
 
@@ -52,6 +90,7 @@ class Grammars:
         self.seconds = 0.0
         """Time spent computing masks and moving matchers (the engine reports it)."""
         self._tokenizer: Any = None
+        self._number_digits: NumberDigits | None = None
         self._compiled: OrderedDict[GrammarSpec, Any] = OrderedDict()  # spec: matcher | error
         self._lock = threading.Lock()
 
@@ -68,7 +107,16 @@ class Grammars:
 
     def state(self, spec: GrammarSpec) -> GrammarState:
         # Found compiled: the server checked it off its event loop.
-        return GrammarState(self.check(spec).deep_copy(), self)
+        return GrammarState(self.check(spec).deep_copy(), self, spec.number_digits)
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes(self._llg_tokenizer().decode_bytes([token]))
+
+    def number_digits(self) -> NumberDigits:
+        if self._number_digits is None:  # built once, for the first request with a limit
+            vocab = range(self.vocab_size)
+            self._number_digits = NumberDigits([self.token_bytes(t) for t in vocab])
+        return self._number_digits
 
     def _compile(self, spec: GrammarSpec) -> Any:
         with self._lock:
@@ -122,9 +170,11 @@ def _first_mask_problem(matcher: Any) -> str | None:
 class GrammarState:
     """One request's matcher: at the committed output plus `drafts` (consumed for a mask)."""
 
-    def __init__(self, matcher: Any, grammars: Grammars) -> None:
+    def __init__(self, matcher: Any, grammars: Grammars, digit_limit: int = 0) -> None:
         self.matcher = matcher
         self.grammars = grammars
+        self.digit_limit = digit_limit
+        self.json_state = (False, False, 0)  # _json_scan's, after the committed output
         self.drafts: list[int] = []
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
         self._forced: list[int] | None = None
@@ -160,10 +210,23 @@ class GrammarState:
             packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
             if not self._check_error():
                 bits = np.unpackbits(packed, bitorder="little")[:vocab].astype(bool)
+        if self.digit_limit and bits.any():
+            bits = self._cap_digits(prior, bits)
         # Nothing allowed (past the end, a refused draft, a failure): only stopping fits.
         if not bits.any():
             bits[list(self.grammars.eos_token_ids)] = True
         return torch.from_numpy(bits)
+
+    def _cap_digits(self, prior: tuple[int, ...], bits: np.ndarray) -> np.ndarray:
+        """`bits` less what takes the number past the digit limit, unless that leaves none."""
+        state = self.json_state
+        for token in prior:
+            state = _json_scan(self.grammars.token_bytes(token), state)
+        in_string, _, digits = state
+        if in_string or digits + (self.grammars.number_digits().most) <= self.digit_limit:
+            return bits
+        capped = bits & (self.grammars.number_digits().cost <= self.digit_limit - digits).numpy()
+        return capped if capped.any() else bits
 
     def _seek(self, prior: tuple[int, ...]) -> bool:
         """Seek the output plus `prior`; False if refused (then at the longest prefix taken)."""
@@ -213,6 +276,8 @@ class GrammarState:
         start = time.perf_counter()
         self._masks.clear()
         self._forced = None
+        if self.digit_limit:
+            self.json_state = _json_scan(self.grammars.token_bytes(token), self.json_state)
         ok = False
         if not self._check_error():
             self._seek(())

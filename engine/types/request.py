@@ -38,6 +38,8 @@ class GrammarSpec:
     kind: str
     source: str = ""
     param: str = field(default="response_format", compare=False)  # named by a bad grammar's 400
+    number_digits: int = 0
+    """> 0: the output is JSON text and each number in it takes at most this many digits."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ class SamplingParams:
             )
         if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
             raise InvalidRequest(f"unknown grammar kind {self.grammar.kind!r}", self.grammar.param)
+        if self.grammar is not None and self.grammar.number_digits < 0:
+            raise InvalidRequest("number_digits must be at least 0", self.grammar.param)
 
     @property
     def greedy(self) -> bool:
