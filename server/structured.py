@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine import GrammarSpec
 from server.errors import APIError
 from server.protocol import SamplingRequest
 from server.state import ServerState
+
+MAX_GRAMMAR_BYTES = 256 << 10
+"""A grammar's source: a schema as JSON, a regex, a Lark grammar, the choices, the tools'."""
+MAX_SCHEMA_DEPTH = 64
+"""Objects and arrays nested in a schema (a nested pydantic model takes two)."""
+COMPILE_TIMEOUT = 10.0
+"""Seconds a grammar may take to compile (llguidance's own fuel limits bound it too)."""
+_COMPILERS = ThreadPoolExecutor(2, thread_name_prefix="grammar")  # not the default pool
 
 _COMBINERS = (
     "allOf",
@@ -62,12 +71,34 @@ def closed(schema: Any, close: bool = True) -> Any:
     return out
 
 
+def check_schema_depth(schema: Any, param: str) -> None:
+    """A 400 naming `param` for a schema nested deeper than MAX_SCHEMA_DEPTH."""
+    level: list[Any] = [schema]
+    for _ in range(MAX_SCHEMA_DEPTH + 1):
+        level = [
+            child
+            for item in level
+            for child in (item.values() if isinstance(item, dict) else item)
+            if isinstance(child, (dict, list))
+        ]
+        if not level:
+            return
+    raise APIError(
+        f"The JSON schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep.",
+        400,
+        param=param,
+    )
+
+
 def _schema_text(schema: dict[str, Any] | str, param: str) -> str:
     try:
         if isinstance(schema, str):
+            if len(schema) > MAX_GRAMMAR_BYTES:
+                raise APIError(_too_long(len(schema)), 400, param=param)
             schema = json.loads(schema)
         if not isinstance(schema, dict):
             raise APIError("The JSON schema must be a JSON object.", 400, param=param)
+        check_schema_depth(schema, param)
         return json.dumps(closed(schema))  # key order kept: properties are generated in it
     except (json.JSONDecodeError, RecursionError) as exc:
         raise APIError(f"The JSON schema is not usable JSON: {exc}", 400, param=param) from exc
@@ -115,13 +146,26 @@ def grammar_for(req: SamplingRequest, number_digits: int = 0) -> GrammarSpec | N
     return found[0] if found else None
 
 
+def _too_long(size: int) -> str:
+    return f"The grammar is {size} bytes long; the limit is {MAX_GRAMMAR_BYTES}."
+
+
 async def compile_grammar(state: ServerState, spec: GrammarSpec | None) -> None:
-    """Compile the grammar off the event loop (cached by the engine); a 400 if it fails."""
+    """Compile the grammar on the grammar threads (cached by the engine); a 400 if it is too
+    large, fails or takes longer than COMPILE_TIMEOUT."""
     if spec is None:
         return
     from engine import InvalidRequest
 
+    size = len(spec.source.encode("utf-8", "surrogatepass"))
+    if size > MAX_GRAMMAR_BYTES:
+        raise APIError(_too_long(size), 400, param=spec.param, code="invalid_grammar")
+    engine = state.ready_engine()
+    compiling = asyncio.get_running_loop().run_in_executor(_COMPILERS, engine.check_grammar, spec)
     try:
-        await asyncio.to_thread(state.ready_engine().check_grammar, spec)
+        await asyncio.wait_for(compiling, COMPILE_TIMEOUT)
+    except asyncio.TimeoutError as exc:  # not the builtin before Python 3.11
+        message = f"The grammar did not compile within {COMPILE_TIMEOUT:g} seconds."
+        raise APIError(message, 400, param=spec.param, code="invalid_grammar") from exc
     except InvalidRequest as exc:
         raise APIError(str(exc), 400, param=exc.param, code=exc.code) from exc

@@ -28,7 +28,7 @@ from typing import Any
 from engine import JSON_STYLE, GrammarSpec
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, ChatMessage, Tool
-from server.structured import closed
+from server.structured import check_schema_depth, closed
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -95,6 +95,7 @@ def tool_grammar(setup: ToolSetup, number_digits: int = 0) -> GrammarSpec | None
     for tool in setup.tools:
         if setup.mode == "named" and tool.function.name != setup.function:
             continue
+        check_schema_depth(tool.function.parameters, "tools")
         params = dict(closed(tool.function.parameters or _NO_ARGUMENTS))
         params.setdefault("type", "object")
         defs = {key: params.pop(key) for key in ("$defs", "definitions") if key in params}

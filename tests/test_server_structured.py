@@ -224,6 +224,16 @@ def test_earlier_tool_turns_render_in_the_prompt(served):
     assert answer.usage.prompt_tokens > 60  # the tool descriptions and both tool turns
 
 
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+DEEP = _nested(70)  # past server/structured.py's MAX_SCHEMA_DEPTH (64)
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -453,3 +463,70 @@ def test_json_output_and_tool_calls_carry_the_number_digit_limit():
         assert grammar_for(req, 7).number_digits == 0
     setup = tool_setup(chat(tools=TOOLS, tool_choice="required"))
     assert setup is not None and tool_grammar(setup, 7).number_digits == 7
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": DEEP}}},
+            "response_format",
+        ),
+        ({"guided_json": json.dumps(DEEP)}, "guided_json"),
+        ({"guided_regex": "a" * (256 << 10) + "b"}, "guided_regex"),
+        ({"guided_choice": ["x" * 1000] * 300}, "guided_choice"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"x": DEEP}},
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+    ],
+    ids=["response_format-deep", "guided_json-deep", "regex-long", "choice-long", "tools-deep"],
+)
+def test_grammars_past_the_size_and_depth_limits_get_a_400(served, body, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client.chat.completions.create(
+            model=MODEL, messages=_chat("hi"), max_tokens=4, extra_body=body
+        )
+    error = error_of(info.value)
+    assert error["param"] == param, error
+    assert re.search(r"the limit is \d+|more than 64 deep", error["message"]), error
+
+
+def test_a_nested_schema_within_the_limit_compiles_and_a_slow_compile_is_a_400(served, monkeypatch):
+    """The depth limit leaves room for real nesting; a grammar that takes longer than
+    COMPILE_TIMEOUT to compile gets a 400 naming its field (not a hang, not a 500), and the
+    server answers the next request."""
+    import time
+
+    from server import structured
+
+    answer = served.client.chat.completions.create(
+        model=MODEL, messages=_chat("hi"), max_tokens=4, extra_body={"guided_json": _nested(30)}
+    )
+    assert answer.choices[0].message.content.startswith("[")
+    check = served.engine.check_grammar
+    monkeypatch.setattr(structured, "COMPILE_TIMEOUT", 0.2)
+    monkeypatch.setattr(served.engine, "check_grammar", lambda spec: time.sleep(1) or check(spec))
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client.chat.completions.create(
+            model=MODEL, messages=_chat("hi"), max_tokens=4, extra_body={"guided_regex": "[ab]+"}
+        )
+    error = error_of(info.value)
+    assert error["param"] == "guided_regex" and "compile within" in error["message"], error
+    monkeypatch.undo()
+    answer = served.client.chat.completions.create(
+        model=MODEL, messages=_chat("hi"), max_tokens=4, extra_body={"guided_regex": "[ab]+"}
+    )
+    assert set(answer.choices[0].message.content) <= {"a", "b"}
+    served.wait_idle()
