@@ -19,7 +19,7 @@ from server.prompts import (
     max_tokens_for,
     sampling_params,
 )
-from server.protocol import CompletionRequest
+from server.protocol import MAX_CHOICES, CompletionRequest
 from server.responses import CompletionChoice, CompletionResponse, dump, new_id, now
 from server.serving import ChoiceDelta, ChoiceRequest, ChoiceUsage, total_usage
 from server.state import ServerState
@@ -36,6 +36,13 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     state.ready_engine()
     if req.max_tokens == 0 and not req.echo:
         raise APIError("max_tokens must be at least 1 (0 only with echo)", 400, param="max_tokens")
+    if len(req.prompts()) * req.n > MAX_CHOICES:
+        raise APIError(
+            f"{len(req.prompts())} prompts x n={req.n} is more than the {MAX_CHOICES} choices "
+            "one request may start",
+            400,
+            param="n",
+        )
     prompts = await encode_prompts(state, req.prompts())
     grammar = grammar_for(req, state.settings.server.max_json_number_digits)
     await compile_grammar(state, grammar)
@@ -70,7 +77,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
                     tuple(req.stop_strings),
                 )
             )
-    check_request_tokens(
+    check_request_tokens(  # each prompt fits its context (sampling_params): now all together
         state, [(len(p.token_ids), m) for p, m in zip(prompts, limits, strict=True)], req.n
     )
     view = _CompletionView(state, req, prompts, request_id, model)

@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOP_STRINGS = 16
 MAX_N = 128
+MAX_CHOICES = 256
+"""Choices one completions request may start: its prompts times n."""
 MAX_LOGPROBS = 20
 SEED_RANGE = (-(2**63), 2**63 - 1 - MAX_N)
 """torch generators take 64-bit seeds; choice i of n uses seed + i."""
@@ -172,6 +174,8 @@ class CompletionRequest(SamplingRequest):
             if not value:
                 raise ValueError("prompt must not be empty")
             return value
+        if not isinstance(value[0], int) and len(value) > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} prompts per request (got {len(value)})")
         if isinstance(value[0], list) and any(not ids for ids in value):
             raise ValueError("token id prompts must not be empty")
         if isinstance(value[0], str) and any(not text for text in value):

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import TYPE_CHECKING
 
 from engine import RequestOutput, SamplingParams, TokenLogprob
 from server.detokenizer import IncrementalDetokenizer, Piece, StopStringFilter
@@ -22,8 +21,8 @@ from server.errors import APIError
 from server.responses import DraftCounts, PromptTokensDetails, SpeculativeUsage, Usage
 from server.state import ServerState
 
-if TYPE_CHECKING:
-    from engine import EngineClient
+Outputs = AsyncIterator[RequestOutput]
+"""An engine request's output stream (EngineClient.generate)."""
 
 
 @dataclass(frozen=True)
@@ -89,14 +88,43 @@ def _failure(out: RequestOutput) -> APIError:
     return APIError(f"Generation failed: {out.error or 'engine error'}", 500, code="engine_error")
 
 
+def submit_all(state: ServerState, choices: Sequence[ChoiceRequest]) -> list[Outputs]:
+    """Hand every choice of a request to the engine, or none: APIError 400 for input the
+    engine refuses, 503 when the waiting queue has no room for them all. Nothing awaits in
+    between, so no other request takes the room it checked."""
+    from engine import QueueFullError  # imports torch: loaded when first needed
+
+    engine = state.ready_engine()
+    streams: list[Outputs] = []
+    try:
+        for choice in choices:
+            engine.validate(choice.prompt_ids, choice.params)
+        engine.admit(len(choices))
+        for choice in choices:
+            streams.append(engine.generate(choice.request_id, choice.prompt_ids, choice.params))
+        return streams
+    except (QueueFullError, ValueError) as exc:
+        for choice in choices[: len(streams)]:
+            engine.abort(choice.request_id)
+        state.metrics.requests_finished.labels("rejected").inc(len(choices))
+        if isinstance(exc, ValueError):
+            raise APIError(str(exc), 400) from exc
+        raise APIError(
+            f"Server busy: the waiting queue is full ({exc})",
+            503,
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        ) from exc
+
+
 async def generate_choice(
-    state: ServerState, choice: ChoiceRequest, arrival: float
+    state: ServerState, choice: ChoiceRequest, arrival: float, outputs: Outputs
 ) -> AsyncIterator[ChoiceDelta]:
     """Yield a first delta as soon as the engine answers, then one per release of text.
 
-    Raises APIError for input the engine refuses (400), a full queue (503), a request the
-    engine failed (500) or one that outlived --request-timeout (504). Leaving early (client
-    gone, task cancelled) aborts the engine request.
+    `outputs`: the engine's stream for the choice (submit_all). Raises APIError for a
+    request the engine failed (500) or one that outlived --request-timeout (504). Leaving
+    early (client gone, task cancelled) aborts the engine request.
     """
     engine = state.ready_engine()
     loop = asyncio.get_running_loop()
@@ -116,7 +144,6 @@ async def generate_choice(
     reason = "abort"  # until the engine or a stop string says otherwise
     engine_done = False
     try:
-        outputs = _submit(engine, choice)
         async with aclosing(outputs):
             async for out in outputs:
                 engine_done = out.finished
@@ -156,10 +183,6 @@ async def generate_choice(
                     return
                 yield delta
                 first = False
-    except APIError:
-        if reason == "abort":  # refused before it started
-            reason = "rejected"
-        raise
     finally:
         if timer is not None:
             timer.cancel()
@@ -170,23 +193,6 @@ async def generate_choice(
         if reason in ("stop", "length"):
             metrics.e2e_latency.observe(time.monotonic() - arrival)
         metrics.requests_finished.labels(reason).inc()
-
-
-def _submit(engine: EngineClient, choice: ChoiceRequest) -> AsyncIterator[RequestOutput]:
-    """Hand the request to the engine; its refusals become the HTTP errors they are."""
-    from engine import QueueFullError  # imports torch: loaded when first needed
-
-    try:
-        return engine.generate(choice.request_id, choice.prompt_ids, choice.params)
-    except QueueFullError as exc:
-        raise APIError(
-            f"Server busy: the waiting queue is full ({exc})",
-            503,
-            code="queue_full",
-            headers={"Retry-After": "1"},
-        ) from exc
-    except ValueError as exc:
-        raise APIError(str(exc), 400) from exc
 
 
 async def collect(deltas: AsyncIterator[ChoiceDelta]) -> dict[int, ChoiceDelta]:

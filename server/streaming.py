@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server.errors import APIError
-from server.serving import ChoiceDelta, ChoiceRequest, collect, generate_choice
+from server.serving import ChoiceDelta, ChoiceRequest, collect, generate_choice, submit_all
 from server.state import ServerState
 
 T = TypeVar("T")
@@ -170,7 +170,10 @@ async def respond(
     arrival: time.monotonic() when the request came in (latency metrics count from it).
     """
     engine = state.ready_engine()
-    deltas = merge([generate_choice(state, choice, arrival) for choice in choices])
+    streams = submit_all(state, choices)  # all or none, before anything is sent
+    deltas = merge(
+        [generate_choice(state, c, arrival, s) for c, s in zip(choices, streams, strict=True)]
+    )
 
     def abort_all() -> None:
         for choice in choices:

@@ -74,6 +74,9 @@ class GatedEngine(EngineClient):
     def check_grammar(self, spec: GrammarSpec) -> None:
         raise InvalidRequest("this stand-in has no grammar engine", spec.param)
 
+    def admit(self, count: int) -> None:
+        pass
+
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:

@@ -93,6 +93,33 @@ def test_a_full_queue_is_503_with_retry_after(served, monkeypatch):
     served.wait_idle(timeout=5)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_multi_choice_request_is_admitted_whole_or_refused_whole(served, monkeypatch, stream):
+    """n choices that do not all fit in the waiting queue: a 503 before any reaches the engine
+    (none started then aborted); n that fit all run."""
+    submitted: list[str] = []
+    generate = served.engine.generate
+
+    def counting(request_id, prompt, params):
+        submitted.append(request_id)
+        return generate(request_id, prompt, params)
+
+    monkeypatch.setattr(served.engine, "generate", counting)
+    body = {**_body(2, stream), "n": MAX_WAITING + 1, "temperature": 1.0}
+    status, answer, headers = asyncio.run(_once(served, body))
+    assert status == 503 and openai_error(status, answer)["code"] == "queue_full"
+    assert submitted == [] and int(headers["retry-after"]) >= 1
+    body["n"] = MAX_WAITING
+    status, answer, _ = asyncio.run(_once(served, body))
+    assert status == 200 and len(submitted) == MAX_WAITING
+    served.wait_idle(timeout=5)
+
+
+async def _once(served: Served, body: dict) -> tuple:
+    async with _client(served) as http:
+        return await _call(http, body)
+
+
 def test_requests_past_the_timeout_are_aborted_with_504(served, monkeypatch):
     before = scrape_metrics(served)
 

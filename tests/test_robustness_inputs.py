@@ -152,13 +152,24 @@ def test_huge_n_and_huge_max_tokens(http, served):
     )
     assert str(MAX_REQUEST_TOKENS) in error["message"]
     _refused(http.post(CHAT, json=_chat(n=20, max_tokens=40)), code="request_too_large")
-    many_prompts = _completion(prompt=[[5, 6, 7]] * 2000, max_tokens=1)
+    many_prompts = _completion(prompt=[[5, 6, 7]] * 200, max_tokens=1)  # 200 choices fit
     _refused(http.post(COMPLETIONS, json=many_prompts), code="request_too_large")
     # Without max_tokens a chat request gets what fits the request budget, not a refusal.
     response = http.post(CHAT, json=_chat(n=16, temperature=0.0, ignore_eos=True))
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] <= MAX_REQUEST_TOKENS
+    served.wait_idle(timeout=5)
+
+
+def test_prompts_and_choices_per_request_are_bounded_before_any_is_encoded(http, served):
+    """server/protocol.py's MAX_CHOICES (256): at most that many prompts, and prompts x n."""
+    many = _completion(prompt=[[5, 6, 7]] * 257, max_tokens=1)
+    assert "at most 256 prompts" in _refused(http.post(COMPLETIONS, json=many), "prompt")["message"]
+    many_texts = _completion(prompt=["a"] * 100_000, max_tokens=1)
+    _refused(http.post(COMPLETIONS, json=many_texts), "prompt")
+    choices = _completion(prompt=[[5, 6, 7]] * 20, n=13, max_tokens=1)  # 260 choices
+    assert "256 choices" in _refused(http.post(COMPLETIONS, json=choices), "n")["message"]
     served.wait_idle(timeout=5)
 
 

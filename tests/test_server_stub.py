@@ -63,13 +63,15 @@ class ScriptedEngine(EngineClient):
     def check_grammar(self, spec: GrammarSpec) -> None:
         raise InvalidRequest("this stand-in has no grammar engine", spec.param)
 
+    def admit(self, count: int) -> None:
+        if self.fail == "queue":
+            raise QueueFullError("4 requests are already waiting")
+
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         # Like AsyncEngine: refusals raise at the call, outputs stream afterwards.
         self.params.append(params)
-        if self.fail == "queue":
-            raise QueueFullError("4 requests are already waiting")
         if self.fail == "invalid":
             raise ValueError("token id 999 is out of range")
         return self._outputs(request_id, prompt_token_ids)

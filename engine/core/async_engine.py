@@ -129,16 +129,19 @@ class AsyncEngine(EngineClient):
         # The compiled-grammar cache takes a lock: safe from any thread.
         self.engine.grammars.check(spec)
 
+    def admit(self, count: int) -> None:
+        published = self._num_published  # read first: the snapshot is then at least as new
+        waiting = self._stats.num_waiting + self._num_submitted - published
+        if waiting + count > self.engine.config.scheduler.max_waiting:
+            raise QueueFullError(f"{waiting} requests are already waiting")
+
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         self.engine.validate(prompt_token_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        published = self._num_published  # read first: the snapshot is then at least as new
-        waiting = self._stats.num_waiting + self._num_submitted - published
-        if waiting >= self.engine.config.scheduler.max_waiting:
-            raise QueueFullError(f"{waiting} requests are already waiting")
+        self.admit(1)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = (loop, outputs)
@@ -238,7 +241,10 @@ class AsyncEngine(EngineClient):
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            if out.finished:  # dropped here too: no reader may ever come to drop it
+                stream = self._streams.pop(out.request_id, None)
+            else:
+                stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             loop, q = stream

@@ -37,6 +37,10 @@ class EngineClient(Protocol):
         it does not compile. Slow for a large schema: call it off the event loop."""
         ...
 
+    def admit(self, count: int) -> None:
+        """Raise QueueFullError unless `count` more requests fit in the waiting queue now."""
+        ...
+
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:

@@ -47,8 +47,7 @@ _OPEN_ENDS = frozenset(b".eE+-")  # a number ending here needs another digit
 
 
 def _json_scan(text: bytes, state: tuple[bool, bool, int]) -> tuple[bool, bool, int]:
-    """(in a string, after a backslash in it, digits in the number being written) after
-    `text`, outside strings a number being a run of number characters."""
+    """(in a string, after a backslash in it, digits of the number being written) after `text`."""
     in_string, escaped, digits = state
     for c in text:
         if in_string:
@@ -65,8 +64,7 @@ def _json_scan(text: bytes, state: tuple[bool, bool, int]) -> tuple[bool, bool, 
 
 
 class NumberDigits:
-    """Per token: the digits it adds to a number being written (its leading number characters'
-    plus one more it needs if it ends the number open, as `1.`); the most any token adds."""
+    """Per token, the digits it adds to a number being written (+1 if it leaves it open: `1.`)."""
 
     def __init__(self, token_bytes: Sequence[bytes]) -> None:
         cost = np.zeros(len(token_bytes), dtype=np.int32)
