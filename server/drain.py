@@ -30,14 +30,20 @@ from server.state import ServerState, Status
 
 log = logging.getLogger("tandem.server")
 API_PREFIX = "/v1/"
+ROOT_API = ("/tokenize", "/detokenize")
+"""vLLM's tokenizer routes, at the root but API requests all the same."""
 POLL_SECONDS = 0.05
+
+
+def is_api(path: str) -> bool:
+    return path.startswith(API_PREFIX) or path in ROOT_API
 
 
 class DrainGate:
     """ASGI middleware: counts API requests in flight and refuses new ones while draining.
 
-    Only /v1 routes pass the gate: /health, /metrics and /version keep answering during a drain
-    so probes and Prometheus see the replica leave.
+    Only API routes (/v1, /tokenize, /detokenize) pass the gate: /health, /metrics and /version
+    keep answering during a drain so probes and Prometheus see the replica leave.
     """
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
@@ -45,7 +51,7 @@ class DrainGate:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(API_PREFIX):
+        if scope["type"] != "http" or not is_api(scope["path"]):
             await self.app(scope, receive, send)
             return
         if self.state.status is Status.DRAINING:

@@ -1,6 +1,6 @@
 """ASGI middleware at the door: a request body over `--max-body-bytes` gets 413 in the OpenAI
 error shape before anything parses it, whether it declares its length or arrives in chunks;
-with `--api-key-scope all`, every path but /health needs the key (the /v1 routes always do)."""
+with `--api-key-scope all`, every path but /health needs the key (the API routes always do)."""
 
 from __future__ import annotations
 

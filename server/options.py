@@ -320,7 +320,8 @@ OPTIONS: tuple[Option, ...] = (
         "server.api_key",
         "--api-key",
         optional(str),
-        "require 'Authorization: Bearer KEY' on /v1 routes (default: no key)",
+        "require 'Authorization: Bearer KEY' on the API: /v1, /tokenize, /detokenize (default: "
+        "no key)",
         metavar="KEY",
     ),
     Option(
@@ -334,7 +335,7 @@ OPTIONS: tuple[Option, ...] = (
         "server.api_key_scope",
         "--api-key-scope",
         str,
-        "where the key is required: v1 (the API; /metrics, /version, /docs and /openapi.json "
+        "where the key is required: v1 (the API only; /metrics, /version, /docs and /openapi.json "
         "open to scrapers and browsers) or all (every path but /health)",
         choices=("v1", "all"),
     ),

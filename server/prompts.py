@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from engine import GrammarSpec, SamplingParams
 from server.errors import APIError
@@ -27,6 +27,8 @@ class Prompt:
     """The prompt as the client sent it, when it was text (echoed verbatim)."""
 
 
+T = TypeVar("T")
+
 # Text past this many characters is tokenized on a worker thread. The tokenizer releases the
 # GIL, so a 1 MB prompt (about a second of tokenizing) no longer stalls every other client's
 # stream; short prompts stay inline, where a thread hop would cost more than it saves.
@@ -34,18 +36,27 @@ OFF_LOOP_CHARS = 16_384
 
 
 async def encode_prompts(state: ServerState, prompts: Sequence[str | list[int]]) -> list[Prompt]:
-    if sum(len(p) for p in prompts if isinstance(p, str)) < OFF_LOOP_CHARS:
-        return [encode_prompt(state, prompt) for prompt in prompts]
-    return await asyncio.to_thread(lambda: [encode_prompt(state, prompt) for prompt in prompts])
+    chars = sum(len(p) for p in prompts if isinstance(p, str))
+    return await off_loop(chars, lambda: [encode_prompt(state, prompt) for prompt in prompts])
 
 
 async def render_chat_off_loop(
-    state: ServerState, messages: Sequence[ChatMessage], tools: ToolSetup | None = None
+    state: ServerState,
+    messages: Sequence[ChatMessage],
+    tools: ToolSetup | None = None,
+    ending: ChatEnding | None = None,
 ) -> Prompt:
     """`render_chat`, on a worker thread when the messages are long (see OFF_LOOP_CHARS)."""
-    if sum(len(m.text()) for m in messages) < OFF_LOOP_CHARS:
-        return render_chat(state, messages, tools)
-    return await asyncio.to_thread(render_chat, state, messages, tools)
+    return await off_loop(
+        sum(len(m.text()) for m in messages), render_chat, state, messages, tools, ending
+    )
+
+
+async def off_loop(chars: int, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)`, on a worker thread when it handles `chars` characters or more."""
+    if chars < OFF_LOOP_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 def encode_prompt(state: ServerState, prompt: str | list[int]) -> Prompt:
@@ -54,11 +65,26 @@ def encode_prompt(state: ServerState, prompt: str | list[int]) -> Prompt:
     return Prompt(list(prompt))
 
 
+@dataclass(frozen=True)
+class ChatEnding:
+    """How a rendered chat ends and is tokenized (vLLM's /tokenize options); the default is
+    /v1/chat/completions': the assistant's turn opened, no special tokens added."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+
+
 def render_chat(
-    state: ServerState, messages: Sequence[ChatMessage], tools: ToolSetup | None = None
+    state: ServerState,
+    messages: Sequence[ChatMessage],
+    tools: ToolSetup | None = None,
+    ending: ChatEnding | None = None,
 ) -> Prompt:
-    """Apply the model's chat template (with the assistant turn opened) and tokenize; with
-    tools, in the template's own tool format or Tandem's convention (server/tools.py)."""
+    """Apply the model's chat template (with the assistant turn opened, unless `ending` says
+    otherwise) and tokenize; with tools, in the template's own tool format or Tandem's
+    convention (server/tools.py)."""
+    ending = ending or ChatEnding()
     tokenizer = state.tokenizer
     template = getattr(tokenizer, "chat_template", None)
     if not template:
@@ -85,15 +111,20 @@ def render_chat(
             }
         else:
             conversation.insert(0, {"role": "system", "content": note})
+    if ending.continue_final_message:
+        extra["continue_final_message"] = True
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=True, **extra
+            conversation,
+            tokenize=False,
+            add_generation_prompt=ending.add_generation_prompt,
+            **extra,
         )
     except Exception as exc:  # jinja2 raises TemplateError, templates raise their own
         message = f"The chat template rejected the messages: {exc}"
         raise APIError(message, 400, param="messages") from exc
-    # The template already wrote any BOS it wants; do not add a second one.
-    return Prompt(tokenizer.encode(text, add_special_tokens=False))
+    # The template already wrote any BOS it wants: by default, do not add a second one.
+    return Prompt(tokenizer.encode(text, add_special_tokens=ending.add_special_tokens))
 
 
 def max_tokens_for(

@@ -1,8 +1,9 @@
-"""Request bodies of the OpenAI API, validated at the edge.
+"""Request bodies of the OpenAI API (and vLLM's /tokenize, /detokenize), validated at the edge.
 
 Range checks live in the field declarations, so a bad value is a 400 that names the field.
 Unknown fields are kept (`extra="allow"`) and reported by `unknown_fields` so the route can
-log them instead of failing a client that sends a newer parameter.
+log them instead of failing a client that sends a newer parameter; the tokenizer bodies and
+`speculation` refuse them instead.
 """
 
 from __future__ import annotations
@@ -10,7 +11,14 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_N = 128
@@ -101,7 +109,23 @@ class Speculation(_Lenient):
     """A cap on K every step, at most the server's --max-draft-tokens (the engine checks)."""
 
 
-class SamplingRequest(_Lenient):
+class _TextBody(_Lenient):
+    """A request body whose text reaches the tokenizer: no lone surrogates anywhere in it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        # JSON can escape a lone surrogate ("\ud800"); json.loads keeps it, but no tokenizer
+        # takes it and no UTF-8 response can carry it (not even an error message quoting it).
+        if _has_lone_surrogate(data):
+            raise ValueError(
+                "the body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its "
+                "pair), which is not valid Unicode text"
+            )
+        return data
+
+
+class SamplingRequest(_TextBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -130,18 +154,6 @@ class SamplingRequest(_Lenient):
     guided_grammar: str | None = None
     speculation: Speculation | None = None
     """Tandem's own: per-request speculation control."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        # JSON can escape a lone surrogate ("\ud800"); json.loads keeps it, but no tokenizer
-        # takes it and no UTF-8 response can carry it (not even an error message quoting it).
-        if _has_lone_surrogate(data):
-            raise ValueError(
-                "the body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its "
-                "pair), which is not valid Unicode text"
-            )
-        return data
 
     @field_validator("stop")
     @classmethod
@@ -258,3 +270,45 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class _TokenizerBody(_TextBody):
+    """vLLM's /tokenize and /detokenize bodies. Unknown fields are refused (400 naming the
+    field): these routes answer at once, so a misspelt option would go unnoticed otherwise."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+
+
+class TokenizeCompletionRequest(_TokenizerBody):
+    prompt: str
+    add_special_tokens: bool = True
+    """The tokenizer's BOS and the like, as /v1/completions adds them."""
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_TokenizerBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """End on the last message, left open (a prefill), instead of opening the assistant's turn."""
+    add_special_tokens: bool = False
+    """On top of what the chat template writes (which /v1/chat/completions does not do)."""
+    return_token_strs: bool = False
+    tools: list[Tool] | None = Field(None, max_length=128)
+    """Rendered as /v1/chat/completions renders them with tool_choice auto."""
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_ending(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError(
+                "continue_final_message needs add_generation_prompt false (the chat ends on "
+                "either the last message or the assistant's opened turn)"
+            )
+        return value
+
+
+class DetokenizeRequest(_TokenizerBody):
+    tokens: list[Annotated[int, Field(strict=True)]]

@@ -6,8 +6,9 @@ import hmac
 import logging
 from collections.abc import Mapping
 from importlib import metadata
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Body, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from server.chat import create_chat_completion
@@ -17,8 +18,11 @@ from server.metrics import CONTENT_TYPE
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from server.responses import ModelCard, ModelList
 from server.state import ServerState, Status
+from server.tokenization import detokenize, tokenize
 
 log = logging.getLogger("tandem.server")
+JSONBody = Annotated[dict[str, Any], Body()]
+"""A JSON object, parsed by the handler (a body of one of several shapes)."""
 
 
 def get_state(request: Request) -> ServerState:
@@ -81,14 +85,17 @@ def build_router() -> APIRouter:
 
     @v1.get("/models")
     async def models(request: Request) -> JSONResponse:
-        state = get_state(request)
-        engine = state.engine
-        card = ModelCard(
-            id=state.settings.served_model_name,
-            root=state.settings.model_root,
-            max_model_len=engine.max_model_len if engine is not None else None,
-        )
+        card = model_card(get_state(request))
         return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+    # :path, since a served name may hold slashes (org/model; the SDK sends them as %2F).
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> JSONResponse:
+        state = get_state(request)
+        card = model_card(state)
+        if model_id != card.id:  # only the listed id: the card names no other
+            raise state.unknown_model(model_id)
+        return JSONResponse(card.model_dump(mode="json"))
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -100,8 +107,31 @@ def build_router() -> APIRouter:
         _warn_unknown(request, body)
         return await create_chat_completion(get_state(request), body, request)
 
+    # vLLM serves these at the root, outside /v1, so --api-key-scope v1 would leave them open;
+    # they expose the served tokenizer and cost work, so they need the key whenever one is set.
+    keyed = [Depends(require_api_key)]
+
+    @router.post("/tokenize", dependencies=keyed)
+    async def tokenize_text(body: JSONBody, request: Request) -> JSONResponse:
+        return JSONResponse(await tokenize(get_state(request), body))
+
+    @router.post("/detokenize", dependencies=keyed)
+    async def detokenize_ids(body: JSONBody, request: Request) -> JSONResponse:
+        return JSONResponse(await detokenize(get_state(request), body))
+
     router.include_router(v1)
     return router
+
+
+def model_card(state: ServerState) -> ModelCard:
+    """The served model as /v1/models lists it."""
+    engine = state.engine
+    return ModelCard(
+        id=state.settings.served_model_name,
+        created=state.created,
+        root=state.settings.model_root,
+        max_model_len=engine.max_model_len if engine is not None else None,
+    )
 
 
 def package_version() -> str:

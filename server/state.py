@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,8 @@ class ServerState:
     failure: str | None = None
     in_flight: int = 0
     """API requests being answered now, streams included (a drain waits for zero)."""
+    created: int = field(default_factory=lambda: int(time.time()))
+    """The model card's `created`: when this server started, the same on every answer."""
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self._engine_stats)
@@ -76,10 +79,13 @@ class ServerState:
 
     def check_model(self, name: str | None) -> str:
         """The served model name, or a 404 when `name` is some other model."""
-        served = self.settings.served_model_name
         if name is None or name in self.settings.model_names():
-            return served
-        raise APIError(
+            return self.settings.served_model_name
+        raise self.unknown_model(name)
+
+    def unknown_model(self, name: str) -> APIError:
+        served = self.settings.served_model_name
+        return APIError(
             f"The model `{name}` does not exist. This server serves `{served}`.",
             404,
             param="model",

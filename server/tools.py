@@ -52,18 +52,8 @@ def tool_setup(req: ChatCompletionRequest) -> ToolSetup | None:
     choice that names no tool."""
     tools = req.tools or []
     choice = req.tool_choice or ("auto" if tools else "none")
+    check_tools(tools)
     names = [t.function.name for t in tools]
-    if len(set(names)) < len(names):
-        raise APIError("Tool names must be unique.", 400, param="tools")
-    for tool in tools:
-        params = tool.function.parameters
-        if params is not None and params.get("type", "object") != "object":
-            raise APIError(
-                f"The parameters of {tool.function.name!r} must be the JSON schema of an "
-                "object (the arguments).",
-                400,
-                param="tools",
-            )
     if choice == "none":
         return None
     if not tools:
@@ -79,6 +69,23 @@ def tool_setup(req: ChatCompletionRequest) -> ToolSetup | None:
             code="unknown_tool",
         )
     return ToolSetup(tools, "named", False, name)
+
+
+def check_tools(tools: list[Tool]) -> None:
+    """400 (param tools) unless the names are unique and each function's parameters describe
+    an object."""
+    names = [t.function.name for t in tools]
+    if len(set(names)) < len(names):
+        raise APIError("Tool names must be unique.", 400, param="tools")
+    for tool in tools:
+        params = tool.function.parameters
+        if params is not None and params.get("type", "object") != "object":
+            raise APIError(
+                f"The parameters of {tool.function.name!r} must be the JSON schema of an "
+                "object (the arguments).",
+                400,
+                param="tools",
+            )
 
 
 def _describe(choice: Any) -> str:

@@ -178,8 +178,14 @@ def test_sigterm_refuses_new_work_and_lets_requests_in_flight_finish(settings):
         run.server.handle_exit(signal.SIGTERM, None)
         health = httpx.get(f"{run.url}/health")
         assert health.status_code == 503 and health.headers["retry-after"]
-        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
-            refused = httpx.request(method, f"{run.url}{path}", json={"prompt": "x"})
+        for method, path in (
+            ("POST", "/v1/completions"),
+            ("GET", "/v1/models"),
+            ("POST", "/tokenize"),  # vLLM's, at the root: API requests all the same
+            ("POST", "/detokenize"),
+        ):
+            body = {"tokens": [5]} if path == "/detokenize" else {"prompt": "x"}
+            refused = httpx.request(method, f"{run.url}{path}", json=body)
             assert refused.status_code == 503, path
             assert int(refused.headers["retry-after"]) > 0
             error = refused.json()["error"]
