@@ -4,6 +4,7 @@ drain and probe settings agree with the server's own flags and endpoints."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from pathlib import Path
 
@@ -132,12 +133,13 @@ def test_the_ray_service_builds_the_served_application():
 def test_serve_configs_validate_and_build(source):
     from ray.serve.schema import ServeDeploySchema
 
-    from server.ray_serve import app_builder
-
     if source == "RayService":
         config = yaml.safe_load(_kind("RayService")["spec"]["serveConfigV2"])
     else:
         config = yaml.safe_load((K8S.parent.parent / source).read_text())
     schema = ServeDeploySchema.model_validate(config)
     [app] = schema.applications
-    app_builder(app.args)  # the application Serve would deploy: settings checked, no Ray needed
+    path = app.import_path  # as Serve reads it: module:attribute or module.attribute
+    module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
+    builder = getattr(importlib.import_module(module), name)
+    builder(app.args)  # the application Serve would deploy: settings checked, no Ray needed
