@@ -200,10 +200,14 @@ def test_config_features_no_path_implements_are_named(config, message):
             BloomConfig(vocab_size=64, hidden_size=64, n_layer=2, n_head=4),
             "bloom: 2 of its 2 layers do not attend through Tandem's paged attention",
         ),
-        (  # StableLM's layers keep the forward's keyword arguments from its attention
+        (  # StableLM's and Falcon's layers keep the keyword arguments from their attention
             StableLmConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2),
             "stablelm: its forward fails on Tandem's paged attention: tandem_paged attention "
             "needs the `tandem_metadata`",
+        ),
+        (
+            FalconConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
+            "falcon: its forward fails on Tandem's paged attention",
         ),
     ],
 )
