@@ -13,6 +13,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     PreTrainedTokenizerFast,
@@ -40,6 +43,9 @@ FAMILIES = {
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
     "mistral": MistralConfig,
+    "gemma2": Gemma2Config,  # attention logit softcapping (refused), final softcapping
+    "gemma3": Gemma3TextConfig,
+    "gpt_oss": GptOssConfig,  # attention sinks (refused)
 }
 
 
@@ -76,8 +82,10 @@ def build_model(
     num_kv_heads: int = 2,
     max_positions: int = 256,
     tokenizer_dir: Path | None = None,
+    **config_changes: object,
 ) -> Path:
-    """Save a random `family` model (and a tokenizer) into out_dir; return out_dir."""
+    """Save a random `family` model (and a tokenizer) into out_dir; return out_dir.
+    config_changes: more settings of the family's config (`sliding_window=16`)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if tokenizer_dir is None:
@@ -98,6 +106,7 @@ def build_model(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
         tie_word_embeddings=False,
+        **config_changes,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

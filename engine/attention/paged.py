@@ -89,6 +89,8 @@ class AttentionMetadata:
     tree: torch.Tensor | None = None  # triton: [num_tokens] int64 `tree_bits`, or None
     tree_base: torch.Tensor | None = None  # triton: [num_seqs] int32 `Tree.base`, with `tree`
     kernel_seqs: KernelSeqs | None = None  # cpu: the C kernel's requests (others in `groups`)
+    max_keys: int = 0  # the most keys one query attends (host): a wider sliding window is moot
+    windows: dict[int, int | None] | None = None  # a probe's: layer -> sliding_window it passed
 
 
 @dataclass
@@ -123,6 +125,7 @@ def build_metadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         backend=backend,
     )
+    metadata.max_keys = most_keys(query_lens, context_lens, trees)
     trees = trees if trees is not None and any(t is not None for t in trees) else None
     for q_len, ctx, tree in zip(query_lens, context_lens, trees, strict=True) if trees else ():
         if tree is not None and not (
@@ -151,6 +154,21 @@ def cache_slots(
     ]
 
 
+def most_keys(
+    query_lens: list[int], context_lens: list[int], trees: list[Tree | None] | None
+) -> int:
+    """The most keys one new token attends: its request's context, or in a draft tree the
+    slots before the base and its ancestors."""
+    trees = trees or [None] * len(query_lens)
+    return max(
+        (
+            ctx if tree is None else tree.base + max(bits.bit_count() for bits in tree.bits)
+            for ctx, tree in zip(context_lens, trees, strict=True)
+        ),
+        default=0,
+    )
+
+
 def tree_bits(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
     """([num_tokens] int64 draft-tree bits of every token of the batch, 0 = causal;
     [num_seqs] int64 tree bases), or None when no request has a tree."""
@@ -176,10 +194,12 @@ def paged_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     tandem_metadata: AttentionMetadata | None = None,
+    sliding_window: int | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     if tandem_metadata is None:
         raise RuntimeError("tandem_paged attention needs the `tandem_metadata` keyword argument")
+    refuse_unsupported(module, attention_mask, sliding_window, tandem_metadata, kwargs)
     key_cache, value_cache = tandem_metadata.kv_caches[module.layer_idx]
     kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     slots = tandem_metadata.slot_mapping
@@ -190,6 +210,50 @@ def paged_attention_forward(
         query[0].transpose(0, 1), key_cache, value_cache, tandem_metadata, scale
     )
     return out.unsqueeze(0), None  # [1, num_tokens, heads, head_dim]
+
+
+# Keyword arguments a model's attention passes that change its result; none is implemented.
+UNSUPPORTED_KWARGS = {
+    "softcap": "attention logit softcapping",
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "position_bias": "a relative position bias",
+    "indices": "sparse attention",
+    "block_indices": "block-sparse attention",
+}
+
+
+def refuse_unsupported(
+    module: torch.nn.Module,
+    attention_mask: torch.Tensor | None,
+    sliding_window: int | None,
+    metadata: AttentionMetadata,
+    kwargs: dict[str, object],
+) -> None:
+    """Raise ValueError where the model asks its attention for more than causal (or draft-tree)
+    softmax attention at `scale`; a sliding window only as wide as every query's keys is moot."""
+    model = getattr(getattr(module, "config", None), "model_type", None) or type(module).__name__
+    for name, feature in UNSUPPORTED_KWARGS.items():
+        value = kwargs.get(name)
+        if value is not None:
+            shown = f"a {tuple(value.shape)} tensor" if isinstance(value, torch.Tensor) else value
+            raise ValueError(
+                f"{model}: {name}={shown} ({feature}) is not implemented by Tandem's attention"
+            )
+    if attention_mask is not None:  # `_no_mask` makes none: the model built its own (ALiBi...)
+        raise ValueError(
+            f"{model}: an attention mask or bias of the model's own is not implemented by "
+            "Tandem's attention"
+        )
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise ValueError(f"{model}: bidirectional attention is not implemented by Tandem's")
+    if metadata.windows is not None:
+        metadata.windows[module.layer_idx] = sliding_window
+    if sliding_window is not None and metadata.max_keys > sliding_window:
+        raise ValueError(
+            f"{model}: sliding_window={sliding_window} is implemented only as a cap on the "
+            f"context, and a query here attends {metadata.max_keys} keys"
+        )
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:

@@ -63,7 +63,6 @@ class LLMEngine:
         )
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = model_files.eos_token_ids(config.model.model, self.runner.hf_config)
-        self.max_model_len = self._max_model_len()
         self.proposer = build_proposer(
             config.spec,
             self.device,
@@ -77,6 +76,7 @@ class LLMEngine:
         block_size = config.cache.block_size
         draft = self.proposer.runner if self.proposer is not None else None
         self.runners = [self.runner] + ([draft] if draft is not None else [])
+        self.max_model_len = self._max_model_len()
         kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.device, dtype)
         for runner in self.runners:  # what the KV cache holds (--kv-cache-dtype)
             runner.kv_dtype = kv_dtype
@@ -318,12 +318,15 @@ class LLMEngine:
         cpu_kernels.use_activations(mode)
 
     def _max_model_len(self) -> int:
-        limit = self.runner.max_positions
-        if self.runner.sliding_window:  # the reference path attends to the full context
-            limit = min(limit, self.runner.sliding_window)
+        limit, why = self.runner.max_positions, "the model's limit"
+        for runner in self.runners:  # every path attends to the whole context: keep within
+            if runner.sliding_window and runner.sliding_window < limit:
+                limit, why = runner.sliding_window, f"the sliding window of {runner.name}"
         wanted = self.config.model.max_model_len
         if wanted is not None and wanted > limit:
-            raise ValueError(f"--max-model-len {wanted} exceeds the model's limit of {limit}")
+            raise ValueError(f"--max-model-len {wanted} exceeds {why}, {limit}")
+        if wanted is None and limit < self.runner.max_positions:
+            logger.info("max_model_len %d: %s", limit, why)
         return wanted or limit
 
     def _enable_decode_graphs(self) -> bool:

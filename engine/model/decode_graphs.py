@@ -16,6 +16,7 @@ from engine.attention.paged import (
     AttentionMetadata,
     Tree,
     cache_slots,
+    most_keys,
     tree_lists,
 )
 
@@ -219,6 +220,7 @@ class DecodeGraphs:
         for packed, values in ((static.packed64, wide), (static.packed32, narrow)):
             packed[: len(values)].copy_(torch.tensor(values, dtype=packed.dtype), non_blocking=True)
         md = static.metadata
+        md.max_keys = most_keys(query_lens, context_lens, trees)
         assert md.block_tables is not None
         # Rows past n and columns past `used` keep stale ids: no query reads them.
         md.block_tables[:n, :used].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)

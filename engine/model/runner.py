@@ -12,6 +12,7 @@ from engine.attention import paged as attention
 from engine.attention.backends import BACKENDS
 from engine.cpu import kernels as cpu_kernels
 from engine.model.decode_graphs import DecodeGraphs
+from engine.model.features import check_config, config_window, probe_windows
 from engine.model.files import gguf_source
 from engine.model.head import OUTSIDE_HEAD, restrict_head
 from engine.model.inputs import SeqInput
@@ -62,6 +63,7 @@ class ModelRunner:
         self.attention_backend = BACKENDS[attention_backend]
         self.name = model_path
         self.hf_config = AutoConfig.from_pretrained(model_path)
+        check_config(self.hf_config.get_text_config())
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(
                 model_path, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
@@ -79,6 +81,12 @@ class ModelRunner:
         self.head_dim = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // text_config.num_attention_heads
         )
+        windows = probe_windows(
+            self.model, self.num_layers, self.num_kv_heads, self.head_dim, dtype, device
+        )
+        windows += [w for w in [config_window(text_config)] if w]
+        self.sliding_window = min(windows, default=None)
+        """The narrowest sliding window of any layer: the context must stay within it."""
         why = self.attention_backend.unsupported(
             text_config.num_attention_heads, self.num_kv_heads, self.head_dim, dtype
         )
@@ -88,11 +96,6 @@ class ModelRunner:
         self.vocab_size = vocab_size
         """The full vocabulary: `forward`'s logits have this width, restricted head or not."""
         self.max_positions = text_config.max_position_embeddings
-        self.sliding_window = (
-            getattr(text_config, "sliding_window", None)
-            if getattr(text_config, "use_sliding_window", True)
-            else None
-        )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.scratch_block = 0

@@ -150,6 +150,7 @@ def calibrate_runners(
     sizes = _log_sizes(max_tokens)
     graphs = target.decode_graphs
     chunk = min(_TABLE_CHUNK, graphs.max_query_len) if graphs is not None else _TABLE_CHUNK
+    chunk = min(chunk, max_context)
     table = []
     for n in sizes:
         chunks = table_chunks(n, chunk)
