@@ -77,6 +77,8 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | Non
         where = _location(error.get("loc", ()))
         got = f" (got {error['input']!r})" if _short(error.get("input")) else ""
         message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        if error.get("type") == "extra_forbidden":
+            message, got = "this field is not supported by this server", ""
         parts.append(f"{where}: {message}{got}" if where else message)
     param = _location(errors[0].get("loc", ())) if errors else None
     return "; ".join(parts) or "Invalid request", param or None

@@ -224,6 +224,7 @@ def sampling_params(
         prompt_logprobs=prompt_logprobs,
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
+        logit_bias=req.logit_biases,
         grammar=grammar,
         max_draft_tokens=draft_cap(state, req),
     )

@@ -1,9 +1,9 @@
 """Request bodies of the OpenAI API (and vLLM's /tokenize, /detokenize), validated at the edge.
 
 Range checks live in the field declarations, so a bad value is a 400 that names the field.
-Unknown fields are kept (`extra="allow"`) and reported by `unknown_fields` so the route can
-log them instead of failing a client that sends a newer parameter; the tokenizer bodies and
-`speculation` refuse them instead.
+A field the server does not implement (`best_of`, `suffix`, a misspelling) is a 400 naming it
+too, at any depth, rather than a 200 that quietly ignores what the client asked for. A chat
+message is the one exception: its other keys are handed to the chat template.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ MAX_N = 128
 MAX_CHOICES = 256
 """Choices one completions request may start: its prompts times n."""
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+"""Most entries in one request's logit_bias."""
+_TOKEN_ID = re.compile("0|[1-9][0-9]{0,9}")
 SEED_RANGE = (-(2**63), 2**63 - 1 - MAX_N)
 """torch generators take 64-bit seeds; choice i of n uses seed + i."""
 _SURROGATE = re.compile("[\\ud800-\\udfff]")
@@ -47,8 +50,8 @@ def _has_lone_surrogate(data: Any) -> bool:
     return False
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
@@ -58,15 +61,14 @@ class _Lenient(BaseModel):
             return {key: value for key, value in data.items() if value is not None}
         return data
 
-    def unknown_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
 
-
-class StreamOptions(_Lenient):
+class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: Literal[False] = False
+    """Chunks are never padded: asking for padding is refused."""
 
 
-class JsonSchemaFormat(_Lenient):
+class JsonSchemaFormat(_Strict):
     name: str = Field("response", max_length=64)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -74,7 +76,7 @@ class JsonSchemaFormat(_Lenient):
     """Honoured or not, the schema is enforced: every token is masked by it."""
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -86,7 +88,7 @@ class ResponseFormat(_Lenient):
         return self
 
 
-class StructuredOutputs(_Lenient):
+class StructuredOutputs(_Strict):
     """vLLM's extension: exactly one of these."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
@@ -97,11 +99,8 @@ class StructuredOutputs(_Lenient):
     json_object: bool | None = None
 
 
-class Speculation(_Lenient):
-    """Tandem's extension: this request's speculation. Unknown keys are refused (400), not
-    ignored: a misspelt limit would otherwise pass unnoticed."""
-
-    model_config = ConfigDict(extra="forbid")
+class Speculation(_Strict):
+    """Tandem's extension: this request's speculation."""
 
     method: str = "auto"
     """auto (the server's), off, or the server's own method's name (server/prompts.py checks)."""
@@ -109,7 +108,7 @@ class Speculation(_Lenient):
     """A cap on K every step, at most the server's --max-draft-tokens (the engine checks)."""
 
 
-class _TextBody(_Lenient):
+class _TextBody(_Strict):
     """A request body whose text reaches the tokenizer: no lone surrogates anywhere in it."""
 
     @model_validator(mode="before")
@@ -139,7 +138,12 @@ class SamplingRequest(_TextBody):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    """Token id (a decimal string, as JSON keys are) -> a bias in [-100, 100] added to its
+    logit before sampling; the engine checks the ids against the vocabulary."""
     user: str | None = None
+    """The caller's end user, for abuse monitoring at OpenAI: metadata that changes no output,
+    accepted and ignored as vLLM does."""
     # Extensions (vLLM spells them the same way).
     top_k: int = Field(0, ge=-1, description="0 or -1 = no top-k cut")
     min_tokens: int = Field(0, ge=0)
@@ -164,6 +168,22 @@ class SamplingRequest(_TextBody):
         if any(not s for s in stops):
             raise ValueError("stop sequences must not be empty")
         return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None and len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries are allowed (got {len(value)})")
+        for key, bias in (value or {}).items():
+            if not _TOKEN_ID.fullmatch(key):
+                raise ValueError(f"keys must be token ids, written as integers (got {key!r})")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100] (got {bias} for token {key})")
+        return value
+
+    @property
+    def logit_biases(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(key), bias) for key, bias in (self.logit_bias or {}).items())
 
     @property
     def stop_strings(self) -> list[str]:
@@ -204,24 +224,28 @@ class CompletionRequest(SamplingRequest):
         return list(prompt)  # type: ignore[arg-type]
 
 
-class TextPart(_Lenient):
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Lenient):
+class FunctionCall(_Strict):
     name: str
     arguments: str = "{}"
     """JSON text, as the OpenAI API sends it."""
 
 
-class ToolCall(_Lenient):
+class ToolCall(_Strict):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(_Strict):
+    model_config = ConfigDict(extra="allow")
+    """Keys beyond these reach the chat template as they are (server/prompts.py), as
+    Hugging Face templates read them."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -236,7 +260,7 @@ class ChatMessage(_Lenient):
         return self.content or ""
 
 
-class FunctionDefinition(_Lenient):
+class FunctionDefinition(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -244,16 +268,16 @@ class FunctionDefinition(_Lenient):
     strict: bool | None = None
 
 
-class Tool(_Lenient):
+class Tool(_Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Lenient):
+class NamedFunction(_Strict):
     name: str
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: NamedFunction
 

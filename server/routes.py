@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-import logging
 from collections.abc import Mapping
 from importlib import metadata
 from typing import Annotated, Any
@@ -15,12 +14,11 @@ from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.errors import APIError
 from server.metrics import CONTENT_TYPE
-from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import ModelCard, ModelList
 from server.state import ServerState, Status
 from server.tokenization import detokenize, tokenize
 
-log = logging.getLogger("tandem.server")
 JSONBody = Annotated[dict[str, Any], Body()]
 """A JSON object, parsed by the handler (a body of one of several shapes)."""
 
@@ -49,12 +47,6 @@ def key_error(key: str | None, headers: Mapping[str, str]) -> APIError | None:
         code="invalid_api_key",
         headers={"WWW-Authenticate": "Bearer"},
     )
-
-
-def _warn_unknown(request: Request, body: SamplingRequest) -> None:
-    unknown = body.unknown_fields()
-    if unknown:
-        log.warning("%s: ignoring unknown fields %s", request.url.path, ", ".join(unknown))
 
 
 def build_router() -> APIRouter:
@@ -99,12 +91,10 @@ def build_router() -> APIRouter:
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        _warn_unknown(request, body)
         return await create_completion(get_state(request), body, request)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        _warn_unknown(request, body)
         return await create_chat_completion(get_state(request), body, request)
 
     # vLLM serves these at the root, outside /v1, so --api-key-scope v1 would leave them open;

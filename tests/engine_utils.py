@@ -86,12 +86,17 @@ def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[i
 
 
 def hf_greedy(
-    model_dir: Path, prompts: list[list[int]], max_tokens: int, quantization: str = "none"
+    model_dir: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    quantization: str = "none",
+    logit_bias: tuple[tuple[int, float], ...] = (),
 ) -> list[list[int]]:
     """The reference: transformers' own generate(), greedy, no EOS stop, on the weights
-    `--quantization` serves."""
+    `--quantization` serves; `logit_bias` through its `sequence_bias` (one-token sequences)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     round_weights(model, quantization)
+    bias = {"sequence_bias": [[[t], b] for t, b in logit_bias]} if logit_bias else {}
     results = []
     for prompt in prompts:
         out = model.generate(
@@ -100,6 +105,7 @@ def hf_greedy(
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
+            **bias,
         )
         results.append(out[0, len(prompt) :].tolist())
     return results

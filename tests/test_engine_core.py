@@ -140,6 +140,9 @@ def test_shared_prompt_prefix_shares_blocks(tiny_dirs):
         ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
         ([1, 2], SamplingParams(max_tokens=4, temperature=-1), "temperature"),
         ([1, 2], SamplingParams(max_tokens=4, top_p=0), "top_p"),
+        ([1, 2], SamplingParams(max_tokens=4, logit_bias=((5, 101.0),)), "logit_bias values"),
+        ([1, 2], SamplingParams(max_tokens=4, logit_bias=((100000, 1.0),)), "logit_bias: token"),
+        ([1, 2], SamplingParams(max_tokens=4, logit_bias=((-1, 1.0),)), "logit_bias: token"),
     ],
 )
 def test_bad_input_raises_and_engine_keeps_serving(tiny_dirs, prompt, params, message):

@@ -117,6 +117,12 @@ def test_malformed_bodies_are_400s(http, path, name):
         ({"logprobs": -1}, "logprobs"),
         ({"stream_options": "yes", "stream": True}, "stream_options"),
         ({"stop_token_ids": [-5]}, "stop_token_ids[0]"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"logit_bias": {"5": "strong"}}, "logit_bias"),
+        ({"logit_bias": {"5": 1e300}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"stream_options": {"include_usage": True, "extra": 1}, "stream": True}, "stream_options"),
     ],
 )
 def test_wrong_types_and_ranges_name_the_field(http, fields, param):
@@ -210,6 +216,10 @@ def test_token_ids_out_of_range(http, served):
         {"stop_token_ids": [vocab], "min_tokens": 1},
     ):
         _refused(http.post(COMPLETIONS, json=_completion(**fields)))
+    # So do logit_bias's: an id past the vocabulary is refused, the last one is biased.
+    _refused(http.post(COMPLETIONS, json=_completion(logit_bias={str(vocab): 5})), "logit_bias")
+    last = _completion(logit_bias={str(vocab - 1): 5})
+    assert http.post(COMPLETIONS, json=last).status_code == 200
     served.wait_idle()
 
 

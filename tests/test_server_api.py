@@ -254,3 +254,27 @@ def test_echo_with_logprobs_and_no_new_tokens(served):
     )
     assert echoed.choices[0].text.startswith(PROMPT) and len(echoed.choices[0].text) > len(PROMPT)
     served.wait_idle()
+
+
+def test_logit_bias_steers_both_endpoints_and_logprobs_stay_the_models(served):
+    """+100 on one token: greedy and sampled decoding (speculative here, K = 2) write only
+    that token. Logprobs stay the model's own, before the bias, as before penalties."""
+    token = served.tokenizer.encode(" x", add_special_tokens=False)[-1]
+    forced = served.tokenizer.decode([token] * 5)
+    bias = {str(token): 100}
+    out = served.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, logit_bias=bias, logprobs=1, **GREEDY
+    )
+    assert out.choices[0].text == forced
+    assert out.usage.model_extra["speculative"]["drafted_tokens"] > 0
+    assert max(out.choices[0].logprobs.token_logprobs) < -1  # the model's, not ~0
+    sampled = served.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, logit_bias=bias, temperature=1.0, seed=4
+    )
+    assert sampled.choices[0].text == forced
+    messages = [{"role": "user", "content": "hi"}]
+    chat = served.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, logit_bias=bias, **GREEDY
+    )
+    assert chat.choices[0].message.content == forced
+    served.wait_idle()

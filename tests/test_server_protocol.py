@@ -22,12 +22,59 @@ def test_prompt_forms(prompt, expected):
     assert CompletionRequest(prompt=prompt).prompts() == expected
 
 
-def test_nulls_mean_defaults_and_unknown_fields_are_kept_for_logging():
+def test_nulls_mean_defaults():
     req = CompletionRequest.model_validate(
-        {"prompt": "x", "n": None, "stop": None, "temperature": None, "best_of": 3}
+        {"prompt": "x", "n": None, "stop": None, "temperature": None, "best_of": None}
     )
     assert (req.n, req.stop_strings, req.temperature) == (1, [], None)
-    assert req.unknown_fields() == ["best_of"]
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+FUNCTION = {"type": "function", "function": {"name": "f", "x": 1}}
+SCHEMA = {"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}
+VLLM = {"regex": "a+", "disable_fallback": True}
+CALL = {"role": "assistant", "tool_calls": [{"id": "1", "function": {"name": "f", "x": 1}}]}
+UNSUPPORTED = [  # (request model, fields beside the required ones, the unsupported key)
+    (CompletionRequest, {"best_of": 3}, "best_of"),
+    (CompletionRequest, {"suffix": "y"}, "suffix"),
+    (CompletionRequest, {"stream_options": {"x": 1}}, "stream_options.x"),
+    (CompletionRequest, {"speculation": {"k": 1}}, "speculation.k"),
+    (CompletionRequest, {"structured_outputs": VLLM}, "structured_outputs.disable_fallback"),
+    (ChatCompletionRequest, {"store": True}, "store"),
+    (ChatCompletionRequest, {"response_format": {"type": "text", "x": 1}}, "response_format.x"),
+    (ChatCompletionRequest, {"response_format": SCHEMA}, "response_format.json_schema.x"),
+    (ChatCompletionRequest, {"tools": [{"x": 1, **FUNCTION}]}, "tools[0].x"),
+    (ChatCompletionRequest, {"tools": [FUNCTION]}, "tools[0].function.x"),
+    (ChatCompletionRequest, {"tool_choice": FUNCTION}, "tool_choice.NamedToolChoice.function.x"),
+    (ChatCompletionRequest, {"messages": [CALL]}, "messages[0].tool_calls[0].function.x"),
+]
+
+
+@pytest.mark.parametrize(("model", "fields", "where"), UNSUPPORTED)
+def test_fields_the_server_does_not_implement_are_named(model, fields, where):
+    base = {"prompt": "x"} if model is CompletionRequest else CHAT
+    with pytest.raises(ValidationError) as info:
+        model.model_validate({**base, **fields})
+    errors = [{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()]
+    message, param = validation_message(errors)
+    assert f"{where}: this field is not supported" in message
+    assert param.startswith(where.split(".")[0])
+
+
+def test_a_chat_messages_other_keys_are_kept_for_its_template():
+    message = {"role": "assistant", "content": "x", "reasoning_content": "y"}
+    req = ChatCompletionRequest.model_validate({"messages": [message]})
+    assert req.messages[0].model_extra == {"reasoning_content": "y"}
+
+
+def test_logit_bias_keys_are_token_ids_and_values_are_bounded():
+    req = CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"0": -100, "17": 2.5}})
+    assert req.logit_biases == ((0, -100.0), (17, 2.5))
+    assert CompletionRequest(prompt="x", logit_bias={}).logit_biases == ()
+    for bad in ({"017": 1}, {"-1": 1}, {" 1": 1}, {"1": 100.5}, {str(i): 1 for i in range(301)}):
+        with pytest.raises(ValidationError) as info:
+            CompletionRequest.model_validate({"prompt": "x", "logit_bias": bad})
+        assert info.value.errors()[0]["loc"] == ("logit_bias",)
 
 
 def test_stop_accepts_a_string_or_a_list():

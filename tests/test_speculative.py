@@ -202,9 +202,12 @@ PROMPT = [1, 2, 3]
 
 def _processed(logits: torch.Tensor, generated: list[int], params: SamplingParams):
     """Reference processing of one position's float64 logits, written apart from the
-    engine's: penalties on the tokens generated so far, stop tokens masked before min_tokens,
-    temperature, then top-k, then the smallest most-likely set whose mass reaches top_p."""
+    engine's: the logit bias, penalties on the tokens generated so far, stop tokens masked
+    before min_tokens, temperature, then top-k, then the smallest most-likely set whose mass
+    reaches top_p."""
     logits = logits.clone()
+    for token, bias in params.logit_bias:
+        logits[token] += bias
     for token in set(generated):
         logits[token] -= params.frequency_penalty * generated.count(token)
         logits[token] -= params.presence_penalty
@@ -323,8 +326,9 @@ def _params(**kw) -> SamplingParams:
         _params(temperature=1.0, presence_penalty=0.8, frequency_penalty=0.6),
         _params(temperature=1.2, top_k=3, top_p=0.7, frequency_penalty=1.0),
         _params(temperature=1.0, min_tokens=2, stop_token_ids=(3,)),
+        _params(temperature=1.0, top_p=0.9, logit_bias=((1, 1.5), (3, -2.0)), presence_penalty=0.5),
     ],
-    ids=["plain", "top_p", "top_k", "penalties", "all_cuts", "min_tokens"],
+    ids=["plain", "top_p", "top_k", "penalties", "all_cuts", "min_tokens", "logit_bias"],
 )
 def test_sampled_continuations_follow_the_target_distribution(tiny_vocab_pair, params):
     """Speculative sampling with K = 3 drafts per step (block verification, the default)

@@ -34,7 +34,8 @@ def changes_logits(rows: list[RowSpec]) -> bool:
 
 def _changes(row: RowSpec) -> bool:
     req = row.request
-    return req.grammar is not None or req.params.has_penalties or _masks_stops(row)
+    edits = req.grammar is not None or req.params.has_penalties or bool(req.params.logit_bias)
+    return edits or _masks_stops(row)
 
 
 def apply_penalties_and_masks(
@@ -66,6 +67,13 @@ def apply_penalties_and_masks(
                 )[: logits.shape[1]].to(logits.dtype)
                 logits[i] -= params.frequency_penalty * counts
                 logits[i] -= params.presence_penalty * (counts > 0).to(logits.dtype)
+    vocab = logits.shape[1]  # a draft's vocabulary may be smaller than the target's
+    biased = [(i, t, b) for i in changed for t, b in rows[i].request.params.logit_bias if t < vocab]
+    if biased:  # one scatter-add for every biased row
+        at, tokens, biases = zip(*biased, strict=True)
+        index = (torch.tensor(at, device=logits.device), torch.tensor(tokens, device=logits.device))
+        values = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+        logits.index_put_(index, values, accumulate=True)
     return logits
 
 

@@ -58,6 +58,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     grammar: GrammarSpec | None = None
     max_draft_tokens: int | None = None  # this request's cap on K every step; None = K_max
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the field (engine/types/validation.py runs this)."""
@@ -84,6 +85,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequest(f"{name} must be in [-2, 2] (got {getattr(self, name)})", name)
+        bad = next((b for _, b in self.logit_bias if not -100.0 <= b <= 100.0), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"logit_bias values must be in [-100, 100] (got {bad})", "logit_bias"
+            )
         if self.max_draft_tokens is not None and self.max_draft_tokens < 0:
             raise InvalidRequest(
                 f"max_draft_tokens must be >= 0 (got {self.max_draft_tokens})",

@@ -32,12 +32,16 @@ def check_request(
     bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"Token id {bad} is out of range [0, {vocab_size}).", "prompt")
-    # The sampler indexes logits with stop ids (min_tokens): one bad id would fail the step.
-    bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(
-            f"Stop token id {bad} is out of range [0, {vocab_size}).", "stop_token_ids"
-        )
+    # The sampler indexes logits with these ids: one bad id would fail the step.
+    for field, ids in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", [t for t, _ in params.logit_bias]),
+    ):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"{field}: token id {bad} is out of range [0, {vocab_size}).", field
+            )
     completion = params.max_tokens  # 0 only when scoring the prompt (prompt_logprobs)
     if n + completion > max_model_len:
         raise InvalidRequest(
