@@ -30,6 +30,21 @@ MODEL = "tiny"
 STARTUP_SECONDS = 90  # two replicas importing torch on two busy cores
 
 
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """The Dockerfile's (INSTRUCTION, arguments), continuation lines joined, comments dropped."""
+    instructions, pending = [], ""
+    for line in (REPO / "Dockerfile").read_text().splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        keyword, _, rest = (pending + line).strip().partition(" ")
+        instructions.append((keyword.upper(), rest.strip()))
+        pending = ""
+    return instructions
+
+
 def free_port() -> int:
     """A free loopback port below the kernel's ephemeral range (and above Ray's worker ports,
     10002-19999). A port-0 pick comes from the ephemeral range, where any outgoing connection or
@@ -99,8 +114,11 @@ class Replica:
         self.proc.send_signal(signal.SIGTERM)
 
 
-def start_replica(tiny_dirs: dict, log: Path, *, drain_timeout: float) -> Replica:
-    """`tandem serve` on a free loopback port with the small engine the API tests use."""
+def start_replica(
+    tiny_dirs: dict, log: Path, *, drain_timeout: float, api_key_file: Path | None = None
+) -> Replica:
+    """`tandem serve` on a free loopback port with the small engine the API tests use; with
+    `api_key_file`, its key guards the API, read the way compose passes it (TANDEM_API_KEY_FILE)."""
     port = free_port()
     args = [
         "serve", "--model", str(tiny_dirs["llama"]), "--draft-model", str(tiny_dirs["llama_draft"]),
@@ -112,6 +130,8 @@ def start_replica(tiny_dirs: dict, log: Path, *, drain_timeout: float) -> Replic
     # One torch thread each: two replicas, nginx and the clients share two cores.
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    if api_key_file is not None:
+        env["TANDEM_API_KEY_FILE"] = str(api_key_file)
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "server", *args],

