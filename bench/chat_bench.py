@@ -215,7 +215,8 @@ def vllm_case(threads: int, max_len: int = 1024) -> serving.ServerCase:
     from engine.model.files import prepare
 
     model_dir = prepare(DEFAULT_GGUF)
-    argv = [str(serving.VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+    python = str(serving.VLLM_PYTHON)
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", "{port}",
             "--dtype", "float32", "--max-model-len", str(max_len), "--seed", "0"]  # fmt: skip
     return serving.ServerCase(argv, serving.vllm_env(threads), ready_path="/health")

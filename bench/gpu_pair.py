@@ -392,8 +392,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.device = resolve_device(args.device)
     tiny = args.tiny
     args.target_shape, args.draft_shape = (TINY_TARGET, TINY_DRAFT) if tiny else (TARGET, DRAFT)
-    defaults = {"target_s": 60.0 if tiny else 150.0, "draft_s": 60.0, "batch_size": 4 if tiny else 64,
-                "max_chars": 1_000_000 if tiny else 64_000_000}  # fmt: skip
+    defaults = {"target_s": 60.0 if tiny else 150.0, "draft_s": 60.0,
+                "batch_size": 4 if tiny else 64, "max_chars": 1_000_000 if tiny else 64_000_000}  # fmt: skip
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
