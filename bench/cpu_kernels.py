@@ -6,13 +6,11 @@ thread unless --threads.
   python -m bench.cpu_kernels gguf-vs BASE --repeats 100      # against commit BASE's kernels
   python -m bench.cpu_kernels attention-vs BASE --threads 2 --repeats 40
 
-`gguf`: the 30 layers' linears on Q4_1 blocks and the LM head on Q8_0, as the GGUF file has
-them (random weights quantized by the `gguf` package): the float32 vector kernel, VNNI dot
-products on x in 24-bit fixed point and on x in int8 (--cpu-activations int8), and AMX tiles
-from 6 rows ("n/a" where the CPU lacks the unit); the last column is the median of the
-rounds' int8 / float32 ratios. The `-vs BASE` modes build commit BASE's
-engine/cpu/csrc and alternate the two libraries round by round (a shared machine's speed
-drifts within minutes; the median of the rounds' ratios is steadier than two best-ofs).
+`gguf`: the 30 layers' linears on Q4_1 and the LM head on Q8_0 (random weights quantized by
+the `gguf` package) through the float32 vector kernel, VNNI on x in 24-bit fixed point and in
+int8 (--cpu-activations int8), and AMX tiles from 6 rows ("n/a" without the unit), and the
+median of the rounds' int8 / float32 ratios. `-vs BASE` builds commit BASE's engine/cpu/csrc
+and alternates the two libraries round by round (the median ratio is steadier than best-ofs).
 """
 
 from __future__ import annotations

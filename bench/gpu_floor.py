@@ -1,16 +1,12 @@
 """The bandwidth floor of a target pass, beside what a Tandem target pass measures.
 
-At batch 1 a decode pass must read every weight of the target once, so no pass can be
-faster than weight bytes / memory bandwidth. The bandwidth is measured here, not taken from
-a data sheet: a device-to-device copy of a buffer much larger than the caches, counting
-bytes read plus bytes written, which is what the memory system moves in that time. The
-floor leaves out the KV cache a pass also reads (at a few hundred tokens of context, about
-2% of the weights of the GPU pair) and every kernel-launch and Python cost, which is the
-point: the ratio measured / floor says how far a pass is from the hardware's limit.
-
-Run as a program, it measures that ratio on random weights of real architectures (Llama
-3.x bodies with their own vocabulary, built straight on the GPU, never saved), because
-whether a batch-1 pass is bound by bytes or by kernel latency depends on the model's size:
+A batch-1 decode pass reads every weight of the target once, so none is faster than weight
+bytes / memory bandwidth, the bandwidth measured here by a device-to-device copy far larger than
+the caches (bytes read plus written). The floor leaves out the KV cache (about 2% of the GPU
+pair's weights at a few hundred tokens) and every launch and Python cost: measured / floor says
+how far a pass is from the hardware's limit. As a program, it measures that on random weights
+of real architectures (Llama 3.x bodies built on the GPU, never saved), since whether batch 1
+is bound by bytes or by kernel latency depends on the model's size:
 
   python -m bench.gpu_floor --shapes 1b 3b 8b --out floor-shapes.json
 """
@@ -79,12 +75,8 @@ def one_token(runner: ModelRunner, context: int) -> list[SeqInput]:
 
 @torch.inference_mode()
 def decode_pass_seconds(runner: ModelRunner, context: int, iters: int) -> list[float]:
-    """Seconds of each of `iters` one-token passes at position `context` (batch 1), timed
-    with the device synchronised before and after each, after a warm-up of 5.
-
-    Needs the runner's KV pool idle: it writes a garbage key/value into blocks 0..n, as the
-    engine's own cost-model calibration does.
-    """
+    """Seconds of each of `iters` one-token passes at position `context` (batch 1), the device
+    synchronised around each, after 5. Writes garbage into blocks 0..n: the pool must be idle."""
     seq = one_token(runner, context)
     device = runner.device
     for _ in range(5):
@@ -101,30 +93,23 @@ def decode_pass_seconds(runner: ModelRunner, context: int, iters: int) -> list[f
 
 @torch.inference_mode()
 def graph_replay_seconds(runner: ModelRunner, iters: int) -> float | None:
-    """GPU seconds of one replay of the batch-1, one-token decode graph (the model body
-    without the LM head), timed with CUDA events over `iters` back-to-back replays: the
-    pass without its host side. None where no such graph was captured (CPU, graphs off).
-
-    Call right after decode_pass_seconds: the graph replays that pass's last inputs."""
+    """GPU seconds of one replay of the batch-1, one-token decode graph (the body without the
+    LM head; CUDA events around `iters` replays after 5): the pass without its host side. None
+    where no such graph was captured. Call right after decode_pass_seconds: it replays that
+    pass's last inputs."""
     graphs = runner.decode_graphs
     static = graphs.batches.get((1, 1, False)) if graphs is not None else None
     if static is None or static.graph is None:
         return None
-    return replay_seconds(static.graph, runner.device, iters)
-
-
-def replay_seconds(graph: torch.cuda.CUDAGraph, device: torch.device, iters: int) -> float:
-    """GPU seconds of one replay of a captured `graph`: CUDA events around `iters`
-    back-to-back replays, after 5 to warm up."""
     for _ in range(5):
-        graph.replay()
+        static.graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    sync(device)
+    sync(runner.device)
     start.record()
     for _ in range(iters):
-        graph.replay()
+        static.graph.replay()
     end.record()
-    sync(device)
+    sync(runner.device)
     return start.elapsed_time(end) / 1e3 / iters
 
 

@@ -5,16 +5,13 @@ the default model's tokenizer (models/draft's, SmolLM2's 49,152 tokens).
   python -m bench.gpu_pair --random --out bench/gpu_models/random     # random weights only
   python -m bench.gpu_pair --tiny --device cpu --out /tmp/pair        # smoke-test scale
 
-Big enough that a GPU reading the target's weights is memory-bound at batch 1, small enough to
-train in minutes. The corpus is this machine's Python standard library (bench/prompts.py,
-split train / held-out by a hash of each file's path; the GPU benchmark's prompts come from
-the held-out files). The target trains on next-token cross-entropy, then the draft on CE mixed
-with distillation from the saved target, both under bf16 autocast with fused AdamW on batches
-of 64 x 256 tokens. Each stops at its wall-clock budget or after --epochs passes over the
-training tokens, whichever comes first; the learning rate follows that progress. `--random`
-saves random weights of the same architectures, for step times only (a random draft is never
-accepted). Both save bfloat16 safetensors and a pair.json (what was trained, how long,
-held-out loss, greedy agreement) that bench.gpu_bench records.
+Big enough to be memory-bound at batch 1 on a GPU, small enough to train in minutes, on this
+machine's Python standard library (bench/prompts.py; the benchmark's prompts come from its
+held-out files). The target trains on next-token cross-entropy, then the draft on CE mixed with
+distillation from the saved target (bf16 autocast, fused AdamW, batches of 64 x 256 tokens),
+each until its wall-clock budget or --epochs, the learning rate following that progress.
+`--random` saves random weights (for step times only). Both save bfloat16 safetensors and a
+pair.json (what was trained, how long, held-out loss, greedy agreement) for bench.gpu_bench.
 """
 
 from __future__ import annotations
@@ -299,10 +296,7 @@ def evaluate(out: Path, heldout_stream: torch.Tensor, eot: int, args: argparse.N
 
 
 def build_pair(args: argparse.Namespace, tok) -> tuple[torch.nn.Module, torch.nn.Module]:
-    eot, im_end = (
-        tok.convert_tokens_to_ids("<|endoftext|>"),
-        tok.convert_tokens_to_ids("<|im_end|>"),
-    )
+    eot, im_end = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     # Initialised on the CPU from the seed, so --random weights are the same on every run.
     torch.manual_seed(args.seed)
     target = build_model(args.target_shape, len(tok), eot, im_end)
@@ -398,12 +392,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.device = resolve_device(args.device)
     tiny = args.tiny
     args.target_shape, args.draft_shape = (TINY_TARGET, TINY_DRAFT) if tiny else (TARGET, DRAFT)
-    defaults = {
-        "target_s": 60.0 if tiny else 150.0,
-        "draft_s": 60.0,
-        "batch_size": 4 if tiny else 64,
-        "max_chars": 1_000_000 if tiny else 64_000_000,
-    }
+    defaults = {"target_s": 60.0 if tiny else 150.0, "draft_s": 60.0,
+                "batch_size": 4 if tiny else 64, "max_chars": 1_000_000 if tiny else 64_000_000}  # fmt: skip
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)

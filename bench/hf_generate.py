@@ -1,12 +1,10 @@
 """Hugging Face transformers `generate()` in-process, timed like a streaming client: the
-reference the GPU benchmark (bench/gpu_bench.py) measures Tandem against. Not run
-on its own.
-
-`run_level`: plain generate() one request at a time at concurrency 1, above it left-padded
-batches of `concurrency` prompts, a static-batching stand-in (the batch's requests all arrive
-when it starts; batches run one after another). By default EOS is masked until max_tokens (`min_new_tokens`) so every system generates the
-same number of tokens. A streamer records when each step's tokens exist, so TTFT and
-inter-token latency mean the same as over HTTP, minus the HTTP and detokenization cost.
+reference bench/gpu_bench.py measures Tandem against (not run on its own). `run_level`: plain
+generate() one request at a time at concurrency 1, above it left-padded batches of
+`concurrency` prompts, one after another (static batching: a batch's requests all arrive when
+it starts). EOS is masked until max_tokens (`min_new_tokens`), so every system generates as
+many tokens. A streamer records when each step's tokens exist: TTFT and inter-token latency
+mean what they mean over HTTP, less the HTTP and detokenization.
 """
 
 from __future__ import annotations
@@ -38,56 +36,36 @@ class TimingStreamer(BaseStreamer):
         pass
 
 
-def greedy_kwargs(tokenizer, max_tokens: int) -> dict:
-    return {
-        "do_sample": False,
-        "max_new_tokens": max_tokens,
-        "min_new_tokens": max_tokens,
-        "pad_token_id": tokenizer.pad_token_id
-        if tokenizer.pad_token_id is not None
-        else tokenizer.eos_token_id,
-    }
-
-
-def encode(tokenizer, prompts: list[list[int]], device: torch.device) -> dict:
-    """A padded batch of prompt token ids on `device`."""
-    pad = len(prompts) > 1
-    return tokenizer.pad({"input_ids": prompts}, padding=pad, return_tensors="pt").to(device)
-
-
 def sync(device: torch.device) -> None:
     """Wait for the GPU, so that a timer read next covers the work queued so far."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def generated_length(row: torch.Tensor, eos: int | None) -> int:
-    """Tokens up to and including the first EOS (a finished row is padded after it)."""
-    hits = (row == eos).nonzero() if eos is not None else []
-    return int(hits[0]) + 1 if len(hits) else len(row)
-
-
 @torch.inference_mode()
 def run_padded(model, tokenizer, prompts: list[list[int]], max_tokens: int, batch: int) -> dict:
     """Static batches of `batch` prompts (token ids), left-padded, greedy (batch 1: each
     prompt alone, unpadded)."""
-    settings = greedy_kwargs(tokenizer, max_tokens)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    settings = {"do_sample": False, "max_new_tokens": max_tokens, "min_new_tokens": max_tokens,
+                "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
     traces = []
     sync(model.device)
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
         group = prompts[i : i + batch]
-        inputs = encode(tokenizer, group, model.device)
+        inputs = tokenizer.pad({"input_ids": group}, padding=len(group) > 1, return_tensors="pt")
+        inputs = inputs.to(model.device)
         streamer = TimingStreamer(len(group))
         began = time.perf_counter()
         out = model.generate(**inputs, streamer=streamer, **settings)
         sync(model.device)
-        new = out[:, inputs["input_ids"].shape[1] :]
-        for row in new:
-            n = generated_length(row, tokenizer.eos_token_id)
+        for row in out[:, inputs["input_ids"].shape[1] :]:
+            # tokens up to and including the first EOS (a finished row is padded after it)
+            hits = (row == tokenizer.eos_token_id).nonzero()
+            n = int(hits[0]) + 1 if len(hits) else len(row)
             traces.append(Trace(start=began, chunks=list(streamer.chunks), output_tokens=n))
     return summarize(traces, time.perf_counter() - start)
 

@@ -4,10 +4,9 @@
   python -m bench.host_cost --batches 16 --steps 150 --rounds 5
 
 Engines `off`, `adaptive` (the draft model, adaptive K) and `K=2` (always drafting) on tiny
-random models (bench/gpu_pair.py's TINY shapes, a 1,024-token vocabulary: the passes and the
-work on each row's logits, device work on a GPU, cost little); every runner `forward` call is
-timed and taken out of its step's time. Per engine and batch (32-token prompts, greedy): the
-median host time of its plain steps (no drafts) and of its drafting steps, over --rounds
+random models (bench/gpu_pair.py's TINY shapes, 1,024 tokens: passes and logits cost little),
+every runner `forward` timed and taken out of its step's time. Per engine and batch (32-token
+prompts, greedy): the median host time of plain (no drafts) and drafting steps over --rounds
 rounds of --steps steps, the engines in turn each round, and each over off's plain steps.
 """
 
@@ -104,10 +103,9 @@ def measure(batches: list[int], steps: int, rounds: int) -> dict[tuple[int, str]
             for r in range(rounds):
                 for name in list(engines)[:: 1 if r % 2 == 0 else -1]:
                     times = host_times(*engines[name], batch, steps, seed=r)
-                    for kind, xs in zip(
-                        out.setdefault((batch, name), ([], [])), times, strict=True
-                    ):
-                        kind.extend(xs)
+                    plain, drafting = out.setdefault((batch, name), ([], []))
+                    plain.extend(times[0])
+                    drafting.extend(times[1])
     return out
 
 

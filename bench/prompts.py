@@ -1,15 +1,8 @@
-"""The benchmarks' workloads: held-out chat prompts for the default model, six task families
-for it, and this Python's standard library as text for the GPU pair.
-
-`chat_messages(n)`: the first n held-out chat instructions (bench/chat_prompts.json, frozen
-from scripts/chat_prompts.py's `split`, whose hash keeps them out of the draft's training).
-`family_messages()`: `--workload families`, six task families of 8 prompts (two-turn chat,
-translation, summarization of 500-1,500 token articles, qa, math, rag: bench/family_prompts.json,
-frozen by scripts/family_prompts.py). `family_rates`: per family and "all", the decode rate
-(tokens after the first over the time from the first token to the last) and the end-to-end rate
-(tokens over the time from sending to the last token), each total tokens over total time.
-`stdlib_corpus()`: the standard library's .py files, split train / held-out by a hash of each
-file's path; `text_prompts` cuts token prompts from the held-out files.
+"""The benchmarks' workloads: held-out chat prompts for the default model (bench/
+chat_prompts.json, frozen from scripts/chat_prompts.py's `split`, whose hash keeps them out of
+the draft's training), six task families of 8 prompts for it (bench/family_prompts.json, frozen
+by scripts/family_prompts.py: two-turn chat, translation, summarization of 500-1,500 token
+articles, qa, math, rag), and this Python's standard library as text for the GPU pair.
 """
 
 from __future__ import annotations
@@ -51,8 +44,8 @@ def family_cycle(count: int) -> list[tuple[str, list[dict]]]:
 
 def family_rates(requests: list[tuple[str, float, float, float, int, int]]) -> dict[str, dict]:
     """Per family and "all", from each request's (family, sent, first token, last token, output
-    tokens, tokens that came with the first): requests, output tokens, decode and end-to-end
-    rates (tokens/s, as the module docstring defines them)."""
+    tokens, tokens that came with the first): requests, output tokens, and total tokens over
+    total time of decode (after the first token, to the last) and end to end (from sending)."""
     out = {}
     for name in [*dict.fromkeys(r[0] for r in requests), "all"]:
         rs = [r for r in requests if name in (r[0], "all")]

