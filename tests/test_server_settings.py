@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import yaml
 
 from server.cli import build_parser
 from server.options import OPTIONS
-from server.settings import DEFAULT_CONFIG, load_settings, read_yaml
+from server.settings import DEFAULT_CONFIG, load_settings, read_yaml, shipped_config
 
 
 def test_default_config_documents_every_key():
@@ -15,6 +17,26 @@ def test_default_config_documents_every_key():
     keyed = [ln for ln in lines if ln.startswith("  ") and ":" in ln]
     assert keyed and all("#" in ln for ln in keyed)
     assert set(read_yaml(DEFAULT_CONFIG)) == {option.key for option in OPTIONS}
+
+
+def test_the_shipped_config_is_the_checkouts_else_the_installed_wheels(tmp_path, monkeypatch):
+    checkout = tmp_path / "checkout"
+    (checkout / "configs").mkdir(parents=True)
+    (checkout / "configs" / "default.yaml").write_text("{}\n")
+    (checkout / "pyproject.toml").write_text("")
+    assert shipped_config(checkout) == checkout / "configs" / "default.yaml"
+    # An installed wheel: server/ in site-packages beside tandem_data/, no pyproject.toml; a
+    # configs/ that another distribution left there is not Tandem's.
+    site = tmp_path / "site"
+    packaged = site / "tandem_data" / "configs"
+    packaged.mkdir(parents=True)
+    (packaged / "default.yaml").write_text("{}\n")
+    (site / "configs").mkdir()
+    (site / "configs" / "default.yaml").write_text("{}\n")
+    for name in [m for m in sys.modules if m.split(".")[0] == "tandem_data"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(site))
+    assert shipped_config(site) == packaged / "default.yaml"
 
 
 def test_config_paths_resolve_against_the_repo_and_package_paths_stay(tmp_path, monkeypatch):
