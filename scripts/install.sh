@@ -79,10 +79,17 @@ locked_install() {  # PART of the lock, hash-checked
 }
 
 locked_install installer
+cpu_pin() { sed -n 's/^torch==\([^ ]*\).*/\1/p' "$root/requirements/torch-cpu.lock"; }
 # torch: the locked build, unless told otherwise or another build of its version is there.
 installed=$("$vpy" -c "from importlib.metadata import version; print(version('torch'))" \
   2>/dev/null || true)
-if [ -n "$torch_spec$torch_index" ]; then
+cpu_lock=$root/requirements/torch-cpu.lock
+if [ -z "$installed$torch_spec" ] && [ "$(cpu_pin)" = "$torch_pin+cpu" ] \
+  && "${pip[@]}" install -q --require-hashes --no-deps \
+    ${torch_index:+--extra-index-url "$torch_index"} -r "$cpu_lock" 2>/dev/null; then
+  installed=$torch_pin+cpu  # the CPU build, hash-checked: no CUDA libraries to follow
+  torch_from="torch $installed (requirements/torch-cpu.lock)"
+elif [ -n "$torch_spec$torch_index" ]; then
   torch_from="${torch_spec:-torch==$torch_pin}${torch_index:+ from $torch_index}"
   if [ -z "$installed" ]; then
     "${pip[@]}" install -q ${torch_index:+--index-url "$torch_index"} \
@@ -99,6 +106,8 @@ fi
 
 if [ "$torch_from" = locked ]; then
   "${pip[@]}" install -q --require-hashes -r "$lock"
+elif [ "$torch_from" = "torch $torch_pin+cpu (requirements/torch-cpu.lock)" ]; then
+  locked_install without-cuda  # what the CPU build needs comes hash-checked too
 else
   locked_install without-torch
 fi

@@ -10,6 +10,8 @@ Python before anything is installed.
       torch         torch and everything it needs
       without-torch all but torch and what only torch needs (its CUDA libraries...), for a
                     torch installed some other way (TORCH_SPEC / TORCH_INDEX)
+      without-cuda  all but torch and its CUDA libraries, beside torch's CPU build
+                    (requirements/torch-cpu.lock)
 
 The locks are resolved for CPython 3.11 on x86_64 Linux (glibc 2.28 or newer), what CI, the
 image and the development machines run; `target` says whether this interpreter is one.
@@ -111,8 +113,11 @@ def part(lock: Path, which: str) -> str:
         keep = torch_closure(entries)
     elif which == "without-torch":
         keep = set(entries) - torch_only(entries)
+    elif which == "without-cuda":  # beside torch's CPU build: all but torch and its CUDA
+        cuda = {n for n in torch_only(entries) if n.startswith(("nvidia-", "cuda-"))}
+        keep = set(entries) - cuda - {"torch"}
     else:
-        raise SystemExit(f"unknown part {which!r}: installer, torch or without-torch")
+        raise SystemExit(f"unknown part {which!r}: see scripts/lock.py's usage")
     if not keep <= set(entries):
         raise SystemExit(f"{lock} pins none of {sorted(keep - set(entries))}")
     body = [line for name in sorted(keep) for line in entries[name].lines]

@@ -165,3 +165,16 @@ def test_make_the_image_and_ci_install_from_the_locks():
     runtime_layer = dockerfile.index("install.sh /opt/venv runtime")
     assert -1 < dockerfile.find("COPY requirements/runtime.lock") < torch_layer
     assert torch_layer < dockerfile.find("COPY requirements requirements") < runtime_layer
+
+
+def test_the_cpu_torch_lock_matches_the_locked_torch_and_its_part():
+    """requirements/torch-cpu.lock: the locked torch's version as its CPU build, hash-checked;
+    beside it install.sh takes every package but torch and its CUDA libraries."""
+    [entry] = parse((LOCKS / "torch-cpu.lock").read_text())[1].values()
+    assert entry.name == "torch" and entry.version == lock("runtime")["torch"].version + "+cpu"
+    assert len(hashes(entry)) == 1
+    for name in SETS:
+        kept = set(parse(part(LOCKS / f"{name}.lock", "without-cuda"))[1])
+        dropped = set(lock(name)) - kept
+        assert "torch" in dropped and {"sympy", "networkx", "filelock"} <= kept
+        assert dropped and all(n == "torch" or n.startswith(("nvidia-", "cuda-")) for n in dropped)
