@@ -19,6 +19,7 @@ image and the development machines run; `target` says whether this interpreter i
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import re
@@ -169,22 +170,36 @@ def compile_locks() -> None:
         lock.write_text(text)
 
 
+PARTS = ("installer", "torch", "without-torch", "without-cuda")
+
+
 def main(argv: list[str]) -> int:
-    match argv:
-        case ["compile"]:
-            compile_locks()
-        case ["target"]:
-            return 0 if is_target() else 1
-        case ["pin", lock, name]:
-            entry = read(Path(lock)).get(normalize(name))
-            if entry is None:
-                raise SystemExit(f"{lock} does not pin {name}")
-            print(entry.version)
-        case ["part", lock, which]:
-            sys.stdout.write(part(Path(lock), which))
-        case _:
-            print(__doc__, file=sys.stderr)
-            return 2
+    parser = argparse.ArgumentParser(
+        prog="python scripts/lock.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("compile", help="regenerate every lock (needs uv)")
+    commands.add_parser("target", help="exit 0 when this Python is the locks' target")
+    pin = commands.add_parser("pin", help="the version LOCK pins NAME to")
+    pin.add_argument("lock", type=Path)
+    pin.add_argument("name")
+    piece = commands.add_parser("part", help="print a lock of part of LOCK, hashes kept")
+    piece.add_argument("lock", type=Path)
+    piece.add_argument("which", choices=PARTS, metavar="PART")
+    args = parser.parse_args(argv)
+    if args.command == "compile":
+        compile_locks()
+    elif args.command == "target":
+        return 0 if is_target() else 1
+    elif args.command == "pin":
+        entry = read(args.lock).get(normalize(args.name))
+        if entry is None:
+            raise SystemExit(f"{args.lock} does not pin {args.name}")
+        print(entry.version)
+    else:
+        sys.stdout.write(part(args.lock, args.which))
     return 0
 
 
