@@ -4,7 +4,7 @@
 # the GPU when the runtime exposes one and falls back to the CPU otherwise.
 #
 #   docker build -t tandem:0.1.0 .                  # the tag: pyproject.toml's version
-#   docker run -p 127.0.0.1:8000:8000 tandem:0.1.0  # the default model and its draft
+#   docker run -p 127.0.0.1:8000:8000 tandem:0.1.0  # the default model, prompt-lookup drafts
 #   docker run -p 127.0.0.1:8000:8000 --gpus all tandem:0.1.0 --max-draft-tokens 6
 #   docker run -p 127.0.0.1:8000:8000 -v /srv/models:/models:ro \
 #     -e TANDEM_MODEL=/models/target -e TANDEM_DRAFT_MODEL=/models/draft tandem:0.1.0

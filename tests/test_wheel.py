@@ -125,7 +125,15 @@ def test_installed_wheel_serves_the_default_model_outside_the_checkout(built, tm
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [env_dir / "bin" / "tandem", "serve", "--port", str(port)],
+            # The trained draft, so the preset's packaged `models/draft` is loaded too.
+            [
+                env_dir / "bin" / "tandem",
+                "serve",
+                "--port",
+                str(port),
+                "--speculative-method",
+                "draft",
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
