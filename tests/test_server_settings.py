@@ -54,7 +54,7 @@ def test_config_paths_resolve_against_the_repo_and_package_paths_stay(tmp_path, 
     assert settings.model_path == str(tmp_path / "models" / "target")
     assert settings.engine.spec.draft_model == str(tmp_path / "models" / "draft")
     assert settings.served_model_name == "models/target"  # as written
-    assert settings.engine.spec.method == "draft" and settings.engine.spec.max_draft_tokens == 4
+    assert settings.engine.spec.method == "ngram" and settings.engine.spec.max_draft_tokens == 4
     assert settings.engine.cache.block_size == 16
 
 
