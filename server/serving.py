@@ -14,12 +14,16 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import TYPE_CHECKING
 
 from engine import RequestOutput, SamplingParams, TokenLogprob
 from server.detokenizer import IncrementalDetokenizer, Piece, StopStringFilter
 from server.errors import APIError
 from server.responses import DraftCounts, PromptTokensDetails, SpeculativeUsage, Usage
 from server.state import ServerState
+
+if TYPE_CHECKING:
+    from engine import EngineClient
 
 Outputs = AsyncIterator[RequestOutput]
 """An engine request's output stream (EngineClient.generate)."""
@@ -118,15 +122,19 @@ def submit_all(state: ServerState, choices: Sequence[ChoiceRequest]) -> list[Out
 
 
 async def generate_choice(
-    state: ServerState, choice: ChoiceRequest, arrival: float, outputs: Outputs
+    state: ServerState,
+    engine: EngineClient,
+    choice: ChoiceRequest,
+    arrival: float,
+    outputs: Outputs,
 ) -> AsyncIterator[ChoiceDelta]:
     """Yield a first delta as soon as the engine answers, then one per release of text.
 
-    `outputs`: the engine's stream for the choice (submit_all). Raises APIError for a
-    request the engine failed (500) or one that outlived --request-timeout (504). Leaving
-    early (client gone, task cancelled) aborts the engine request.
+    `outputs`: `engine`'s stream for the choice (submit_all): from then on an engine that
+    fails fails the request (500), however soon. Raises APIError for that, or for one that
+    outlived --request-timeout (504). Leaving early (client gone, task cancelled) aborts the
+    engine request.
     """
-    engine = state.ready_engine()
     loop = asyncio.get_running_loop()
     timeout = state.settings.server.request_timeout
     # At the deadline the engine aborts the request (freeing its blocks) wherever it is; the

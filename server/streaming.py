@@ -172,7 +172,10 @@ async def respond(
     engine = state.ready_engine()
     streams = submit_all(state, choices)  # all or none, before anything is sent
     deltas = merge(
-        [generate_choice(state, c, arrival, s) for c, s in zip(choices, streams, strict=True)]
+        [
+            generate_choice(state, engine, c, arrival, s)
+            for c, s in zip(choices, streams, strict=True)
+        ]
     )
 
     def abort_all() -> None:
