@@ -16,10 +16,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,6 +74,12 @@ def nginx_binary() -> str | None:
         (path for path in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(path, os.X_OK)),
         None,
     )
+
+
+NEEDS_NGINX = pytest.mark.skipif(
+    nginx_binary() is None,
+    reason="needs the nginx binary (Debian package `nginx`; .ci/run installs it)",
+)
 
 
 def render_nginx_conf(upstreams: Sequence[str], listen: str) -> str:
@@ -259,3 +267,22 @@ def stream_events(client: httpx.Client, url: str, body: dict) -> Iterator[tuple[
         for line in response.iter_lines():
             if line.startswith("data:"):
                 yield time.monotonic(), line.removeprefix("data:").strip()
+
+
+@contextmanager
+def behind_nginx(tiny_dirs: dict, root: Path, **replica: object) -> Iterator[tuple[list, Balancer]]:
+    """Two `start_replica(..., **replica)` replicas behind the real nginx with
+    docker/nginx.conf: (replicas, balancer) once all are up; everything stopped after."""
+    replicas = [start_replica(tiny_dirs, root / f"replica{i}.log", **replica) for i in (0, 1)]
+    balancer = None
+    try:
+        wait_healthy(replicas)
+        binary = nginx_binary()
+        assert binary is not None
+        balancer = start_nginx(binary, root / "nginx", [r.address for r in replicas])
+        yield replicas, balancer
+    finally:
+        for each in replicas:
+            stop(each.proc)
+        if balancer is not None:
+            stop(balancer.proc)

@@ -15,21 +15,15 @@ import pytest
 
 from tests.deploy_helpers import (
     MODEL,
+    NEEDS_NGINX,
     Balancer,
     Replica,
-    nginx_binary,
-    start_nginx,
-    start_replica,
-    stop,
+    behind_nginx,
     stream_events,
-    wait_healthy,
 )
 from tests.test_deploy_nginx import check_completion
 
-pytestmark = pytest.mark.skipif(
-    nginx_binary() is None,
-    reason="needs the nginx binary (Debian package `nginx`; .ci/run installs it)",
-)
+pytestmark = NEEDS_NGINX
 STREAMS = 6  # through nginx, least_conn: both replicas get some
 STREAM_TOKENS = 240  # with the prompt, just under the replicas' --max-model-len 256
 AFTER = 8  # requests sent after the kill
@@ -37,20 +31,8 @@ AFTER = 8  # requests sent after the kill
 
 @pytest.fixture(scope="module")
 def deployment(tiny_dirs, tmp_path_factory) -> Iterator[tuple[list[Replica], Balancer]]:
-    root = tmp_path_factory.mktemp("faults")
-    replicas = [start_replica(tiny_dirs, root / f"replica{i}.log", drain_timeout=5) for i in (0, 1)]
-    balancer = None
-    try:
-        wait_healthy(replicas)
-        binary = nginx_binary()
-        assert binary is not None
-        balancer = start_nginx(binary, root / "nginx", [r.address for r in replicas])
-        yield replicas, balancer
-    finally:
-        for replica in replicas:
-            stop(replica.proc)
-        if balancer is not None:
-            stop(balancer.proc)
+    with behind_nginx(tiny_dirs, tmp_path_factory.mktemp("faults"), drain_timeout=5) as both:
+        yield both
 
 
 def _stream(url: str, outcome: list, started: threading.Event) -> None:

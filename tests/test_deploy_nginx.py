@@ -20,21 +20,15 @@ import pytest
 
 from tests.deploy_helpers import (
     MODEL,
+    NEEDS_NGINX,
     Balancer,
     Replica,
+    behind_nginx,
     finished_requests,
-    nginx_binary,
-    start_nginx,
-    start_replica,
-    stop,
     stream_events,
-    wait_healthy,
 )
 
-pytestmark = pytest.mark.skipif(
-    nginx_binary() is None,
-    reason="needs the nginx binary (Debian package `nginx`; .ci/run installs it)",
-)
+pytestmark = NEEDS_NGINX
 PROMPT = "def add(a, b):"
 DRAIN_TIMEOUT = 10.0
 LOAD_CLIENTS = 4
@@ -57,24 +51,11 @@ def deployment(tiny_dirs, tmp_path_factory) -> Iterator[Deployment]:
     root = tmp_path_factory.mktemp("deploy")
     key_file = root / "api-key"
     key_file.write_text(API_KEY + "\n")  # as `... > docker/api-key` writes it
-    replicas = [
-        start_replica(
-            tiny_dirs, root / f"replica{i}.log", drain_timeout=DRAIN_TIMEOUT, api_key_file=key_file
-        )
-        for i in range(2)
-    ]
-    balancer = None
-    try:
-        wait_healthy(replicas)
-        binary = nginx_binary()
-        assert binary is not None
-        balancer = start_nginx(binary, root / "nginx", [r.address for r in replicas])
+    with behind_nginx(tiny_dirs, root, drain_timeout=DRAIN_TIMEOUT, api_key_file=key_file) as (
+        replicas,
+        balancer,
+    ):
         yield Deployment(replicas, balancer)
-    finally:
-        for replica in replicas:
-            stop(replica.proc)
-        if balancer is not None:
-            stop(balancer.proc)
 
 
 def _body(max_tokens: int) -> dict:
