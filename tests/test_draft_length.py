@@ -67,6 +67,37 @@ def test_a_lookup_is_priced_by_its_match_length_and_may_outrun_k_max():
     assert policy.lookup_length(good, 4, 8, 16, batch=1) == 16
 
 
+def test_a_sampled_requests_own_lookups_reprice_its_next_ones():
+    """Lookups that one sampled request keeps (copied text) and another refuses (free chat)
+    are priced per request: at the same match length, alone, the first verifies a longer chain
+    and the second a shorter one (then none), where a fresh request goes by the engine-wide
+    rate."""
+    seconds = [0.010 + 0.001 * (n - 1) for n in SIZES]
+    policy = AdaptiveDraftLength(4, CostModel(SIZES, seconds, 0.001, 0.00002))
+    copying, chatting, fresh = _requests(3, accepted=0, trials=0, temperature=0.7)
+    for _ in range(50):
+        policy.observe_lookup(2, 4, 2)  # two-token matches: about half kept, engine-wide
+    assert policy.lookup_length(fresh, 0, 2, 16, batch=1) > 0
+    for _ in range(10):
+        policy.observe_lookup(2, 4, 4, copying)
+        policy.observe_lookup(2, 4, 0, chatting)
+    assert policy.estimates.lookup_factor(copying) > 1 > policy.estimates.lookup_factor(chatting)
+    assert policy.lookup_length(copying, 0, 2, 16, batch=1) > policy.lookup_length(
+        fresh, 0, 2, 16, batch=1
+    )
+    assert policy.lookup_length(chatting, 0, 2, 16, batch=1) < policy.lookup_length(
+        fresh, 0, 2, 16, batch=1
+    )
+    for _ in range(20):
+        policy.observe_lookup(2, 2, 0, chatting)
+    assert policy.lookup_length(chatting, 0, 2, 16, batch=1) == 0
+    assert policy.estimates.lookup_factor(fresh) == 1.0
+    greedy = _requests(1, accepted=0, trials=0, temperature=0)[0]  # priced by the table alone
+    for _ in range(20):
+        policy.observe_lookup(2, 2, 0, greedy)
+    assert policy.estimates.lookup_factor(greedy) == 1.0
+
+
 def test_a_decision_is_reused_only_while_its_inputs_round_alike(monkeypatch):
     policy = AdaptiveDraftLength(4, memory_then_compute_bound(), max_branches=3, reuse_steps=1)
     decisions = []

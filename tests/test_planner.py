@@ -33,7 +33,7 @@ class RecordingPolicy:
     def lookup_length(self, request: Request, k: int, match: int, found: int, batch: int) -> int:
         return min(k, found)
 
-    def observe_lookup(self, match: int, num_drafted: int, num_accepted: int) -> None:
+    def observe_lookup(self, match: int, num_drafted: int, num_accepted: int, request=None) -> None:
         self.lookups.append((match, num_drafted, num_accepted))
 
 

@@ -42,7 +42,7 @@ class PerRequestK:
     def lookup_length(self, request: Request, k: int, match: int, found: int, batch: int) -> int:
         return min(k, found)
 
-    def observe_lookup(self, match: int, num_drafted: int, num_accepted: int) -> None:
+    def observe_lookup(self, match: int, num_drafted: int, num_accepted: int, request=None) -> None:
         pass
 
 

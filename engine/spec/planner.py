@@ -118,7 +118,7 @@ class SpecPlanner:
                 continue
             drafted, accepted = result.num_drafted, result.num_accepted
             if item.looked_up:
-                self.policy.observe_lookup(item.lookup_match, drafted, accepted)
+                self.policy.observe_lookup(item.lookup_match, drafted, accepted, req)
             if item.looked_up and self.keeps_draft_kv:  # says nothing of the draft model's
                 counters.lookup_drafted += drafted
                 counters.lookup_accepted += accepted

@@ -3,6 +3,8 @@ each request's estimate, depth and tree-root corrections, prompt lookups by matc
 
 from __future__ import annotations
 
+from weakref import WeakKeyDictionary
+
 import numpy as np
 
 from engine.types.request import Request
@@ -12,6 +14,10 @@ ACCEPTANCE_DECAY = 0.995
 
 PRIOR_DECAY, REQUEST_WEIGHT = 0.999, 32
 """The engine-wide prior's decay and its weight in trials in a request's estimate."""
+
+LOOKUP_REQUEST_DECAY, LOOKUP_REQUEST_WEIGHT = 0.95, 2.0
+"""Per lookup, the weight left to a request's earlier ones; and the drafts its expected kept
+count starts at (the engine-wide estimate's weight in the request's factor)."""
 
 
 class AcceptanceEstimates:
@@ -38,6 +44,8 @@ class AcceptanceEstimates:
         self._depth_cache: tuple[list[float], tuple] | None = None
         self._lookup = [prior * prior_weight, float(prior_weight)]  # kept, trials: all lookups
         self._lookup_by_match: dict[int, list[float]] = {}  # the same per match length
+        # Per request: its lookups' kept drafts and what the by-match estimate expected.
+        self._lookup_by_request: WeakKeyDictionary[Request, list[float]] = WeakKeyDictionary()
 
     @property
     def global_acceptance(self) -> float:
@@ -52,6 +60,22 @@ class AcceptanceEstimates:
             return pooled
         w = self.prior_weight
         return min((counts[0] + w * pooled) / (counts[1] + w), 0.99)
+
+    def lookup_gains(self, request: Request, match: int, found: int) -> list[float]:
+        """Per depth d of `found` looked-up drafts, the chance the d-th is kept: a^d at the
+        match length's rate, for a sampled request times its own kept over expected so far.
+        A sampled request keeps a looked-up token x with probability p(x), so how peaked the
+        target is on its text (a copied summary, a free chat answer) decides, and that is the
+        request's own; a greedy request's copy goes on or not by its match (the table), and
+        its earlier lookups said little of its later ones (the factor cost greedy runs)."""
+        a, factor = self.lookup_acceptance(match), self.lookup_factor(request)
+        return [min(a**d * factor, 0.99) for d in range(1, found + 1)]
+
+    def lookup_factor(self, request: Request) -> float:
+        """A sampled request's lookups kept over expected (LOOKUP_REQUEST_WEIGHT as a prior);
+        1 for a greedy one."""
+        kept, expected = self._lookup_by_request.get(request, (0.0, 0.0))
+        return (kept + LOOKUP_REQUEST_WEIGHT) / (expected + LOOKUP_REQUEST_WEIGHT)
 
     def acceptance(self, req: Request) -> float:
         """The engine-wide rate (a prior of `request_weight` trials) updated by the request's."""
@@ -124,7 +148,15 @@ class AcceptanceEstimates:
         self._accepted = PRIOR_DECAY * self._accepted + num_accepted
         self._trials = PRIOR_DECAY * self._trials + num_accepted + (num_accepted < num_drafted)
 
-    def observe_lookup(self, match: int, num_drafted: int, num_accepted: int) -> None:
+    def observe_lookup(
+        self, match: int, num_drafted: int, num_accepted: int, request: Request | None = None
+    ) -> None:
+        if request is not None and not request.params.greedy:
+            a = self.lookup_acceptance(match)
+            expected = sum(min(a**d, 0.99) for d in range(1, num_drafted + 1))
+            counts = self._lookup_by_request.setdefault(request, [0.0, 0.0])
+            counts[0] = LOOKUP_REQUEST_DECAY * counts[0] + num_accepted
+            counts[1] = LOOKUP_REQUEST_DECAY * counts[1] + expected
         trials = num_accepted + (num_accepted < num_drafted)
         for counts in (self._lookup, self._lookup_by_match.setdefault(match, [0.0, 0.0])):
             counts[0] = ACCEPTANCE_DECAY * counts[0] + num_accepted

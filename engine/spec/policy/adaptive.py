@@ -53,15 +53,17 @@ class AdaptiveDraftLength:
     ) -> None:
         self.estimates.observe(request, num_drafted, num_accepted, branches)
 
-    def observe_lookup(self, match: int, num_drafted: int, num_accepted: int) -> None:
-        self.estimates.observe_lookup(match, num_drafted, num_accepted)
+    def observe_lookup(
+        self, match: int, num_drafted: int, num_accepted: int, request: Request | None = None
+    ) -> None:
+        self.estimates.observe_lookup(match, num_drafted, num_accepted, request)
 
     def lookup_length(self, request: Request, k: int, match: int, found: int, batch: int) -> int:
-        """Alone: the best chain at `match`'s acceptance unless the draft's K wins; else K."""
+        """Alone: the best chain at `match`'s acceptance (and the request's own record) unless
+        the draft's K wins; else K."""
         if batch > 1:
             return min(k, found)
-        a = self.estimates.lookup_acceptance(match)
-        gains = [min(a**d, 0.99) for d in range(1, found + 1)]
+        gains = self.estimates.lookup_gains(request, match, found)
         over = (self.cost.step_overhead(1), self.cost.step_overhead(1, drafting=True))
         context = float(request.num_tokens)
         rates = self.cost.chain_rates(gains, context, 1, found, 0.0, over, free_drafts=True)

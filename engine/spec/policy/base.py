@@ -42,7 +42,11 @@ class DraftLengthPolicy(Protocol):
         `request` verifies instead of its K."""
         ...
 
-    def observe_lookup(self, match: int, num_drafted: int, num_accepted: int) -> None: ...
+    def observe_lookup(
+        self, match: int, num_drafted: int, num_accepted: int, request: Request | None = None
+    ) -> None:
+        """A verified lookup of `request`, whose context matched `match` tokens."""
+        ...
 
 
 class FixedDraftLength:
@@ -64,7 +68,9 @@ class FixedDraftLength:
     def lookup_length(self, request: Request, k: int, match: int, found: int, batch: int) -> int:
         return min(k, found)
 
-    def observe_lookup(self, match: int, num_drafted: int, num_accepted: int) -> None:
+    def observe_lookup(
+        self, match: int, num_drafted: int, num_accepted: int, request: Request | None = None
+    ) -> None:
         pass
 
 
