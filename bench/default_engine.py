@@ -162,7 +162,7 @@ def speed(
     share = s.draft_seconds / max(s.step_seconds, 1e-9)
     per_pass = (s.spec_accepted_tokens + s.spec_verify_passes) / max(s.spec_verify_passes, 1)
     lookup = spec.ngram_assist > 0
-    label = f"{name} {verification}" if name != "off" else name
+    label = f"{name} {verification}" if name != "off" else name + " seeded" * seeded
     label += f" x {activations}" if activations != "auto" else ""
     if name != "off" and spec.draft_branches != 1:
         label += f" x{spec.draft_branches or 'auto'}"
@@ -378,8 +378,9 @@ def main(argv: list[str] | None = None) -> None:
             )  # fmt: skip
         else:
             for name in args.configs:
-                # speculation off: one run, nothing of the draft's to vary
-                each = [["block"], [None]] if name == "off" else [args.verification, args.branches]
+                # speculation off: one run (seeded requests if any run has them: the same text)
+                seeded = ["seeded" if "seeded" in args.verification else "block"]
+                each = [seeded, [None]] if name == "off" else [args.verification, args.branches]
                 for verification, branches in itertools.product(*each):
                     speed(
                         name, args.requests, args.concurrency, args.max_tokens, args.model,

@@ -63,17 +63,14 @@ class AcceptanceEstimates:
 
     def lookup_gains(self, request: Request, match: int, found: int) -> list[float]:
         """Per depth d of `found` looked-up drafts, the chance the d-th is kept: a^d at the
-        match length's rate, for a sampled request times its own kept over expected so far.
-        A sampled request keeps a looked-up token x with probability p(x), so how peaked the
-        target is on its text (a copied summary, a free chat answer) decides, and that is the
-        request's own; a greedy request's copy goes on or not by its match (the table), and
-        its earlier lookups said little of its later ones (the factor cost greedy runs)."""
+        match length's rate, times `lookup_factor`: a sampled request keeps a looked-up x with
+        probability p(x), so how peaked the target is on its own text decides."""
         a, factor = self.lookup_acceptance(match), self.lookup_factor(request)
         return [min(a**d * factor, 0.99) for d in range(1, found + 1)]
 
     def lookup_factor(self, request: Request) -> float:
         """A sampled request's lookups kept over expected (LOOKUP_REQUEST_WEIGHT as a prior);
-        1 for a greedy one."""
+        1 for a greedy one, whose earlier lookups said little of its later ones."""
         kept, expected = self._lookup_by_request.get(request, (0.0, 0.0))
         return (kept + LOOKUP_REQUEST_WEIGHT) / (expected + LOOKUP_REQUEST_WEIGHT)
 
