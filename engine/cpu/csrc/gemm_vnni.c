@@ -130,14 +130,14 @@ INLINE void vnni_tile(const int q8, const int parts, const int np, const int row
                       const float *xsum,
                       int64_t nb, const uint8_t *panel, int64_t pstride, const float *bias,
                       const float *res, float *y, int64_t N, int cols) {
-  __m512 total[4][4];
+  __m512 total[4][6];
   for (int p = 0; p < np; p++)
     for (int r = 0; r < rows; r++) total[p][r] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(-128);
   const int64_t bytes = q8 ? Q8_BYTES : Q4_BYTES, head = q8 ? 2 * VPANEL : 4 * VPANEL;
   for (int64_t b = 0; b < nb; b++) {
     prefetch_panels(panel, np, pstride, bytes, b, nb, VAHEAD); /* vec.h says what */
-    __m512i acc[4][4][3];
+    __m512i acc[4][6][3];
     for (int p = 0; p < np; p++)
       for (int r = 0; r < rows; r++)
         for (int j = 0; j < parts; j++) acc[p][r][j] = _mm512_setzero_si512();
@@ -212,8 +212,9 @@ INLINE void vnni_group(const int q8, const int parts, const int np, const int32_
                        const float *xsum, const uint8_t *panel, int64_t panel_bytes,
                        const float *bias, const float *residual, float *y, int64_t M, int64_t N,
                        int64_t nb, int cols) {
-  /* Rows a tile: up to 4, or for int8 up to 3, as even as can be (4 rows: 2 + 2). */
-  const int64_t most = parts == 1 ? 3 : 4, tiles = (M + most - 1) / most;
+  /* Rows a tile: up to 4, or for int8 up to 6 (4 to 6 rows on 2 panels: each panel's quants,
+   * unpacked once, feed more rows), as even as can be (7 rows: 4 + 3). */
+  const int64_t most = parts == 1 ? 6 : 4, tiles = (M + most - 1) / most;
   for (int64_t r = 0, t = 0; r < M; r += M / tiles + (t < M % tiles), t++) {
     const int rows = (int)(M / tiles + (t < M % tiles)), tp = vnni_panels(parts, rows);
     const int32_t *xr = xp + r * nb * VPREP;
@@ -230,7 +231,9 @@ INLINE void vnni_group(const int q8, const int parts, const int np, const int32_
           case 1: VTILE(1, 1); break;
           case 2: VTILE(1, 2); break;
           case 3: VTILE(1, 3); break;
-          default: VTILE(1, 4); break;
+          case 4: VTILE(1, 4); break;
+          case 5: VTILE(1, 5); break;
+          default: VTILE(1, 6); break;
         }
       } else if (parts != 1) { /* tp > 1: 1 row on 4 panels or 2 rows on 2 */
         if (rows == 1) VTILE(4, 1);
@@ -240,7 +243,9 @@ INLINE void vnni_group(const int q8, const int parts, const int np, const int32_
           case 1: VTILE(4, 1); break;
           case 2: VTILE(4, 2); break;
           case 3: VTILE(4, 3); break;
-          default: VTILE(2, 4); break;
+          case 4: VTILE(2, 4); break;
+          case 5: VTILE(2, 5); break;
+          default: VTILE(2, 6); break;
         }
       }
 #undef VTILE
