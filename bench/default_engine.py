@@ -17,7 +17,7 @@ concurrency 1 the decode steps by K. Each config runs once per value of each lis
 (--verification seeded: each request brings a seed). `--workload families`: request i of
 family i % 6, with per-family decode and end-to-end rates (end-to-end from adding the request).
 `passes`: the best time of a target pass of --concurrency requests feeding --rows tokens after
---context cached ones, per --cpu-activations mode, the modes alternating pass by pass.
+--context cached ones, per --cpu-activations and --cpu-attention mode, alternating pass by pass.
 `run_closed_loop`: the closed-loop driver of bench/gpu_bench.py's Tandem rows (greedy, EOS
 ignored).
 """
@@ -40,6 +40,7 @@ from bench.hf_generate import sync
 from bench.prompts import chat_messages, family_cycle, family_rates, rates_lines
 from engine import (
     CPU_ACTIVATIONS,
+    CPU_ATTENTION,
     QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
@@ -50,6 +51,7 @@ from engine import (
     SchedulerConfig,
     SpecConfig,
 )
+from engine.cpu.kernels import PAIRS
 from engine.model.files import prepare
 from engine.model.inputs import SeqInput
 from engine.spec.proposers.eagle import is_feature_draft
@@ -68,15 +70,13 @@ CONFIGS = {
 }  # fmt: skip
 
 
-def engine(
-    spec: SpecConfig, model: str = TARGET, quantization: str = "none", activations: str = "auto"
-) -> LLMEngine:
+def engine(spec: SpecConfig, model: str = TARGET, quantization: str = "none",
+           activations: str = "auto", attention: str = "auto") -> LLMEngine:  # fmt: skip
     cache = CacheConfig(block_size=16, memory_gb=1.0, gpu_memory_utilization=0.3)
+    numbers = {"cpu_activations": activations, "cpu_attention": attention}
     return LLMEngine(
         EngineConfig(
-            model=ModelConfig(
-                model=prepare(model), quantization=quantization, cpu_activations=activations
-            ),
+            model=ModelConfig(model=prepare(model), quantization=quantization, **numbers),
             cache=cache,
             scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512),
             spec=spec,
@@ -87,29 +87,37 @@ def engine(
 def passes(
     model: str, quantization: str, requests: int = 1, context: int = 150, repeats: int = 30,
     rows: tuple[int, ...] = (1, 2, 3, 4, 5), activations: tuple[str, ...] = ("auto",),
+    attention: tuple[str, ...] = ("auto",),
 ) -> None:  # fmt: skip
     """Best-of-`repeats` time of one target pass in which each of `requests` requests feeds
-    `rows` tokens after `context` cached ones, for each --cpu-activations mode: the timed
-    passes alternate between the modes pass by pass (the machine's speed drifts over seconds:
-    one pass each, in turn, sees the same drift)."""
-    runner = engine(CONFIGS["off"], model, quantization).runner
-    activations = tuple(runner.cpu_activations if m == "auto" else m for m in activations)
+    `rows` tokens after `context` cached ones, for each --cpu-activations and --cpu-attention
+    mode: the timed passes alternate between the modes pass by pass (the machine's speed drifts
+    over seconds: one pass each, in turn, sees the same drift)."""
+    runners = {
+        a: engine(CONFIGS["off"], model, quantization, attention=a).runner for a in attention
+    }
+    first = next(iter(runners.values()))
+    activations = tuple(first.cpu_activations if m == "auto" else m for m in activations)
     per_request = -(-(context + max(rows)) // 16)
     tables = [list(range(i * per_request, (i + 1) * per_request)) for i in range(requests)]
-    runner.allocate_kv(requests * per_request, 16)
-    best = {mode: {q: float("inf") for q in rows} for mode in activations}
+    for runner in runners.values():
+        runner.allocate_kv(requests * per_request, 16)
+    modes = list(itertools.product(runners, activations))
+    best = {mode: {q: float("inf") for q in rows} for mode in modes}
     for q in rows:
         tokens = list(range(100, 100 + q))
         seqs = [SeqInput(tokens, context, table, list(range(q))) for table in tables]
-        for _, mode in itertools.product(range(repeats + 3), activations):
-            runner.cpu_activations = mode
+        for _, (att, act) in itertools.product(range(repeats + 3), modes):
+            runner = runners[att]
+            runner.cpu_activations = act
             sync(runner.device)  # a GPU pass is done when the device says so
             start = time.perf_counter()
             runner.forward(seqs)
             sync(runner.device)
-            best[mode][q] = min(best[mode][q], time.perf_counter() - start)
-    for mode, times in best.items():
-        label = f"{requests} request(s) x tokens over {context}, x {mode}"
+            best[att, act][q] = min(best[att, act][q], time.perf_counter() - start)
+    for (att, act), times in best.items():
+        cache = {PAIRS: "bfloat16 pairs"}.get(runners[att].kv_dtype, runners[att].kv_dtype)
+        label = f"{requests} request(s) x tokens over {context}, x {act}, attention {att} ({cache})"
         cells = ", ".join(f"{q}: {t * 1e3:.2f}" for q, t in times.items())
         print(f"target pass ms, {label}: {cells}", flush=True)
 
@@ -126,6 +134,7 @@ def speed(
     name: str, requests: int, concurrency: int, max_tokens: int, model: str, quantization: str,
     temperature: float = 0.0, verification: str = "block", branches: int | None = 1,
     tree_drafts: str = "top", draft: str = DRAFT, workload: str = "chat", activations: str = "auto",
+    attention: str = "auto",
 ) -> None:  # fmt: skip
     seeded = verification == "seeded"
     spec = replace(CONFIGS[name], verification="block" if seeded else verification)
@@ -134,7 +143,7 @@ def speed(
     if spec.method == "draft":
         chains = branches is None and is_feature_draft(draft)  # a feature draft drafts chains
         spec = replace(spec, draft_model=draft, draft_branches=1 if chains else branches)
-    eng = engine(spec, model, quantization, activations)
+    eng = engine(spec, model, quantization, activations, attention)
     # Warm-up requests (other prompts, same concurrency) first: they capture the CUDA graphs
     # of the shapes the run will use, which a long-running server has done long before.
     warm = max(concurrency, 4)
@@ -155,15 +164,14 @@ def speed(
         eng, list(enumerate(prompts[:requests])), concurrency, params, steps, times
     )
     s = _since(eng.stats(), before)
-    accepted = " / ".join(
-        f"{a} of {d}"
-        for a, d in zip(s.spec_accepted_by_position, s.spec_drafted_by_position, strict=True)
-    )
+    by_position = zip(s.spec_accepted_by_position, s.spec_drafted_by_position, strict=True)
+    accepted = " / ".join(f"{a} of {d}" for a, d in by_position)
     share = s.draft_seconds / max(s.step_seconds, 1e-9)
     per_pass = (s.spec_accepted_tokens + s.spec_verify_passes) / max(s.spec_verify_passes, 1)
     lookup = spec.ngram_assist > 0
     label = f"{name} {verification}" if name != "off" else name + " seeded" * seeded
     label += f" x {activations}" if activations != "auto" else ""
+    label += f" attention {attention}" if attention != "auto" else ""
     if name != "off" and spec.draft_branches != 1:
         label += f" x{spec.draft_branches or 'auto'}"
         label += " sampled" if tree_drafts == "sampled" else ""
@@ -186,13 +194,10 @@ def speed(
 
 
 def _closed_loop(
-    eng: LLMEngine,
-    prompts: list[tuple[int, list[int]]],
-    concurrency: int,
-    params: Callable[[int], SamplingParams],
-    steps: dict[int, list[tuple[float, int]]] | None = None,
+    eng: LLMEngine, prompts: list[tuple[int, list[int]]], concurrency: int,
+    params: Callable[[int], SamplingParams], steps: dict[int, list[tuple[float, int]]] | None = None,
     times: dict[int, list] | None = None,
-) -> tuple[int, float]:
+) -> tuple[int, float]:  # fmt: skip
     """Run `prompts` (index, tokens) with `concurrency` in flight; output tokens, seconds.
     With `steps`, every step that computed no prompt token is added to it as (seconds, tokens
     out) under its mean K, rounded. With `times`, each request's [added, first token, last
@@ -229,13 +234,12 @@ def _by_k(steps: dict[int, list[tuple[float, int]]]) -> str:
     parts = []
     for k, rows in sorted(steps.items()):
         secs, toks = sum(t for t, _ in rows), sum(n for _, n in rows)
-        parts.append(
-            f"K={k}: {len(rows)} x {1e3 * secs / len(rows):.2f} ms, "
-            f"{toks / len(rows):.2f} tokens, {1e3 * secs / max(toks, 1):.2f} ms/token"
-        )
+        parts.append(f"K={k}: {len(rows)} x {1e3 * secs / len(rows):.2f} ms, "
+                     f"{toks / len(rows):.2f} tokens, {1e3 * secs / max(toks, 1):.2f} ms/token")  # fmt: skip
     return "; ".join(parts) or "-"
 
 
+VERIFICATIONS = ["block", "token", "seeded"]  # seeded: block, each request with a seed
 SINCE = ("spec_accepted_by_position", "spec_drafted_by_position", "spec_accepted_tokens",
          "spec_verify_passes", "spec_tree_steps", "spec_lookup_drafted", "spec_lookup_accepted",
          "draft_seconds", "step_seconds")  # fmt: skip
@@ -351,30 +355,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument(
-        "--verification", nargs="+", default=["block"], choices=["block", "token", "seeded"]
-    )
-    p.add_argument(
-        "--branches",
-        type=lambda v: None if v == "auto" else int(v),
-        nargs="+",
-        default=[1],
-        help="--draft-branches values to run: N or auto (default 1, as configs/default.yaml)",
-    )
+    p.add_argument("--verification", nargs="+", default=["block"], choices=VERIFICATIONS)
+    p.add_argument("--branches", type=lambda v: None if v == "auto" else int(v), nargs="+",
+                   default=[1], help="--draft-branches values to run: N or auto (default 1)")  # fmt: skip
     p.add_argument("--tree-drafts", default="top", choices=["top", "sampled"])
     p.add_argument("--draft", default=DRAFT, help="the draft directory of the draft configs")
     p.add_argument("--context", type=int, default=150, help="passes: keys cached per request")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="passes: tokens")
-    p.add_argument(
-        "--cpu-activations", nargs="+", default=["auto"], choices=CPU_ACTIVATIONS,
-        help="passes: alternate these modes; speed: the first",
-    )  # fmt: skip
+    for flag, modes in (("--cpu-activations", CPU_ACTIVATIONS), ("--cpu-attention", CPU_ATTENTION)):
+        p.add_argument(flag, nargs="+", default=["auto"], choices=modes,
+                       help="passes: alternate these modes; speed: the first")  # fmt: skip
     args = p.parse_args(argv)
     with torch.inference_mode():
         if args.mode == "passes":
             passes(
                 args.model, args.quantization, args.concurrency, args.context,
-                rows=args.rows, activations=args.cpu_activations,
+                rows=args.rows, activations=args.cpu_activations, attention=args.cpu_attention,
             )  # fmt: skip
         else:
             for name in args.configs:
@@ -386,6 +382,7 @@ def main(argv: list[str] | None = None) -> None:
                         name, args.requests, args.concurrency, args.max_tokens, args.model,
                         args.quantization, args.temperature, verification, branches,
                         args.tree_drafts, args.draft, args.workload, args.cpu_activations[0],
+                        args.cpu_attention[0],
                     )  # fmt: skip
 
 

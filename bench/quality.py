@@ -1,6 +1,7 @@
-"""What a change of the served model's numbers (`--cpu-activations`) costs in quality:
-`python -m bench.quality --modes float32 int8` serves each mode in turn (`tandem serve`,
-speculation off, on 127.0.0.1) and measures
+"""What a change of the served model's numbers (`--cpu-activations`, `--cpu-attention`) costs
+in quality: `python -m bench.quality --modes float32 int8 int8+bfloat16` serves each mode in
+turn (`tandem serve`, speculation off, on 127.0.0.1; a mode is ACTIVATIONS[+ATTENTION], the
+attention float32 unless named) and measures
 - agreement: greedy answers (--max-tokens) to 48 held-out chat instructions (past the chat
   workload's): the share identical to the first mode's, and of tokens before a difference;
 - cloze: bench/cloze_items.json (scripts/cloze_items.py: 600 docstring sentences, the last
@@ -73,7 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     answers, picks = {}, {}
     for mode in args.modes:
         flags = ["--served-model-name", MODEL, "--speculative-method", "off"]
-        server, _ = tandem_serve([*flags, "--cpu-activations", mode], args.logs / f"{mode}.log")
+        activations, _, attention = mode.partition("+")
+        numbers = ["--cpu-activations", activations, "--cpu-attention", attention or "float32"]
+        server, _ = tandem_serve([*flags, *numbers], args.logs / f"{mode}.log")
         try:
 
             async def measure(url: str = server.url) -> tuple:
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         prefix = [_prefix_share(a, b) for a, b in zip(answers[mode], answers[first], strict=True)]
         right = sum(pick == item["answer"] for pick, item in zip(picks[mode], items, strict=True))
         moved = sum(a != b for a, b in zip(picks[mode], picks[first], strict=True))
-        print(f"{mode:>8}: greedy answers identical to {first}'s {same}/{len(prefix)}, "
+        print(f"{mode:>14}: greedy answers identical to {first}'s {same}/{len(prefix)}, "
               f"tokens before the first difference {100 * sum(prefix) / len(prefix):.1f}%; "
               f"cloze {100 * right / len(items):.1f}% of {len(items)} "
               f"({moved} items answered otherwise than {first})", flush=True)  # fmt: skip

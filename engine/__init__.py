@@ -34,6 +34,7 @@ _EXPORTS = {
     "MODEL_IMPLS": "engine.config",
     "QUANTIZATIONS": "engine.config",
     "CPU_ACTIVATIONS": "engine.config",
+    "CPU_ATTENTION": "engine.config",
     "SPEC_METHODS": "engine.config",
     "VERIFICATIONS": "engine.config",
     "TREE_DRAFTS": "engine.config",
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from engine.config import (
         ATTENTION_BACKENDS,
         CPU_ACTIVATIONS,
+        CPU_ATTENTION,
         DEVICES,
         DRAFT_LENGTH_POLICIES,
         DTYPES,

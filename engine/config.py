@@ -16,6 +16,7 @@ ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")  # attention/backend
 MODEL_IMPLS = ("auto", "native", "transformers")  # model/native MODEL_IMPLS
 QUANTIZATIONS = ("none", "bf16", "int8", "int4")
 CPU_ACTIVATIONS = ("auto", "float32", "int8")  # engine/cpu/kernels.py ACTIVATIONS
+CPU_ATTENTION = ("auto", "float32", "bfloat16")  # engine/cpu/csrc/attention_pairs.c
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -44,6 +45,7 @@ class ModelConfig:
     cache_dir: str | None = None
     cpu_bind: bool = True
     cpu_activations: str = "auto"
+    cpu_attention: str = "auto"
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "--model must name a model directory or GGUF file")
@@ -53,6 +55,7 @@ class ModelConfig:
         _check_choice("--model-impl", self.model_impl, MODEL_IMPLS)
         _check_choice("--quantization", self.quantization, QUANTIZATIONS)
         _check_choice("--cpu-activations", self.cpu_activations, CPU_ACTIVATIONS)
+        _check_choice("--cpu-attention", self.cpu_attention, CPU_ATTENTION)
         _check(
             self.quantization == "none" or not self.model.endswith(".gguf"),
             f"--quantization {self.quantization} applies to Hugging Face checkpoints: a .gguf "

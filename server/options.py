@@ -11,6 +11,7 @@ from types import MappingProxyType
 from engine import (
     ATTENTION_BACKENDS,
     CPU_ACTIVATIONS,
+    CPU_ATTENTION,
     DEVICES,
     DRAFT_LENGTH_POLICIES,
     DTYPES,
@@ -137,6 +138,19 @@ OPTIONS: tuple[Option, ...] = (
         "= as it is; auto (default) = int8 where the CPU has VNNI, else float32. Speculative "
         "output stays exactly the same server's output in every mode",
         choices=CPU_ACTIVATIONS,
+    ),
+    Option(
+        "model.cpu_attention",
+        "--cpu-attention",
+        str,
+        "how the CPU kernels attend: bfloat16 = keys and values kept in bfloat16, queries and "
+        "softmax weights rounded to bfloat16, products summed in float32 on the CPU's "
+        "bfloat16 dot products (AVX-512 BF16), as FlashAttention runs on GPUs: a change to the "
+        "served model's numbers (docs/CPU.md measures it) that makes a long context's "
+        "verified rows about 3x cheaper; float32 = exact float32 (over --kv-cache-dtype's "
+        "values); auto (default) = bfloat16 where the CPU has the instructions and "
+        "--kv-cache-dtype is auto or bfloat16, else float32",
+        choices=CPU_ATTENTION,
     ),
     Option(
         "model.cpu_bind",

@@ -33,6 +33,7 @@ def make_engine(
     quantization: str = "none",
     kv_cache_dtype: str = "auto",
     cpu_activations: str = "float32",
+    cpu_attention: str = "float32",
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
@@ -46,6 +47,7 @@ def make_engine(
                 model_impl=model_impl,
                 cpu_bind=cpu_bind,
                 cpu_activations=cpu_activations,
+                cpu_attention=cpu_attention,
                 quantization=quantization,
             ),
             cache=CacheConfig(

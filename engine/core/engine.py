@@ -10,11 +10,13 @@ import time
 import torch
 
 from engine.attention.backends import select_backend
+from engine.attention.cpu import CPU
 from engine.config import EngineConfig
 from engine.core.kv_budget import kv_cache_dtype, num_kv_blocks
 from engine.core.scheduler import Scheduler, make_output
 from engine.cpu import kernels as cpu_kernels
 from engine.cpu import memory as cpu_memory
+from engine.cpu.pairs import attention_pairs
 from engine.kv.manager import KVCacheManager
 from engine.model import files as model_files
 from engine.model.decode_graphs import BATCH_BUCKETS
@@ -82,6 +84,7 @@ class LLMEngine:
             runner.kv_dtype = kv_dtype
         if config.model.cpu_packed_linear and self.device.type == "cpu" and dtype == torch.float32:
             self._pack_linears()
+        self._set_attention(block_size)
         self.cpu_isa = cpu_kernels.isa() if self.runner.kernels != "torch" else None
         """The instruction set of the CPU kernels the target runs on, or None (/version)."""
         num_blocks = config.cache.num_blocks or num_kv_blocks(
@@ -317,6 +320,26 @@ class LLMEngine:
             runner.cpu_activations = mode
         cpu_kernels.use_activations(mode)
 
+    def _set_attention(self, block_size: int) -> None:
+        """--cpu-attention bfloat16 (auto: where it can): each runner able to, on bfloat16 pairs."""
+        asked, cache = self.config.model.cpu_attention, self.config.cache.kv_cache_dtype
+        if asked == "float32":
+            return
+        if cache not in ("auto", "bfloat16"):
+            if asked == "bfloat16":
+                raise ValueError(
+                    f"--cpu-attention bfloat16 keeps keys and values in bfloat16: use "
+                    f"--kv-cache-dtype auto or bfloat16, not {cache}"
+                )
+            return
+        for runner in self.runners:
+            why = _pairs_unsupported(runner, block_size)
+            if why is None:
+                runner.kv_dtype = cpu_kernels.PAIRS
+                logger.info("%s: attention on bfloat16 dot products", runner.name)
+            elif asked == "bfloat16" and runner is self.runner:
+                raise ValueError(f"--cpu-attention bfloat16: {runner.name}: {why}")
+
     def _max_model_len(self) -> int:
         limit, why = self.runner.max_positions, "the model's limit"
         for runner in self.runners:  # every path attends to the whole context: keep within
@@ -341,3 +364,19 @@ class LLMEngine:
             for runner in self.runners
         ]
         return all(enabled)
+
+
+def _pairs_unsupported(runner: ModelRunner, block_size: int) -> str | None:
+    """Why `runner` cannot attend on bfloat16 pairs (its cache is the C kernels' alone), or None."""
+    native = getattr(runner, "native", None)
+    if runner.device.type != "cpu" or native is None or not native.cpu_kernels:
+        return "it does not run the native forward on Tandem's CPU kernels"
+    if runner.attention_backend is not CPU:
+        return "its attention is not the cpu backend's"
+    if not attention_pairs(runner.head_dim, block_size):
+        return (
+            f"the kernels ({cpu_kernels.isa()}) have no bfloat16 dot products for head_dim "
+            f"{runner.head_dim} with blocks of {block_size} (they need AVX-512 BF16, a "
+            "head_dim that is a multiple of 32 up to 128, blocks a multiple of 16)"
+        )
+    return None

@@ -17,6 +17,7 @@ from engine.cpu.panels import panel_format
 logger = logging.getLogger(__name__)
 
 MAX_BLOCK = 256  # longest KV block the attention kernel takes: MAX_BLOCK in attention.c
+PAIRS = torch.int16  # a KV cache of bfloat16 pairs: engine/cpu/pairs.py
 
 
 def available() -> bool:
@@ -172,12 +173,13 @@ def rotary_cache(
         key_cache.data_ptr(),
         value_cache.data_ptr(),
         kv_type(key_cache.dtype),
+        key_cache.shape[1],
     )
     return q
 
 
-KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-"""The KV cache dtypes the attention kernel reads (KV_F32, KV_F16, KV_BF16 in vec.h)."""
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, PAIRS: 3}
+"""The KV cache dtypes the attention kernel reads (KV_F32, KV_F16, KV_BF16, KV_BF16P in vec.h)."""
 
 
 def kv_type(dtype: torch.dtype) -> int:
@@ -261,10 +263,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tandem_rms_norm.restype = None
     lib.tandem_silu_mul.argtypes = [ptr, ptr, i64, i64]
     lib.tandem_silu_mul.restype = None
-    lib.tandem_rotary_cache.argtypes = [ptr] * 5 + [i64] * 4 + [ptr] * 3 + [i32]
+    lib.tandem_rotary_cache.argtypes = [ptr] * 5 + [i64] * 4 + [ptr] * 3 + [i32, i64]
     lib.tandem_rotary_cache.restype = None
     lib.tandem_attention_supports.argtypes = [i64, i64, i64, i64]
     lib.tandem_attention_supports.restype = i32
+    lib.tandem_attention_pairs.argtypes = [i64, i64]
+    lib.tandem_attention_pairs.restype = i32
     lib.tandem_paged_attention.argtypes = (
         [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr]
         + [i64] * 4

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engine.attention import paged as attention
 from engine.attention.backends import BACKENDS
 from engine.cpu import kernels as cpu_kernels
+from engine.cpu.pairs import pair_slots
 from engine.model.decode_graphs import DecodeGraphs
 from engine.model.features import check_config, config_window, probe_windows
 from engine.model.files import gguf_source
@@ -210,9 +211,15 @@ class ModelRunner:
             return torch.tensor(flat, dtype=torch.long, device=self.device)
 
         src_slots, dst_slots = slots(src), slots(dst)
-        for cache in (c for pair in self.kv_caches for c in pair):
-            rows = cache.view(-1, cache.shape[2], cache.shape[3])
-            rows[dst_slots] = rows[src_slots]  # gathered first: overlapping moves are safe
+        for pair in self.kv_caches:
+            for value, cache in enumerate(pair):
+                if cache.dtype == cpu_kernels.PAIRS:
+                    view, at = pair_slots(cache, bool(value), src_slots)
+                    _, to = pair_slots(cache, bool(value), dst_slots)
+                    view[to] = view[at]
+                    continue
+                rows = cache.view(-1, cache.shape[2], cache.shape[3])
+                rows[dst_slots] = rows[src_slots]  # gathered first: overlapping moves are safe
 
     def free_kv(self) -> None:
         self.kv_caches = []

@@ -20,7 +20,8 @@
  *
  * One task is (request, kv head, tile of up to QTILE query rows, span of keys), a row being
  * one query of one of the kv head's query heads and a span the keys at positions
- * [c * S, (c + 1) * S), S = SPLIT_KEYS rounded down to whole blocks (at least one block).
+ * [c * S, (c + 1) * S), S = SPLIT_KEYS (PAIRS_SPLIT_KEYS on a KV_BF16P cache) rounded down to
+ * whole blocks (at least one block).
  * A task leaves each row's partial result (m, l, acc: below), and merge_tile folds a row's
  * spans in order into its output. The spans are fixed positions of the keys,
  * not shares of a request's context, so a row is split the same way in a decode and in a
@@ -49,6 +50,10 @@
 /* Keys a task attends at most (rounded down to whole blocks, at least one): small enough that
  * short contexts still split evenly between threads. */
 #define SPLIT_KEYS 64
+/* The same on a KV_BF16P cache (attention_pairs.c): its tasks score so much faster that a
+ * span's fixed costs (one softmax a row, a partial result to merge) weigh more; at 256 a
+ * long context still splits into several spans. */
+#define PAIRS_SPLIT_KEYS 256
 /* Partial results up to this size live on the caller's stack. */
 #define STACK_BYTES 32768
 
@@ -339,9 +344,16 @@ HEAD_DIMS(TILE_FNS)
 #undef TILE_FNS
 #undef TILE_FN
 
+/* attention_pairs.c: the tiles on a KV_BF16P cache, where this build has them. */
+int tandem_attention_pairs(int64_t head_dim, int64_t block_size);
+#define PAIRS_DECL(d) void tandem_attend_pairs_##d(PAIRS_PARAMS);
+PAIRS_DIMS(PAIRS_DECL)
+#undef PAIRS_DECL
+
 /* Returns 0, -1 for a shape tandem_attention_supports refuses or an unknown kv_type, or -2
  * when the partial results cannot be allocated (nothing is written either way). The caches
- * hold kv_type elements (KV_F32, KV_F16, KV_BF16: vec.h). */
+ * hold kv_type elements (KV_F32, KV_F16, KV_BF16: vec.h), or KV_BF16P pairs where
+ * tandem_attention_pairs takes the shape. */
 int tandem_paged_attention(const float *q, const void *k_cache, const void *v_cache,
                            const int64_t *tables, int64_t table_width, const int64_t *q_starts,
                            const int64_t *q_lens, const int64_t *ctx_lens,
@@ -350,7 +362,9 @@ int tandem_paged_attention(const float *q, const void *k_cache, const void *v_ca
                            int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
                            int kv_type, int nthreads) {
   if (!tandem_attention_supports(heads, kv_heads, head_dim, block_size)) return -1;
-  if (kv_type != KV_F32 && kv_type != KV_F16 && kv_type != KV_BF16) return -1;
+  if (kv_type == KV_BF16P ? !tandem_attention_pairs(head_dim, block_size)
+                          : kv_type != KV_F32 && kv_type != KV_F16 && kv_type != KV_BF16)
+    return -1;
   const int64_t group = heads / kv_heads;
   int64_t most = 1, longest = 1; /* query rows of the longest request; keys of the longest */
   for (int64_t s = 0; s < num_seqs; s++) {
@@ -359,7 +373,8 @@ int tandem_paged_attention(const float *q, const void *k_cache, const void *v_ca
   }
   const int64_t tile = most < QTILE ? most : QTILE;
   const int64_t tiles = (most + tile - 1) / tile;
-  const int64_t span_blocks = SPLIT_KEYS > block_size ? SPLIT_KEYS / block_size : 1;
+  const int64_t split_keys = kv_type == KV_BF16P ? PAIRS_SPLIT_KEYS : SPLIT_KEYS;
+  const int64_t span_blocks = split_keys > block_size ? split_keys / block_size : 1;
   const int64_t span_keys = span_blocks * block_size;
   const int64_t spans = (longest + span_keys - 1) / span_keys;
   const int64_t groups = num_seqs * kv_heads * tiles, stride = tile * (head_dim + 2);
@@ -426,7 +441,19 @@ int tandem_paged_attention(const float *q, const void *k_cache, const void *v_ca
     else if (kv_type == KV_BF16) TILE(KV_BF16, d);                      \
     else TILE(KV_F32, d);                                               \
     break;
-        switch (head_dim) { HEAD_DIMS(CASE) }
+#define PAIRS(d)                                                                           \
+  case d:                                                                                  \
+    tandem_attend_pairs_##d(q, k_cache, v_cache, table, q_starts[s], q_lens[s], ctx_lens[s], \
+                            tree, tree ? tree_base[s] : 0, kv_head, row0, n, heads, kv_heads, \
+                            block_size, scale, c * span_blocks, (c + 1) * span_blocks,       \
+                            out_part);                                                       \
+    break;
+        if (kv_type == KV_BF16P) {
+          switch (head_dim) { PAIRS_DIMS(PAIRS) }
+        } else {
+          switch (head_dim) { HEAD_DIMS(CASE) }
+        }
+#undef PAIRS
 #undef CASE
 #undef TILE
       }

@@ -47,34 +47,54 @@ void tandem_silu_mul(const float *gu, float *out, int64_t rows, int64_t inter) {
   }
 }
 
+/* A token's K and V rows (kv_heads * D floats each) into slot `slot` of a KV_BF16P cache of
+ * blocks of B tokens, in attention_pairs.c's layout, rounded to bfloat16 (nearest even). */
+static void store_pairs(uint16_t *k_cache, uint16_t *v_cache, int64_t slot, int64_t B,
+                        int64_t kv_heads, int64_t D, const float *k, const float *v) {
+  const int64_t t = slot % B;
+  for (int64_t h = 0; h < kv_heads; h++) {
+    const int64_t region = (slot / B * kv_heads + h) * B * D;
+    uint16_t *kp = k_cache + region + (t / 16) * 16 * D + (t % 16) * 2;
+    uint16_t *vp = v_cache + region + (t / 2) * 2 * D + t % 2;
+    for (int64_t d = 0; d < D; d++) {
+      kp[(d / 2) * 32 + d % 2] = float_to_bf16(k[h * D + d]);
+      vp[2 * d] = float_to_bf16(v[h * D + d]);
+    }
+  }
+}
+
 /* The attention inputs of a layer, from its fused q/k/v projection qkv[tokens, (heads +
  * 2 kv_heads) * head_dim]: q and k get the rotary embedding (rotate-half convention, cos/sin
  * tables [positions, head_dim] looked up at each token's position), q goes to q_out[tokens,
  * heads, head_dim], and k and v are written to their cache slots (caches viewed as [slots,
  * kv_heads, head_dim] of kv_type elements: vec.h's KV_F32, KV_F16 or KV_BF16, rounded to
- * nearest even as torch's .to() rounds). */
+ * nearest even as torch's .to() rounds; KV_BF16P: attention_pairs.c's layout of blocks of
+ * block_size tokens). */
 void tandem_rotary_cache(const float *qkv, const int64_t *positions, const int64_t *slots,
                          const float *cos_t, const float *sin_t, int64_t tokens, int64_t heads,
                          int64_t kv_heads, int64_t head_dim, float *q_out, void *k_cache,
-                         void *v_cache, int kv_type) {
+                         void *v_cache, int kv_type, int64_t block_size) {
   const int64_t half = head_dim / 2, width = (heads + 2 * kv_heads) * head_dim;
-  float k_row[head_dim];
+  float k_row[kv_heads * head_dim];
   for (int64_t t = 0; t < tokens; t++) {
     const float *row = qkv + t * width;
     const float *c = cos_t + positions[t] * head_dim, *s = sin_t + positions[t] * head_dim;
     for (int64_t h = 0; h < heads + kv_heads; h++) {
       const float *x = row + h * head_dim;
       const int to_cache = h >= heads;
-      float *o = to_cache ? k_row : q_out + (t * heads + h) * head_dim;
+      float *o = to_cache ? k_row + (h - heads) * head_dim : q_out + (t * heads + h) * head_dim;
       for (int64_t i = 0; i < half; i++) {
         o[i] = x[i] * c[i] - x[i + half] * s[i];
         o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
       }
-      if (to_cache)
-        store_kv(kv_type, k_cache, (slots[t] * kv_heads + h - heads) * head_dim, k_row, head_dim);
     }
-    store_kv(kv_type, v_cache, slots[t] * kv_heads * head_dim, row + (heads + kv_heads) * head_dim,
-             kv_heads * head_dim);
+    const float *v_row = row + (heads + kv_heads) * head_dim;
+    if (kv_type == KV_BF16P) {
+      store_pairs(k_cache, v_cache, slots[t], block_size, kv_heads, head_dim, k_row, v_row);
+      continue;
+    }
+    store_kv(kv_type, k_cache, slots[t] * kv_heads * head_dim, k_row, kv_heads * head_dim);
+    store_kv(kv_type, v_cache, slots[t] * kv_heads * head_dim, v_row, kv_heads * head_dim);
   }
 }
 
@@ -97,6 +117,7 @@ void tandem_linear_q4_1(const float *x, const uint8_t *panels, const float *bias
                         int nthreads);
 int tandem_attention_supports(int64_t heads, int64_t kv_heads, int64_t head_dim,
                               int64_t block_size);
+int tandem_attention_pairs(int64_t head_dim, int64_t block_size);
 int tandem_paged_attention(const float *q, const void *k_cache, const void *v_cache,
                            const int64_t *tables, int64_t table_width, const int64_t *q_starts,
                            const int64_t *q_lens, const int64_t *ctx_lens,
@@ -130,7 +151,7 @@ typedef struct {
   int64_t num_seqs, block_size;
   const int64_t *tree;      /* [tokens] draft-tree visibility bits, or NULL (attention.c) */
   const int64_t *tree_base; /* [num_seqs] the slot of bit 0, with tree */
-  int64_t kv_type;          /* the caches' elements: KV_F32, KV_F16 or KV_BF16 (vec.h) */
+  int64_t kv_type;          /* the caches' elements: KV_F32, KV_F16, KV_BF16 or KV_BF16P (vec.h) */
 } tandem_batch;
 
 static void linear_any(const tandem_weight *w, const float *x, const float *residual, float *y,
@@ -157,7 +178,9 @@ int tandem_layers(const tandem_layer *layers, int64_t num_layers, const tandem_b
                   int nthreads, const tandem_weight *head, const float *final_norm,
                   float final_eps, int64_t head_out, float *logits) {
   if (!tandem_attention_supports(heads, kv_heads, head_dim, batch->block_size)) return -1;
-  if (batch->kv_type < KV_F32 || batch->kv_type > KV_BF16) return -1;
+  if (batch->kv_type == KV_BF16P ? !tandem_attention_pairs(head_dim, batch->block_size)
+                                 : batch->kv_type < KV_F32 || batch->kv_type > KV_BF16)
+    return -1;
   const int64_t qkv_width = (heads + 2 * kv_heads) * head_dim, q_width = heads * head_dim;
   float *x = scratch, *qkv = x + tokens * dim, *q = qkv + tokens * qkv_width;
   float *attn = q + tokens * q_width, *gate_up = attn + tokens * q_width;
@@ -168,7 +191,7 @@ int tandem_layers(const tandem_layer *layers, int64_t num_layers, const tandem_b
     linear_any(&layer->qkv, x, 0, qkv, tokens, qkv_width, dim, nthreads);
     tandem_rotary_cache(qkv, batch->positions, batch->slots, batch->cos, batch->sin, tokens,
                         heads, kv_heads, head_dim, q, layer->key_cache, layer->value_cache,
-                        (int)batch->kv_type);
+                        (int)batch->kv_type, batch->block_size);
     const int status = tandem_paged_attention(
         q, layer->key_cache, layer->value_cache, batch->tables, batch->width, batch->q_starts,
         batch->q_lens, batch->ctx_lens, batch->tree, batch->tree_base, batch->num_seqs, attn,

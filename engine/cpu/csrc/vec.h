@@ -157,7 +157,16 @@ DEFINE_EXP(exp16, v16, v16i, splat16)
  * KV cache elements (engine/cpu/kernels.py KV_TYPES): float32, or 16 bits (float16 as llama.cpp
  * keeps its cache by default, or bfloat16) widened exactly to float32 as they are loaded and
  * rounded to nearest even as they are stored, as torch's .to() rounds. */
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_BF16P = 3 };
+/* KV_BF16P: bfloat16 in attention_pairs.c's layout, read by its dot products alone (not by
+ * load_kv / kv_at / store_kv); layer.c's tandem_rotary_cache writes it. Its task functions,
+ * tandem_attend_pairs_<head size>, take attention.c's task (attend_tile's parameters). */
+#define PAIRS_PARAMS                                                                          \
+  const float *q, const void *k_cache, const void *v_cache, const int64_t *table,             \
+      int64_t q_start, int64_t q_len, int64_t ctx, const int64_t *tree, int64_t base,         \
+      int64_t kv_head, int64_t row0, int rows, int64_t heads, int64_t kv_heads,               \
+      int64_t block_size, float scale, int64_t b_lo, int64_t b_hi, float *part
+#define PAIRS_DIMS(X) X(32) X(64) X(96) X(128)
 typedef uint16_t v8u16 __attribute__((vector_size(16), aligned(2)));
 
 #if defined(__F16C__) || defined(__AVX2__)
