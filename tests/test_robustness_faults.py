@@ -129,9 +129,9 @@ def test_requests_past_the_timeout_are_aborted_with_504(served, monkeypatch):
             # FIFO admission: the first two fill the batch, the third waits for a free slot.
             # Its deadline comes a few ms after theirs, less than the step it would need to
             # produce a token once they are gone, so it times out before anything is sent.
-            # A step of 0.5 s is that margin: the sends' spacing and a late deadline timer on
-            # a busy event loop must stay under it (with 0.25 s steps, one CI run on a
-            # loaded 2-core machine saw the third answered 200, streaming, not 504).
+            # A step of 1 s is that margin: the sends' spacing and a late deadline timer on
+            # a busy event loop must stay under it (with 0.25 s and then 0.5 s steps, CI runs
+            # on a loaded 2-core machine saw the third answered 200, streaming, not 504).
             # Each is sent once the engine has the one before: requests sent 10 ms apart on
             # a busy machine could reach it out of order (the queued one then the stream).
             for stream in (False, True, True):
@@ -143,7 +143,7 @@ def test_requests_past_the_timeout_are_aborted_with_504(served, monkeypatch):
                     await asyncio.sleep(0.002)
             return await asyncio.gather(*tasks)
 
-    with patched_forward(served, monkeypatch, slow(0.5)):
+    with patched_forward(served, monkeypatch, slow(1.0)):
         (status, plain, _), (s_status, events, _), (q_status, queued, _) = asyncio.run(run())
     # Not streamed: a 504 in the OpenAI shape.
     assert status == 504 and openai_error(status, plain)["code"] == "timeout"
