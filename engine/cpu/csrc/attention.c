@@ -50,10 +50,7 @@
 /* Keys a task attends at most (rounded down to whole blocks, at least one): small enough that
  * short contexts still split evenly between threads. */
 #define SPLIT_KEYS 64
-/* The same on a KV_BF16P cache (attention_pairs.c): its tasks score so much faster that a
- * span's fixed costs (one softmax a row, a partial result to merge) weigh more; at 256 a
- * long context still splits into several spans. */
-#define PAIRS_SPLIT_KEYS 256
+/* On a KV_BF16P cache: PAIRS_SPLIT_KEYS (vec.h). */
 /* Partial results up to this size live on the caller's stack. */
 #define STACK_BYTES 32768
 

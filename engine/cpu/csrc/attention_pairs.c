@@ -20,7 +20,7 @@
  * (block * kv_heads + kv_head) * B * D of the cache): key t of the block, dimension d at
  * (t / 16) * 16 * D + (d / 2) * 32 + (t % 16) * 2 + d % 2 (16 keys' pair (d, d + 1) in one
  * 64-byte line); value t, d at (t / 2) * 2 * D + d * 2 + t % 2 (two tokens' dimension d
- * side by side). layer.c's tandem_rotary_cache writes it; engine/cpu/kernels.py views it.
+ * side by side). layer.c's tandem_rotary_cache writes it; engine/cpu/pairs.py views it.
  *
  * A task (attention.c: a tile of rows, a span of keys) runs in sub-tiles of up to 24 / (D /
  * 16) rows (their value sums in registers). Each row: its scores over the span, masked
@@ -28,16 +28,14 @@
  * span, then p * v over the span's token pairs up to the last key any row of the sub-tile
  * sees (a pair past it loads its first token alone). A row's arithmetic does not depend on
  * the rows beside it: a key a row does not see adds p = 0 exactly, so a decode and a
- * verification give a query the same bits (tests/test_cpu_kernels.py).
+ * verification give a query the same bits (tests/test_cpu_attention_pairs.py).
  */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
-#define PAIR_SPAN 256 /* keys a task attends at most: attention.c's span (a block or more) */
-
 int tandem_attention_pairs(int64_t head_dim, int64_t block_size) {
   return head_dim % 32 == 0 && head_dim >= 32 && head_dim <= 128 && block_size % 16 == 0 &&
-         block_size <= PAIR_SPAN;
+         block_size <= PAIRS_SPLIT_KEYS; /* a task's span: at most PAIRS_SPLIT_KEYS keys */
 }
 
 /* Visible lanes of 16 keys from position `at` for a row at `pos` with draft-tree bits
@@ -75,8 +73,8 @@ INLINE void pairs_rows(const int NV, const int R, const uint32_t *qb, const int6
     return;
   }
   const int64_t chunks = (end + 15) / 16;
-  _Alignas(64) float sc[6][PAIR_SPAN];
-  _Alignas(64) uint16_t pb[6][PAIR_SPAN];
+  _Alignas(64) float sc[6][PAIRS_SPLIT_KEYS];
+  _Alignas(64) uint16_t pb[6][PAIRS_SPLIT_KEYS];
   const int64_t per_block = block_size / 16;
   for (int64_t c = 0; c < chunks; c++) {
     const int64_t b = b_lo + c / per_block;

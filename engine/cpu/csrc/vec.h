@@ -167,6 +167,10 @@ enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_BF16P = 3 };
       int64_t kv_head, int64_t row0, int rows, int64_t heads, int64_t kv_heads,               \
       int64_t block_size, float scale, int64_t b_lo, int64_t b_hi, float *part
 #define PAIRS_DIMS(X) X(32) X(64) X(96) X(128)
+/* attention.c's SPLIT_KEYS on a KV_BF16P cache: its tasks score so much faster that a span's
+ * fixed costs (one softmax a row, a partial result to merge) weigh more; at 256 a long
+ * context still splits into several spans. attention_pairs.c sizes its buffers by it. */
+#define PAIRS_SPLIT_KEYS 256
 typedef uint16_t v8u16 __attribute__((vector_size(16), aligned(2)));
 
 #if defined(__F16C__) || defined(__AVX2__)
