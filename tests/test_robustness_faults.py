@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from engine.types.request import SamplingParams
 from tests.robustness_helpers import (
     GREEDY_BODY,
     HEADERS,
@@ -27,7 +28,7 @@ from tests.server_helpers import PROMPT, Served, scrape_metrics, serve
 
 MAX_NUM_SEQS = 2
 MAX_WAITING = 4
-TIMEOUT = 3.0
+TIMEOUT = 4.0  # at 1 s steps, two steps of tokens before a deadline (the timeout test)
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +129,11 @@ def test_requests_past_the_timeout_are_aborted_with_504(served, monkeypatch):
             tasks = []
             # FIFO admission: the first two fill the batch, the third waits for a free slot.
             # Its deadline comes a few ms after theirs, less than the step it would need to
-            # produce a token once they are gone, so it times out before anything is sent.
-            # A step of 1 s is that margin: the sends' spacing and a late deadline timer on
-            # a busy event loop must stay under it (with 0.25 s and then 0.5 s steps, CI runs
-            # on a loaded 2-core machine saw the third answered 200, streaming, not 504).
+            # produce a token once they are gone, so it times out before anything is sent:
+            # even when a step boundary falls between their deadlines and it is taken into
+            # the batch, its abort arrives during that step and wins over the step's token
+            # (test_an_abort_during_a_step_wins_over_its_tokens). A 1 s step keeps the
+            # sends' spacing and a late timer on a busy 2-core machine well inside it.
             # Each is sent once the engine has the one before: requests sent 10 ms apart on
             # a busy machine could reach it out of order (the queued one then the stream).
             for stream in (False, True, True):
@@ -161,6 +163,32 @@ def test_requests_past_the_timeout_are_aborted_with_504(served, monkeypatch):
     assert after[key] - before.get(key, 0.0) == 3
     key = ("tandem_request_errors_total", (("status", "504"),))
     assert after[key] - before.get(key, 0.0) == 2  # the third was a stream's error event
+
+
+def test_an_abort_during_a_step_wins_over_its_tokens(served, monkeypatch):
+    """A deadline timer or a departed client aborts from another thread while a step runs:
+    the request gets the abort and none of that step's tokens (a timed-out stream still queued
+    at its deadline must be a plain 504, not a 200 with one token)."""
+    request_id = "aborted-mid-step"
+
+    def wrap(original):
+        def forward(seqs):
+            served.engine.abort(request_id)  # arrives while the step is in flight
+            return original(seqs)
+
+        return forward
+
+    async def run() -> list:
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        prompt = served.tokenizer.encode(PROMPT)
+        return [out async for out in served.engine.generate(request_id, prompt, params)]
+
+    with patched_forward(served, monkeypatch, wrap):
+        outputs = asyncio.run(run())
+    assert [(o.new_token_ids, o.finished, o.finish_reason) for o in outputs] == [
+        ([], True, "abort")
+    ]
+    served.wait_idle(timeout=2)
 
 
 def test_a_failing_forward_fails_only_its_step(served, monkeypatch):

@@ -202,8 +202,15 @@ class AsyncEngine(EngineClient):
                 outputs, num_taken = self._drain_inbox()
                 if self.engine.has_work():
                     self._step_started = time.monotonic()
-                    outputs += self.engine.step()
+                    stepped = self.engine.step()
                     self._step_started = None
+                    # An abort that came during the step wins over the step's tokens: a request
+                    # past its deadline, or whose client left, is sent nothing more.
+                    late, late_taken = self._drain_inbox()
+                    aborted = {out.request_id for out in late if out.finished}
+                    outputs += [o for o in stepped if o.finished or o.request_id not in aborted]
+                    outputs += late
+                    num_taken += late_taken
                 self._stats = self.engine.stats().snapshot()
                 self._num_published += num_taken
             self._publish(outputs)
