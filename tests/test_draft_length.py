@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -454,6 +455,15 @@ def test_calibration_key_follows_what_the_cpu_kernels_run_on(monkeypatch, tmp_pa
     assert key("avx512f", "cpu") != key("avx512f", "cpu", quantization="int8")
     assert key("avx512f", "cpu") == key("avx512f", "cpu")
     assert key("avx512f", "torch") == key("avx512f+amx", "torch")  # not on the kernels
+    # The engine's code, the CPU kernels' sources included: a kernel that got faster must not
+    # be priced by a cached fit of the old one (only engine/spec/ was once hashed).
+    read: list[Path] = []
+    original = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self) or original(self))
+    key("avx512f", "cpu")
+    hashed = {p.relative_to(Path(cpu_kernels.__file__).parents[2]).as_posix() for p in read}
+    assert {"engine/cpu/kernels.py", "engine/cpu/csrc/attention_pairs.c"} <= hashed
+    assert "engine/core/engine.py" in hashed and "engine/spec/planner.py" in hashed
 
 
 def test_auto_branches_draft_trees_only_where_passes_are_flat():

@@ -42,7 +42,7 @@ def calibration_key(runners: list[ModelRunner], settings: dict) -> str:
     h.update(f"{platform.python_version()} {torch.__version__} {torch.get_num_threads()}".encode())
     if torch.cuda.is_available():
         h.update(torch.cuda.get_device_name(0).encode())
-    engine_dir = Path(__file__).resolve().parents[1]
+    engine_dir = Path(__file__).resolve().parents[2]  # the whole engine, its kernels included
     for path in sorted([*engine_dir.rglob("*.py"), *engine_dir.rglob("*.[ch]")]):
         h.update(path.read_bytes())
     for runner in runners:
