@@ -8,6 +8,8 @@ held-out chat prompts (bench/prompts.py).
   python -m bench.default_engine speed --configs K=2 K=3 --branches 1 2 3   # draft trees
   python -m bench.default_engine speed --draft models/eagle --model FILE.gguf
   python -m bench.default_engine speed --workload families --requests 48 --configs off ngram
+  python -m bench.default_engine speed --workload families --requests 24 --max-tokens 256 \
+      --configs off ngram --interleave --rounds 3        # side by side, in one process
   python -m bench.default_engine passes --rows 1 2 3 5 9 17 --cpu-activations float32 int8
 
 `speed`: --requests prompts, --concurrency at a time, after max(concurrency, 4) warm-up
@@ -16,6 +18,8 @@ accepted by position, tokens per verifying pass, the draft's share of engine tim
 concurrency 1 the decode steps by K. Each config runs once per value of each list option
 (--verification seeded: each request brings a seed). `--workload families`: request i of
 family i % 6, with per-family decode and end-to-end rates (end-to-end from adding the request).
+`--interleave`: the configs' engines up at once, request by request (waves of --concurrency)
+in turn, per family the median over --rounds of each config's ratio to the first (`interleaved`).
 `passes`: the best time of a target pass of --concurrency requests feeding --rows tokens after
 --context cached ones, per --cpu-activations and --cpu-attention mode, alternating pass by pass.
 `run_closed_loop`: the closed-loop driver of bench/gpu_bench.py's Tandem rows (greedy, EOS
@@ -71,8 +75,9 @@ CONFIGS = {
 
 
 def engine(spec: SpecConfig, model: str = TARGET, quantization: str = "none",
-           activations: str = "auto", attention: str = "auto") -> LLMEngine:  # fmt: skip
-    cache = CacheConfig(block_size=16, memory_gb=1.0, gpu_memory_utilization=0.3)
+           activations: str = "auto", attention: str = "auto", caching: bool = True) -> LLMEngine:  # fmt: skip
+    cache = CacheConfig(block_size=16, memory_gb=1.0, gpu_memory_utilization=0.3,
+                        enable_prefix_caching=caching)  # fmt: skip
     numbers = {"cpu_activations": activations, "cpu_attention": attention}
     return LLMEngine(
         EngineConfig(
@@ -137,25 +142,10 @@ def speed(
     attention: str = "auto",
 ) -> None:  # fmt: skip
     seeded = verification == "seeded"
-    spec = replace(CONFIGS[name], verification="block" if seeded else verification)
-    if spec.method != "off":
-        spec = replace(spec, draft_branches=branches, tree_drafts=tree_drafts)
-    if spec.method == "draft":
-        chains = branches is None and is_feature_draft(draft)  # a feature draft drafts chains
-        spec = replace(spec, draft_model=draft, draft_branches=1 if chains else branches)
+    spec = _spec(name, verification, branches, tree_drafts, draft)
     eng = engine(spec, model, quantization, activations, attention)
-    # Warm-up requests (other prompts, same concurrency) first: they capture the CUDA graphs
-    # of the shapes the run will use, which a long-running server has done long before.
-    warm = max(concurrency, 4)
-    families = family_cycle(requests) if workload == "families" else []
-    chat = chat_messages(warm + (0 if families else requests))
-    messages = [m for _, m in families] or chat[:requests]
-    prompts = _prompts(eng.config.model.model, messages + chat[-warm:])
-
-    def params(i: int) -> SamplingParams:
-        seed = 1000 + i if seeded else None
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-
+    families, prompts = _workload(eng, workload, requests, concurrency)
+    params = _params(max_tokens, temperature, seeded)
     _closed_loop(eng, list(enumerate(prompts[requests:], start=requests)), concurrency, params)
     before = copy.deepcopy(eng.stats())
     steps: dict[int, list[tuple[float, int]]] = {}
@@ -191,6 +181,67 @@ def speed(
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _spec(name: str, verification: str, branches: int | None, tree_drafts: str, draft: str):
+    spec = replace(CONFIGS[name], verification="token" if verification == "token" else "block")
+    if spec.method != "off":
+        spec = replace(spec, draft_branches=branches, tree_drafts=tree_drafts)
+    if spec.method == "draft":
+        chains = branches is None and is_feature_draft(draft)  # a feature draft drafts chains
+        spec = replace(spec, draft_model=draft, draft_branches=1 if chains else branches)
+    return spec
+
+
+def _workload(eng: LLMEngine, workload: str, requests: int, concurrency: int) -> tuple:
+    """(families, prompts): `requests` prompts, then max(concurrency, 4) chat warm-ups (other
+    prompts, the same concurrency: on CUDA they capture the graphs the run will use, which a
+    long-running server has done long before)."""
+    warm = max(concurrency, 4)
+    families = family_cycle(requests) if workload == "families" else []
+    chat = chat_messages(warm + (0 if families else requests))
+    messages = [m for _, m in families] or chat[:requests]
+    return families, _prompts(eng.config.model.model, messages + chat[-warm:])
+
+
+def _params(max_tokens: int, temperature: float, seeded: bool) -> Callable[[int], SamplingParams]:
+    def params(i: int) -> SamplingParams:
+        seed = 1000 + i if seeded else None
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+
+    return params
+
+
+def interleaved(args: argparse.Namespace) -> None:
+    """--interleave: every config's engine up at once (prefix caching off, so each round
+    prefills), each wave of --concurrency requests run on each in turn, the order reversed
+    every other wave and round: the machine's drift falls on all alike. Per family, the
+    median over --rounds of each round's decode and end-to-end rate over the first config's."""
+    names, c, ver = args.configs, args.concurrency, args.verification[0]
+    engines = {n: engine(_spec(n, ver, args.branches[0], args.tree_drafts, args.draft), args.model,
+                         args.quantization, args.cpu_activations[0], args.cpu_attention[0],
+                         caching=False) for n in names}  # fmt: skip
+    families, prompts = _workload(engines[names[0]], args.workload, args.requests, c)
+    params = _params(args.max_tokens, args.temperature, ver == "seeded")
+    work, rates = list(enumerate(prompts)), {n: [] for n in names}
+    for n in names:  # the warm-ups
+        _closed_loop(engines[n], work[args.requests :], c, params)
+    for rnd in range(args.rounds):
+        times: dict[str, dict] = {n: {} for n in names}
+        for w in range(0, args.requests, c):
+            for n in names if (rnd + w // c) % 2 == 0 else names[::-1]:
+                _closed_loop(
+                    engines[n], work[w : min(w + c, args.requests)], c, params, times=times[n]
+                )
+        for n in names:
+            rows = [(families[i][0] if families else "chat", *t) for i, t in times[n].items()]
+            rates[n].append(family_rates(rows))
+        print(f"round {rnd + 1}, decode tok/s:", {n: round(rates[n][-1]["all"]["decode_tokens_per_s"], 1) for n in names}, flush=True)  # fmt: skip
+    for n, (key, what) in itertools.product(names[1:], (("decode_tokens_per_s", "decode"),
+                                                         ("e2e_tokens_per_s", "end-to-end"))):  # fmt: skip
+        cells = [f"{fam} {statistics.median(r[fam][key] / b[fam][key] for r, b in zip(rates[n], rates[names[0]], strict=True)):.2f}"
+                 for fam in rates[n][0]]  # fmt: skip
+        print(f"{n} / {names[0]}, c={c} T={args.temperature}, {what} rate, median of {args.rounds}: {'  '.join(cells)}")  # fmt: skip
 
 
 def _closed_loop(
@@ -359,6 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--branches", type=lambda v: None if v == "auto" else int(v), nargs="+",
                    default=[1], help="--draft-branches values to run: N or auto (default 1)")  # fmt: skip
     p.add_argument("--tree-drafts", default="top", choices=["top", "sampled"])
+    p.add_argument("--interleave", action="store_true", help="speed: every config at once, in turn")
+    p.add_argument("--rounds", type=int, default=3, help="--interleave: rounds")
     p.add_argument("--draft", default=DRAFT, help="the draft directory of the draft configs")
     p.add_argument("--context", type=int, default=150, help="passes: keys cached per request")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="passes: tokens")
@@ -372,6 +425,8 @@ def main(argv: list[str] | None = None) -> None:
                 args.model, args.quantization, args.concurrency, args.context,
                 rows=args.rows, activations=args.cpu_activations, attention=args.cpu_attention,
             )  # fmt: skip
+        elif args.interleave:
+            interleaved(args)
         else:
             for name in args.configs:
                 # speculation off: one run (seeded requests if any run has them: the same text)

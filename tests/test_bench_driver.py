@@ -45,3 +45,47 @@ def test_the_speed_driver_times_each_requests_first_and_last_tokens(tiny_dirs):
     assert tokens == 12 and seconds > 0 and sorted(times) == [0, 1, 2]
     for added, first, last, count, first_count in times.values():
         assert added < first < last and count == 4 and first_count == 1
+
+
+def test_interleave_runs_every_wave_on_every_engine_in_turn(tiny_dirs, monkeypatch, capsys):
+    """`speed --interleave`: all engines up at once, each wave of --concurrency requests run
+    on each in turn, the order reversed every other wave and round; prefix caching off."""
+    import argparse
+
+    import bench.default_engine as bench
+
+    built, ran = {}, []
+
+    def engine(spec, *args, caching=True):
+        assert not caching  # each round prefills, as its first did
+        built[spec.method] = make_engine(tiny_dirs["llama"], spec=spec, prefix_caching=caching)
+        return built[spec.method]
+
+    def workload(eng, name, requests, concurrency):
+        families = [("chat", []), ("rag", [])] * (requests // 2)
+        return families, random_prompts([5, 9, 7, 6] * 2, vocab=300, seed=5)[: requests + 4]
+
+    closed_loop = bench._closed_loop
+
+    def recording(eng, work, *args, **kw):
+        name = next(n for n, e in built.items() if e is eng)
+        ran.append((name, [i for i, _ in work]))
+        return closed_loop(eng, work, *args, **kw)
+
+    monkeypatch.setattr(bench, "engine", engine)
+    monkeypatch.setattr(bench, "_workload", workload)
+    monkeypatch.setattr(bench, "_closed_loop", recording)
+    args = argparse.Namespace(
+        configs=["off", "ngram"], concurrency=2, verification=["block"], branches=[1],
+        tree_drafts="top", draft=bench.DRAFT, model="tiny", quantization="none",
+        cpu_activations=["auto"], cpu_attention=["auto"], workload="families", requests=4,
+        max_tokens=4, temperature=0.0, rounds=2,
+    )  # fmt: skip
+    bench.interleaved(args)
+    warm = [("off", [4, 5, 6, 7]), ("ngram", [4, 5, 6, 7])]
+    waves = [("off", [0, 1]), ("ngram", [0, 1]), ("ngram", [2, 3]), ("off", [2, 3])]
+    assert ran == warm + waves + [waves[1], waves[0], waves[3], waves[2]]
+    out = capsys.readouterr().out
+    for what in ("decode", "end-to-end"):
+        line = next(x for x in out.splitlines() if x.startswith(f"ngram / off, c=2 T=0.0, {what}"))
+        assert "chat" in line and "rag" in line and "all" in line and "median of 2" in line
