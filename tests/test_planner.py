@@ -88,6 +88,27 @@ def test_a_grammar_forces_its_tokens_and_a_lookup_gives_its_continuation():
     assert (p.k, p.given, p.width) == (1, None, 2)
 
 
+def test_in_a_batch_a_lookup_drafts_what_pays_at_its_match_length_within_the_batch_k():
+    """Prompt lookup alone (`ngram`): in a batch, each request's lookup gets the batch's K as
+    its cap and the policy's length for its match (a short, rarely kept match: none); a
+    request whose lookup drafts nothing verifies no proposer drafts either."""
+    copying = _decoding("copy", [5, 6, 7, 8, 5, 6, 7])
+    chatting = _decoding("chat", [1, 2, 3, 4, 9, 3])
+    told: list[tuple[str, int, int, int, int]] = []
+
+    class ByMatch(RecordingPolicy):
+        def lookup_length(self, request, k, match, found, batch):
+            told.append((request.request_id, k, match, found, batch))
+            return min(k, found) if match >= 3 else 0  # a 1-token match does not pay
+
+    planner = SpecPlanner(SpecConfig("ngram", None, 4), ByMatch({"copy": 2, "chat": 3}, 4), None)
+    planner.lookup = lambda tokens, k: (3, [8, 5, 6, 7]) if tokens[0] == 5 else (1, [4, 9, 3])
+    plans = planner.plan([copying, chatting], num_other_tokens=0)
+    assert told == [("copy", 2, 3, 4, 2), ("chat", 3, 1, 3, 2)]
+    assert (plans[copying].k, plans[copying].given) == (2, [8, 5])
+    assert (plans[chatting].k, plans[chatting].given) == (0, None)
+
+
 def test_observe_feeds_each_kind_of_draft_to_its_own_count_and_skips_aborted_requests():
     reqs = [_decoding(rid, [1, 2, 3]) for rid in ("proposed", "looked", "forced", "aborted")]
     sched = SchedulerOutput(

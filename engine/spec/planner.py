@@ -75,12 +75,13 @@ class SpecPlanner:
             if cap and self._may_look_up(req, k, batch):
                 limit = LOOKUP_MAX if req.params.max_draft_tokens is None else cap
                 match, found = self.lookup(req.all_token_ids, limit)
-                rival = k if self.keeps_draft_kv else 0  # a draft model's K, else the lookup's
+                # Alone: a draft model's K is the lookup's rival; in a batch, its cap.
+                rival = k if self.keeps_draft_kv or batch > 1 else 0
                 n = self.policy.lookup_length(req, rival, match, len(found), batch) if found else 0
                 if n := min(n, limit):
                     plans[req] = DraftPlan(n, reason, 1, found[:n], lookup_match=match)
                     continue
-                k = k if self.keeps_draft_kv or batch > 1 else 0
+                k = k if self.keeps_draft_kv else 0
             width = 1 if req.grammar is not None else choice.branches  # a grammar's are chains
             plans[req] = DraftPlan(k, reason, width)
         return plans

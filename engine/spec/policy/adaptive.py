@@ -60,14 +60,16 @@ class AdaptiveDraftLength:
 
     def lookup_length(self, request: Request, k: int, match: int, found: int, batch: int) -> int:
         """Alone: the best chain at `match`'s acceptance (and the request's own record) unless
-        the draft's K wins; else K."""
-        if batch > 1:
-            return min(k, found)
+        the draft's K wins; in a batch: that chain cut to the batch's K."""
+        if batch > 1 and min(k, found) == 0:
+            return 0
         gains = self.estimates.lookup_gains(request, match, found)
         over = (self.cost.step_overhead(1), self.cost.step_overhead(1, drafting=True))
         context = float(request.num_tokens)
         rates = self.cost.chain_rates(gains, context, 1, found, 0.0, over, free_drafts=True)
         n = _best(rates)
+        if batch > 1:  # the batch's K, but no deeper than would pay alone at this match's rate
+            return min(k, n)
         if k > 0 and n > 0:  # the draft model's choice, at its own acceptance and catch-up
             g = self.estimates.gains_one(self.estimates.acceptance(request))
             lag = self.catch_up.tokens(request)
