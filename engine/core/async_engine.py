@@ -204,8 +204,7 @@ class AsyncEngine(EngineClient):
                     self._step_started = time.monotonic()
                     stepped = self.engine.step()
                     self._step_started = None
-                    # An abort that came during the step wins over the step's tokens: a request
-                    # past its deadline, or whose client left, is sent nothing more.
+                    # Aborts that came during the step win over its tokens (timed out, client gone).
                     late, late_taken = self._drain_inbox()
                     aborted = {out.request_id for out in late if out.finished}
                     outputs += [o for o in stepped if o.finished or o.request_id not in aborted]
