@@ -237,11 +237,13 @@ def interleaved(args: argparse.Namespace) -> None:
             rows = [(families[i][0] if families else "chat", *t) for i, t in times[n].items()]
             rates[n].append(family_rates(rows))
         print(f"round {rnd + 1}, decode tok/s:", {n: round(rates[n][-1]["all"]["decode_tokens_per_s"], 1) for n in names}, flush=True)  # fmt: skip
-    for n, (key, what) in itertools.product(names[1:], (("decode_tokens_per_s", "decode"),
-                                                         ("e2e_tokens_per_s", "end-to-end"))):  # fmt: skip
-        cells = [f"{fam} {statistics.median(r[fam][key] / b[fam][key] for r, b in zip(rates[n], rates[names[0]], strict=True)):.2f}"
-                 for fam in rates[n][0]]  # fmt: skip
-        print(f"{n} / {names[0]}, c={c} T={args.temperature}, {what} rate, median of {args.rounds}: {'  '.join(cells)}")  # fmt: skip
+    kinds = (("decode_tokens_per_s", "decode"), ("e2e_tokens_per_s", "end-to-end"))
+    for n, (key, what) in itertools.product(names[1:], kinds):
+        rounds = list(zip(rates[n], rates[names[0]], strict=True))  # (config's, base's) per round
+        cells = [f"{f} {statistics.median(r[f][key] / b[f][key] for r, b in rounds):.2f}"
+                 for f in rates[n][0]]  # fmt: skip
+        head = f"{n} / {names[0]}, c={c} T={args.temperature}, {what} rate"
+        print(f"{head}, median of {args.rounds}: {'  '.join(cells)}", flush=True)
 
 
 def _closed_loop(
@@ -419,6 +421,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument(flag, nargs="+", default=["auto"], choices=modes,
                        help="passes: alternate these modes; speed: the first")  # fmt: skip
     args = p.parse_args(argv)
+    if args.interleave and (len(args.verification) > 1 or len(args.branches) > 1):
+        p.error("--interleave runs one --verification and one --branches value")
     with torch.inference_mode():
         if args.mode == "passes":
             passes(
