@@ -116,7 +116,7 @@ class SpecConfig:
     draft_model: str | None = None
     max_draft_tokens: int = 4
     draft_length: str = "adaptive"
-    ngram_max: int = 4
+    ngram_max: int = 16
     ngram_min: int = 1
     ngram_assist: int = 0
     suffix_max_depth: int = 24

@@ -68,6 +68,23 @@ def test_a_lookup_is_priced_by_its_match_length_and_may_outrun_k_max():
     assert policy.lookup_length(good, 4, 8, 16, batch=1) == 16
 
 
+def test_long_matches_share_a_rate_per_range_of_lengths():
+    """Past 4 tokens a match's length is priced by its range (5-7, 8-15, 16 on): what lookups
+    matching 9 tokens taught prices one matching 12, and nothing of it prices a 6-token one."""
+    seconds = [0.010 + 0.001 * (n - 1) for n in SIZES]
+    policy = AdaptiveDraftLength(4, CostModel(SIZES, seconds, 0.001, 0.00002))
+    for _ in range(200):
+        policy.observe_lookup(9, 16, 16)  # 8-15 tokens matched: copied text, every draft kept
+        policy.observe_lookup(6, 4, 0)  # 5-7 tokens matched: none kept
+    estimates = policy.estimates
+    assert estimates.lookup_acceptance(12) == estimates.lookup_acceptance(9) > 0.95
+    assert estimates.lookup_acceptance(5) == estimates.lookup_acceptance(7) < 0.1
+    alone = _requests(1, accepted=0, trials=1000, temperature=0)[0]
+    assert policy.lookup_length(alone, 0, 12, 16, batch=1) == 16
+    assert policy.lookup_length(alone, 0, 7, 16, batch=1) == 0
+    assert estimates.lookup_acceptance(16) == estimates.lookup_acceptance(0)  # unseen: all's
+
+
 def test_a_sampled_requests_own_lookups_reprice_its_next_ones():
     """Lookups that one sampled request keeps (copied text) and another refuses (free chat)
     are priced per request: at the same match length, alone, the first verifies a longer chain

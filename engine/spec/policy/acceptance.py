@@ -20,6 +20,11 @@ LOOKUP_REQUEST_DECAY, LOOKUP_REQUEST_WEIGHT = 0.95, 2.0
 count starts at (the engine-wide estimate's weight in the request's factor)."""
 
 
+def match_bucket(match: int) -> int:
+    """The match lengths that share a lookup rate: each up to 4, then 5-7, 8-15 and 16 on."""
+    return match if match <= 4 else 5 if match < 8 else 8 if match < 16 else 16
+
+
 class AcceptanceEstimates:
     """Per-token acceptance a, engine-wide and per request; a d-th draft's gain is a^d times
     a measured depth factor (drafts are not kept independently)."""
@@ -43,7 +48,7 @@ class AcceptanceEstimates:
         self._depth_predicted = [0.0] * max_draft_tokens
         self._depth_cache: tuple[list[float], tuple] | None = None
         self._lookup = [prior * prior_weight, float(prior_weight)]  # kept, trials: all lookups
-        self._lookup_by_match: dict[int, list[float]] = {}  # the same per match length
+        self._lookup_by_match: dict[int, list[float]] = {}  # the same per match_bucket
         # Per request: its lookups' kept drafts and what the by-match estimate expected.
         self._lookup_by_request: WeakKeyDictionary[Request, list[float]] = WeakKeyDictionary()
 
@@ -52,10 +57,10 @@ class AcceptanceEstimates:
         return self._accepted / self._trials
 
     def lookup_acceptance(self, match: int = 0) -> float:
-        """Per-token acceptance of lookups that matched `match` tokens, all lookups' rate as
-        a prior of `prior_weight` trials (match 0: all lookups' rate)."""
+        """Per-token acceptance of lookups that matched `match` tokens (`match_bucket`'s range),
+        all lookups' rate as a prior of `prior_weight` trials (match 0: all lookups' rate)."""
         pooled = self._lookup[0] / self._lookup[1]
-        counts = self._lookup_by_match.get(match)
+        counts = self._lookup_by_match.get(match_bucket(match))
         if counts is None:
             return pooled
         w = self.prior_weight
@@ -155,6 +160,7 @@ class AcceptanceEstimates:
             counts[0] = LOOKUP_REQUEST_DECAY * counts[0] + num_accepted
             counts[1] = LOOKUP_REQUEST_DECAY * counts[1] + expected
         trials = num_accepted + (num_accepted < num_drafted)
-        for counts in (self._lookup, self._lookup_by_match.setdefault(match, [0.0, 0.0])):
+        by_match = self._lookup_by_match.setdefault(match_bucket(match), [0.0, 0.0])
+        for counts in (self._lookup, by_match):
             counts[0] = ACCEPTANCE_DECAY * counts[0] + num_accepted
             counts[1] = ACCEPTANCE_DECAY * counts[1] + trials

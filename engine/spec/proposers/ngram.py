@@ -51,7 +51,8 @@ def prompt_lookup_branches(
     """Up to `branches` continuations of up to k tokens with distinct first tokens: the latest
     earlier matches of the longest suffix n-gram first, then shorter ones for the rest."""
     length, found, firsts = len(tokens), [], set()
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
+    longest = longest_match(tokens, 1, n_max, n_min)[0]
+    for n in range(longest, n_min - 1, -1):
         suffix = tokens[length - n :]
         # Earlier starts j < length - n whose n-gram equals the suffix, the latest first.
         for j in range(length - n - 1, -1, -1):
