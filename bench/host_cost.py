@@ -5,9 +5,10 @@
 
 Engines `off`, `adaptive` (the draft model, adaptive K) and `K=2` (always drafting) on tiny
 random models (bench/gpu_pair.py's TINY shapes, 1,024 tokens: passes and logits cost little),
-every runner `forward` timed and taken out of its step's time. Per engine and batch (32-token
-prompts, greedy): the median host time of plain (no drafts) and drafting steps over --rounds
-rounds of --steps steps, the engines in turn each round, and each over off's plain steps.
+every runner pass on packed inputs (`forward_packed`) timed and taken out of its step's time
+(packing the requests' inputs is host work). Per engine and batch (32-token prompts, greedy):
+the median host time of plain (no drafts) and drafting steps over --rounds rounds of --steps
+steps, the engines in turn each round, and each over off's plain steps.
 """
 
 from __future__ import annotations
@@ -54,14 +55,14 @@ def timed_engine(root: Path, name: str, batch: int) -> tuple[LLMEngine, list[flo
     passes = [0.0]
     for runner in eng.runners:
 
-        def forward(*args, _forward=runner.forward, **kwargs):
+        def forward_packed(*args, _forward=runner.forward_packed, **kwargs):
             start = time.perf_counter()
             try:
                 return _forward(*args, **kwargs)
             finally:
                 passes[0] += time.perf_counter() - start
 
-        runner.forward = forward
+        runner.forward_packed = forward_packed
     return eng, passes
 
 

@@ -115,12 +115,12 @@ class Scheduler:
     ) -> list[RequestOutput]:
         """Advance counters with the verified tokens; roll back and release rejected ones.
         `prompt_logprobs`: this step's chunks of them, per request (the verifier's)."""
-        outputs = []
+        outputs, chunks = [], prompt_logprobs or {}
         for item in sched.scheduled:
             req = item.request
             if req.status.finished:
                 continue  # aborted while the step ran
-            chunk = (prompt_logprobs or {}).get(req.request_id)
+            chunk = chunks.get(req.request_id) if chunks else None
             if chunk is not None:  # a chunk from the prompt's start (again, if preempted)
                 start_over = req.num_computed_tokens == 0 or req.prompt_logprobs is None
                 req.prompt_logprobs = chunk if start_over else req.prompt_logprobs + chunk

@@ -106,10 +106,9 @@ class KVCacheManager:
         num_full = min(num_cacheable // self.block_size, len(table))
         if len(hashes) >= num_full:
             return
-        tokens = req.all_token_ids
-        parent = hashes[-1] if hashes else b""
+        parent, size = hashes[-1] if hashes else b"", self.block_size
         for i in range(len(hashes), num_full):
-            parent = _chain_hash(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
+            parent = _chain_hash(parent, req.token_ids(i * size, (i + 1) * size))
             hashes.append(parent)
             self.pool.cache(table[i], parent)
 

@@ -288,15 +288,18 @@ class ModelRunner:
             return self.native.logits(hidden)
         return self.model.get_output_embeddings()(hidden)
 
-    @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], widen: bool = True) -> torch.Tensor:
         """Run the packed batch on the first route of engine/model/routes.py that takes it;
         return float32 logits [num_logits, vocab], in the order of seqs and, within a request,
         of its logit_offsets. `widen=False`: a restricted head's own columns
         [num_logits, len(head_tokens)] (`widen` makes them the vocabulary's)."""
+        return self.forward_packed(PackedBatch.pack(seqs), widen)
+
+    @torch.inference_mode()
+    def forward_packed(self, batch: PackedBatch, widen: bool = True) -> torch.Tensor:
+        """`forward` of requests already packed (a draft's chain passes build them directly)."""
         if self.kernels != "torch" and cpu_kernels.activations() != self.cpu_activations:
             cpu_kernels.use_activations(self.cpu_activations)  # another runner's passes set it
-        batch = PackedBatch.pack(seqs)
         route = next(r for r in ROUTES if r.takes(self, batch))
         self.last_route = route.name
         logits = route.run(self, batch)

@@ -27,9 +27,13 @@ class RowSpec:
         return self.request.num_output_tokens + len(self.prior_drafts)
 
 
-def changes_logits(rows: list[RowSpec]) -> bool:
-    """Whether `apply_penalties_and_masks` changes any of these rows' logits."""
-    return any(_changes(r) for r in rows)
+def edits_logits(req: Request) -> bool:
+    """Whether `apply_penalties_and_masks` may change the logits of any row of `req` (rows
+    follow its output, so min_tokens reached means its stops stay unmasked)."""
+    params = req.params
+    if req.grammar is not None or params.has_penalties or params.logit_bias:
+        return True
+    return params.min_tokens > req.num_output_tokens and bool(req.stop_token_ids)
 
 
 def _changes(row: RowSpec) -> bool:

@@ -110,29 +110,32 @@ class SpecPlanner:
             start = time.perf_counter()
             self.proposer.observe(step)
             step.draft_seconds += time.perf_counter() - start  # the draft's time, not the target's
+        results, totals, policy = step.verified.tokens, counters.totals, self.policy
         for item in sched.scheduled:
             if item.reason is not None:
                 counters.reasons[item.reason] += 1
             req = item.request
-            result = step.verified.tokens.get(req.request_id)
-            if req.status.finished or result is None:  # aborted mid-step, or no sample yet
+            result = results.get(req.request_id)
+            if result is None or req.status.finished:  # no sample yet, or aborted mid-step
                 continue
             drafted, accepted = result.num_drafted, result.num_accepted
-            if item.looked_up:
-                self.policy.observe_lookup(item.lookup_match, drafted, accepted, req)
-            if item.looked_up and self.keeps_draft_kv:  # says nothing of the draft model's
+            if not drafted:
+                continue
+            if item.lookup_match:
+                policy.observe_lookup(item.lookup_match, drafted, accepted, req)
+            if item.lookup_match and self.keeps_draft_kv:  # says nothing of the draft model's
                 counters.lookup_drafted += drafted
                 counters.lookup_accepted += accepted
                 req.spec.count("lookup", drafted, accepted)
-            elif item.forced and not item.looked_up:
+            elif item.forced and not item.lookup_match:
                 counters.forced_drafted += drafted
                 counters.forced_accepted += accepted
                 req.spec.count("grammar", drafted, accepted)
-            elif drafted:
+            else:
                 req.spec.count(self.method, drafted, accepted)
-                req.spec.record(drafted, accepted)
-                counters.totals.record(drafted, accepted)
-                self.policy.observe(req, drafted, accepted, item.branches)
+                req.spec.record(drafted, accepted, by_position=False)
+                totals.record(drafted, accepted)
+                policy.observe(req, drafted, accepted, item.branches)
         if any(item.branches > 1 for item in sched.scheduled):
             counters.tree_steps += 1
         if self.cost_model is not None and step.timed:

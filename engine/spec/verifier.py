@@ -17,6 +17,7 @@ from engine.sample.sampler import (
     apply_penalties_and_masks,
     argmax,
     couple_seeded_rows,
+    edits_logits,
     logits_to_probs,
     plain_sampling,
     request_uniforms,
@@ -74,9 +75,9 @@ class Verifier:
         trees: dict[str, tuple[DraftTree, list[int], int]] = {}  # id: (tree, table, root slot)
         for i, (item, table) in enumerate(zip(sched.scheduled, block_tables, strict=True)):
             req = item.request
-            drafted = list(drafts.token_ids[i]) if drafts is not None else []
+            drafted = drafts.token_ids[i] if drafts is not None else []
             start = req.num_computed_tokens
-            tokens = req.all_token_ids[start : start + item.num_new_tokens] + drafted
+            tokens = req.token_ids(start, start + item.num_new_tokens) + drafted
             parents = drafts.parents[i] if drafts is not None and drafts.parents else None
             bits = positions = None
             if parents is not None and drafted:  # a draft tree under the request's last token
@@ -101,6 +102,10 @@ class Verifier:
         result = VerifyResult(forward_seconds=time.perf_counter() - start)
         if runner.hidden_rows:
             result.hidden = runner.last_hidden
+        if not prompt_rows:  # only sampling rows: each request's in turn
+            if samplers:
+                self._verify(samplers, logits, drafts, trees, runner, result)
+            return result
         # Split rows back per request, in the order they were laid out.
         cursor = 0
         prompt_logits: dict[str, torch.Tensor] = {}
@@ -130,11 +135,22 @@ class Verifier:
                 rows = logits[first:last]
             else:
                 rows = torch.cat([logits[a : a + n] for a, n in sample_parts])
-            if trees:
-                self._verify_trees(samplers, rows, drafts, trees, runner, result)
-            else:
-                self._verify_chains(samplers, rows, drafts, result)
+            self._verify(samplers, rows, drafts, trees, runner, result)
         return result
+
+    def _verify(
+        self,
+        samplers: list[tuple[Request, list[int]]],
+        rows: torch.Tensor,  # [sum(1 + drafts_i), vocab]: each sampling request's rows
+        drafts: DraftBatch | None,
+        trees: dict[str, tuple[DraftTree, list[int], int]],
+        runner: ModelRunner,
+        result: VerifyResult,
+    ) -> None:
+        if trees:
+            self._verify_trees(samplers, rows, drafts, trees, runner, result)
+        else:
+            self._verify_chains(samplers, rows, drafts, result)
 
     def _verify_chains(
         self,
@@ -146,7 +162,6 @@ class Verifier:
         reqs = [r for r, _ in samplers]
         drafted = [d for _, d in samplers]
         num_drafts = [len(d) for d in drafted]
-        rows = [RowSpec(r, d[:j]) for r, d in samplers for j in range(len(d) + 1)]
         sol = self.speed_of_light
         if sol is not None and any(num_drafts) and sol.due():
             first_rows = torch.tensor(
@@ -155,7 +170,10 @@ class Verifier:
             self.speed_of_light.observe_distributions(logits[first_rows.to(logits.device)])
         wants_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw = logits.clone() if wants_logprobs else logits
-        logits = apply_penalties_and_masks(logits, rows)
+        rows = None  # where a row's logits change or its distribution needs them
+        if any(edits_logits(r) for r in reqs):
+            rows = _chain_rows(samplers)
+            logits = apply_penalties_and_masks(logits, rows)
         if all(r.params.greedy for r in reqs):  # one-hot rows: the argmax decides
             emitted = greedy_verify(argmax(logits).tolist(), drafted)
         else:
@@ -168,6 +186,7 @@ class Verifier:
                     logits, temperatures, ids, draft_probs, num_drafts, uniform, self.method
                 )
             else:  # top-k/top-p, seeded (coupled) or greedy rows among them
+                rows = rows or _chain_rows(samplers)
                 probs = couple_seeded_rows(logits_to_probs(logits, rows), rows)
                 draft_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
                 emitted = emitted_tokens(
@@ -254,6 +273,11 @@ class Verifier:
             if k and self.speed_of_light is not None:
                 self.speed_of_light.observe_pass(len(tokens))
             row += k + 1
+
+
+def _chain_rows(samplers: list[tuple[Request, list[int]]]) -> list[RowSpec]:
+    """Each request's rows: its last token's, then one after each of its drafts."""
+    return [RowSpec(r, d[:j]) for r, d in samplers for j in range(len(d) + 1)]
 
 
 def _prompt_logprobs(req: Request, logits: torch.Tensor) -> list[TokenLogprob | None]:

@@ -18,6 +18,12 @@ class ScheduledRequest:
     lookup_match: int = 0  # a prompt lookup's: how many tokens of the context it matched
     reason: str | None = None
     """Why K is below K_max this step (the policy's reason or the scheduler's cut), or None."""
+    samples: bool = field(init=False)
+    """Whether this step reaches the end of the request's tokens and so samples."""
+
+    def __post_init__(self) -> None:
+        req = self.request
+        self.samples = req.num_computed_tokens + self.num_new_tokens == req.num_tokens
 
     @property
     def looked_up(self) -> bool:
@@ -31,12 +37,6 @@ class ScheduledRequest:
     @property
     def num_draft_slots(self) -> int:
         return self.num_draft_tokens * self.branches
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the request's tokens and so samples."""
-        req = self.request
-        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
 
 
 @dataclass

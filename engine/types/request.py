@@ -123,9 +123,8 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
 
-    @property
-    def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+    def __init__(self, value: str) -> None:
+        self.finished = value not in ("waiting", "running")
 
 
 @dataclass
@@ -147,18 +146,21 @@ class SpecStats:
         drafted, accepted = self.by_source.get(source, (0, 0))
         self.by_source[source] = (drafted + num_drafted, accepted + num_accepted)
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
+    def record(self, num_drafted: int, num_accepted: int, by_position: bool = True) -> None:
         self.drafted += num_drafted
         self.accepted += num_accepted
         self.trials += num_accepted + (num_accepted < num_drafted)
         self.verify_passes += 1
-        grow = num_drafted - len(self.drafted_by_position)
-        if grow > 0:
-            self.drafted_by_position.extend([0] * grow)
-            self.accepted_by_position.extend([0] * grow)
+        if not by_position:
+            return
+        drafted, accepted = self.drafted_by_position, self.accepted_by_position
+        if num_drafted > len(drafted):
+            drafted.extend([0] * (num_drafted - len(drafted)))
+            accepted.extend([0] * (num_drafted - len(accepted)))
         for pos in range(num_drafted):
-            self.drafted_by_position[pos] += 1
-            self.accepted_by_position[pos] += pos < num_accepted
+            drafted[pos] += 1
+        for pos in range(num_accepted):
+            accepted[pos] += 1
 
 
 class GrammarMatcher(Protocol):
@@ -218,6 +220,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """`all_token_ids[start:end]` without joining the whole context first."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
     def num_prompt_tokens(self) -> int:

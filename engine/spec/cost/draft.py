@@ -20,11 +20,12 @@ class DraftCost:
     ) -> None:
         # Seconds per pass, per draft, per query x key pair, per fed token.
         self.calibrated = [fixed, per_token, per_pair, per_token if per_fed is None else per_fed]
-        self.scales = np.ones(4)  # per part: measured / calibrated
-        self.coefs = list(self.calibrated)  # calibrated x scales: what predictions use
+        self._scales = [1.0] * 4  # per part: measured / calibrated
+        self._coefs = list(self.calibrated)  # calibrated x scales: what predictions use
+        self._solved = True  # False: observed since the last fit (made when next needed)
         self.count = 0
-        self._gram = np.zeros((4, 4))
-        self._moment = np.zeros(4)
+        self._gram = [[0.0] * 4 for _ in range(4)]
+        self._moment = [0.0] * 4
 
     @property
     def fixed(self) -> float:
@@ -41,6 +42,21 @@ class DraftCost:
     @property
     def per_fed(self) -> float:
         return self.calibrated[3]
+
+    @property
+    def scales(self) -> list[float]:
+        self._fit()
+        return self._scales
+
+    @property
+    def coefs(self) -> list[float]:
+        self._fit()
+        return self._coefs
+
+    @coefs.setter
+    def coefs(self, coefs: list[float]) -> None:
+        self._fit()
+        self._coefs = list(coefs)
 
     def at(self, passes: float, drafts: float, pairs: float, fed: float = 0.0) -> float:
         """Seconds predicted for one step (plain Python: cheaper than numpy on scalars)."""
@@ -66,18 +82,36 @@ class DraftCost:
     def observe(
         self, passes: float, drafts: float, pairs: float, fed: float, seconds: float
     ) -> None:
+        """A step's time into a ridge fit's decayed moments (plain Python: numpy's per-call
+        cost dominates at 4 x 4), solved when next read."""
         cal = self.calibrated
-        parts = np.array([cal[0] * passes, cal[1] * drafts, cal[2] * pairs, cal[3] * fed])
-        calibrated = float(parts.sum())
+        parts = [cal[0] * passes, cal[1] * drafts, cal[2] * pairs, cal[3] * fed]
+        calibrated = sum(parts)
         if calibrated <= 0:  # a model-free drafter: nothing to learn
             return
-        shares = parts / calibrated
-        predicted = float(shares @ self.scales)
-        ratio = min(max(seconds / calibrated, 0.5 * predicted), 2.0 * predicted)
+        shares = [x / calibrated for x in parts]
+        raw = seconds / calibrated
+        predicted = sum(x * f for x, f in zip(shares, self._scales, strict=True))
+        if not self._solved and not 0.5 * predicted <= raw <= 2.0 * predicted:
+            self._fit()  # a ratio is clipped to the fit so far: make it current first
+            predicted = sum(x * f for x, f in zip(shares, self._scales, strict=True))
+        ratio = min(max(raw, 0.5 * predicted), 2.0 * predicted)
         self.count += 1
         rate = max(_EMA, 1.0 / self.count)
-        self._gram += rate * (np.outer(shares, shares) - self._gram)
-        self._moment += rate * (shares * ratio - self._moment)
-        solved = np.linalg.solve(self._gram + _RIDGE_MATRIX, self._moment + _RIDGE)
-        self.scales = np.clip(solved, *_LIMITS)
-        self.coefs = [c * s for c, s in zip(cal, self.scales.tolist(), strict=True)]
+        for row, x in zip(self._gram, shares, strict=True):
+            for j, y in enumerate(shares):
+                row[j] += rate * (x * y - row[j])
+        moment = self._moment
+        for i, x in enumerate(shares):
+            moment[i] += rate * (x * ratio - moment[i])
+        self._solved = False
+
+    def _fit(self) -> None:
+        if self._solved:
+            return
+        self._solved = True
+        solved = np.linalg.solve(
+            np.array(self._gram) + _RIDGE_MATRIX, np.array(self._moment) + _RIDGE
+        )
+        self._scales = np.clip(solved, *_LIMITS).tolist()
+        self._coefs = [c * s for c, s in zip(self.calibrated, self._scales, strict=True)]

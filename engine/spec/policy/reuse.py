@@ -61,7 +61,7 @@ def decision_key(
         tuple(n // 32 for n in context),
         tuple(widths),
         tuple(round(25 * s.value) for s in scales),
-        tuple(round(25 * s) for s in cost.draft.scales.tolist()),
+        tuple(round(25 * s) for s in cost.draft.scales),
         tuple(round(20 * cost.step_overhead(len(a), kind) / one_token) for kind in (False, True)),
         trees,
         tuple(round(c) for c in catch_up),

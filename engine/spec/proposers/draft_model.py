@@ -12,13 +12,14 @@ import torch
 from engine.config import SpecConfig
 from engine.cpu import sampling as cpu_sampling
 from engine.model.inputs import SeqInput
+from engine.model.routes import PackedBatch
 from engine.model.runner import ModelRunner
 from engine.sample.sampler import (
     RowSpec,
     apply_penalties_and_masks,
     argmax,
-    changes_logits,
     coupled_tokens,
+    edits_logits,
     kernel_rows,
     logits_to_probs,
     plain_sampling,
@@ -91,7 +92,7 @@ class DraftModelProposer:
             else:
                 continue  # a plain decode: the draft catches up when K > 0 again
             start = req.num_draft_computed_tokens
-            tokens = req.all_token_ids[start:end]
+            tokens = req.token_ids(start, end)
             if not tokens:
                 continue
             seqs.append(SeqInput(tokens, start, table, [len(tokens) - 1] if k > 0 else []))
@@ -131,16 +132,24 @@ class DraftModelProposer:
             active = [(i, req) for i, req, k in drafting if k >= depth]
             if not active:
                 break
-            seqs = [self._next_pass(req, lanes[i], block_tables[i], root[i]) for i, req in active]
             entries = [(req, lane, 1) for i, req in active for lane in lanes[i]]
-            logits = forward(seqs)
+            if len(entries) == len(active):  # chains only: packed directly, one token each
+                batch = _chain_pass(active, lanes, block_tables)
+                fed[0] += len(active)
+                fed[1] += sum(batch.context_lens)
+                logits = self.runner.forward_packed(batch, widen=False)
+            else:
+                seqs = [self._next_pass(r, lanes[i], block_tables[i], root[i]) for i, r in active]
+                logits = forward(seqs)
             passes += 1
             picks = self._pick(logits, entries, want_q)
-            flat_lanes = [(i, b) for i, _ in active for b in range(width[i])]
-            for (i, b), (tokens, q) in zip(flat_lanes, picks, strict=True):
-                lanes[i][b].extend(tokens)
-                if q is not None:
-                    lane_q[i][b].append(q)
+            for (_, lane, _), (tokens, _) in zip(entries, picks, strict=True):
+                lane.extend(tokens)
+            if want_q:
+                qs = [lane_q[i][b] for i, _ in active for b in range(width[i])]
+                for q_lane, (_, q) in zip(qs, picks, strict=True):
+                    if q is not None:
+                        q_lane.append(q)
         parents: list[list[int] | None] = [None] * len(sched.scheduled)
         flat_q: list[torch.Tensor] = []
         for i, req, k in drafting:
@@ -190,15 +199,15 @@ class DraftModelProposer:
         (seeded); a tree's root asks for several distinct ones (`_siblings`)."""
         if not entries:  # a pass that only fed prefill chunks
             return []
-        rows = [RowSpec(req, prior) for req, prior, _ in entries]  # earlier drafts count
         head = self.runner.head_tokens
         chains = all(n == 1 for _, _, n in entries)
-        if head is not None and chains and not want_q and not changes_logits(rows):
-            # The head's own columns (cheaper), in token order: a tie picks as the full row.
-            return [([token], None) for token in head[argmax(logits)].tolist()]
-        if head is not None and chains and not changes_logits(rows):
-            if (picks := self._sample_head(logits, rows)) is not None:
+        if chains and not any(edits_logits(req) for req, _, _ in entries):
+            if not want_q:  # a restricted head's columns are in token order: a tie picks alike
+                picked = argmax(logits) if head is None else head[argmax(logits)]
+                return [([token], None) for token in picked.tolist()]
+            if head is not None and (picks := self._sample_head(logits, [e[0] for e in entries])):
                 return picks
+        rows = [RowSpec(req, prior) for req, prior, _ in entries]  # earlier drafts count
         logits = apply_penalties_and_masks(self.runner.widen(logits), rows)
         if not want_q:  # all greedy
             n_max = max(n for _, _, n in entries)
@@ -222,14 +231,14 @@ class DraftModelProposer:
         return out
 
     def _sample_head(
-        self, logits: torch.Tensor, rows: list[RowSpec]
+        self, logits: torch.Tensor, reqs: list[Request]
     ) -> list[tuple[list[int], torch.Tensor]] | None:
         """Plain sampled chains on the CPU in one `sample_head` kernel call; None elsewhere."""
         head = self.runner.head_tokens
-        params = [row.request.params for row in rows]
+        params = [req.params for req in reqs]
         if not (kernel_rows(logits) and all(plain_sampling(p) for p in params)):
             return None
-        uniform = request_uniforms([row.request for row in rows], [1] * len(rows), head.device)
+        uniform = request_uniforms(reqs, [1] * len(reqs), head.device)
         tokens, q = cpu_sampling.sample_head(
             logits, [1.0 / p.temperature for p in params], head, uniform, self.runner.vocab_size
         )
@@ -259,3 +268,19 @@ class DraftModelProposer:
             more = torch.multinomial(rest, count, generator=req.generator).tolist()
         # Too few tokens with mass: a repeat has q = 0 after its first, never kept.
         return ([first] + more + [first] * n)[:n]
+
+
+def _chain_pass(
+    active: list[tuple[int, Request]], lanes: dict[int, list[list[int]]], tables: list[list[int]]
+) -> PackedBatch:
+    """A pass of chains as `_next_pass`'s inputs would pack: each feeds its last draft."""
+    positions = []
+    for _, req in active:
+        positions.append(req.num_draft_computed_tokens)
+        req.num_draft_computed_tokens += 1
+    n = len(active)
+    tokens = [lanes[i][0][-1] for i, _ in active]
+    context = [p + 1 for p in positions]
+    return PackedBatch(
+        tokens, positions, [1] * n, context, [tables[i] for i, _ in active], list(range(n)), None
+    )

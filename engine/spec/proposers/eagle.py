@@ -234,7 +234,7 @@ class EagleProposer(DraftModelProposer):
             start, end = req.num_draft_computed_tokens, req.num_tokens
             store = req.draft_features or _Features()
             feats.append(store.read(start - 1, end - 1, self.width))
-            seqs.append(SeqInput(req.all_token_ids[start:end], start, table, [end - start - 1]))
+            seqs.append(SeqInput(req.token_ids(start, end), start, table, [end - start - 1]))
             drafting.append((i, req, k))
         if not seqs:
             return DraftBatch(drafts, None)
