@@ -121,10 +121,12 @@ class CostModel:
 
     def _target_scales(self, num_tokens: np.ndarray | float) -> np.ndarray:
         n = np.asarray(num_tokens)
-        by_count = np.array([self.target_scale_at(i) for i in range(SMALL_PASS + 1)])
+        shared, least = self.target_scale.value, _SMALL_MIN_OBSERVED  # as target_scale_at
+        by_count = np.array([s.value if s.count >= least else shared for s in self.small_scales])
         small = by_count[np.clip(n, 0, SMALL_PASS).astype(np.int64)]
         buckets = np.minimum(np.frexp(np.maximum(n, SMALL_PASS + 1) - 1)[1], _BUCKETS - 1)
-        by_size = np.array([self.target_scale_at(2**b) for b in range(int(buckets.max()) + 1)])
+        sizes = self.size_scales[: int(buckets.max()) + 1]
+        by_size = np.array([s.value if s.count >= least else shared for s in sizes])
         return np.where(n <= SMALL_PASS, small, by_size[buckets])  # frexp: size_bucket
 
     def target_scale_at(self, num_tokens: int) -> float:
