@@ -21,6 +21,7 @@ from engine.spec.cost.model import CostModel, PassShape
 from engine.spec.policy import REASON_ACCEPTANCE, REASON_BATCH, AdaptiveDraftLength
 from engine.spec.policy.adaptive import PROBE_STEPS
 from engine.spec.policy.catch_up import CATCH_UP_STEPS
+from engine.spec.policy.reuse import PLAIN_REUSE_STEPS
 from engine.types.request import Request, SamplingParams
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 
@@ -734,6 +735,33 @@ def test_batches_past_eight_share_their_step_overhead_by_range_of_sizes():
     assert cost.step_overhead(8) == 0.0 and cost.step_overhead(17) == 0.0
 
 
+def test_a_decision_of_no_drafts_stands_until_drafts_are_verified():
+    """K = 0 for every request serves PLAIN_REUSE_STEPS steps of the same requests (plain steps
+    then cost what the off engine's do); a verified draft (a probe's) ends it at once."""
+    policy = AdaptiveDraftLength(4, memory_then_compute_bound(), probe_interval=10**6)
+    reqs = _requests(2, accepted=0, trials=10**4, context=40)
+    searches = []
+    search = policy.decision_for
+    policy.decision_for = lambda *args: searches.append(1) or search(*args)
+    for _ in range(PLAIN_REUSE_STEPS):
+        assert policy.choose(reqs).ks == [0, 0]
+    assert len(searches) == 1
+    policy.choose(reqs)
+    assert len(searches) == 2
+    policy.observe(reqs[0], 1, 0)
+    policy.choose(reqs)
+    assert len(searches) == 3
+    for req in reqs:  # drafting pays now: a decision of K > 0 serves 4 steps
+        req.spec.accepted = req.spec.trials = 10**4
+    policy.observe(reqs[0], 1, 1)
+    assert all(policy.choose(reqs).ks) and len(searches) == 4
+    for _ in range(3):
+        policy.choose(reqs)
+    assert len(searches) == 4
+    policy.choose(reqs)
+    assert len(searches) == 5
+
+
 def test_a_lagging_draft_is_charged_over_the_drafting_runs_the_policy_measures():
     """The draft's catch-up is spread over the drafting steps expected to follow: 32 as a
     prior, then the measured mean length of the runs of drafting steps the policy chose. Runs
@@ -741,7 +769,7 @@ def test_a_lagging_draft_is_charged_over_the_drafting_runs_the_policy_measures()
     when it is caught up no longer starts 12 tokens behind."""
     cost = CostModel(SIZES, [0.0040, 0.0042] + [0.0042 + 0.001 * n for n in SIZES[2:]],
                      draft_fixed=0.0005, draft_per_token=0.0004)  # fmt: skip
-    policy = AdaptiveDraftLength(1, cost, probe_interval=10**6, reuse_steps=1)
+    policy = AdaptiveDraftLength(1, cost, probe_interval=10**6, reuse_steps=1, plain_reuse_steps=1)
     req = _requests(1, accepted=80, trials=100, context=40)[0]
     behind = _requests(1, accepted=80, trials=100, context=40)[0]
     behind.request_id = "behind"

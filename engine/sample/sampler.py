@@ -28,8 +28,7 @@ class RowSpec:
 
 
 def edits_logits(req: Request) -> bool:
-    """Whether `apply_penalties_and_masks` may change the logits of any row of `req` (rows
-    follow its output, so min_tokens reached means its stops stay unmasked)."""
+    """Whether `apply_penalties_and_masks` may change any of `req`'s rows (after its output)."""
     params = req.params
     if req.grammar is not None or params.has_penalties or params.logit_bias:
         return True

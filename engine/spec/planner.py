@@ -22,6 +22,9 @@ FORCED_MAX = 4
 LOOKUP_MAX = 16
 """The most drafts a prompt lookup offers a request decoding alone (copied text goes on)."""
 
+PLAIN_TIMED_FIRST, PLAIN_TIMED_EVERY = 64, 8
+"""Plain decode steps timed for the cost model: the first 64, then one in 8 (shapes repeat)."""
+
 
 @dataclass
 class SpecCounters:
@@ -54,6 +57,8 @@ class SpecPlanner:
         self._step_start = 0.0
         self._last_decode: tuple[float, int, float, bool] | None = None
         """The last step, if it decoded only and left work: (start, requests, passes, drafted)."""
+        self._plain_steps = 0
+        self._timed = False  # whether this step's costs are observed
 
     @property
     def max_draft_tokens(self) -> int:
@@ -138,12 +143,13 @@ class SpecPlanner:
                 policy.observe(req, drafted, accepted, item.branches)
         if any(item.branches > 1 for item in sched.scheduled):
             counters.tree_steps += 1
-        if self.cost_model is not None and step.timed:
+        self._timed = self.cost_model is not None and step.timed and self._teaches(step)
+        if self._timed:
             self._observe_costs(step)
 
     def end_step(self, step: StepResult, left_work: bool) -> None:
         """A decode-only step that left work is timed to the next start (streaming included)."""
-        if self.cost_model is None or not step.timed or not left_work:
+        if not self._timed or not left_work:
             return
         sched = step.sched
         if sched.num_decodes != len(sched.scheduled):
@@ -151,6 +157,14 @@ class SpecPlanner:
         drafted = step.drafts is not None and any(step.drafts.token_ids)
         passes = step.draft_seconds + step.target_seconds
         self._last_decode = (self._step_start, sched.num_decodes, passes, drafted)
+
+    def _teaches(self, step: StepResult) -> bool:
+        """Whether the cost model learns from this step (PLAIN_TIMED_FIRST, PLAIN_TIMED_EVERY)."""
+        fed = step.drafts is not None and step.drafts.fed_tokens
+        if any(step.num_drafts) or fed or step.sched.num_decodes != len(step.sched.scheduled):
+            return True
+        self._plain_steps += 1
+        return self._plain_steps <= PLAIN_TIMED_FIRST or self._plain_steps % PLAIN_TIMED_EVERY == 0
 
     def _observe_costs(self, step: StepResult) -> None:
         """Before the scheduler's update: num_computed_tokens is still this step's start."""

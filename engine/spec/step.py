@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 from engine.spec.proposers.base import DraftBatch
 from engine.spec.verifier import VerifyResult
@@ -22,22 +21,16 @@ class StepResult:
     timed: bool = True
     """False when a CUDA graph was captured during the step: its time says nothing of steps'."""
 
-    @cached_property
-    def num_drafts(self) -> list[int]:
-        """Per scheduled request, the drafts it verified."""
-        if self.drafts is None:
-            return [0] * len(self.sched.scheduled)
-        return [len(d) for d in self.drafts.token_ids]
+    num_drafts: list[int] = field(init=False)
+    """Per scheduled request, the drafts it verified."""
+    proposed: list[int] = field(init=False)
+    """Per scheduled request, the drafts the proposer made (forced ones cost it nothing)."""
+    draft_passes: int = field(init=False)
 
-    @cached_property
-    def proposed(self) -> list[int]:
-        """Per scheduled request, the drafts the proposer made (forced ones cost it nothing)."""
-        return [
-            0 if item.forced else k
-            for item, k in zip(self.sched.scheduled, self.num_drafts, strict=True)
-        ]
-
-    @cached_property
-    def draft_passes(self) -> int:
-        passes = self.drafts.passes if self.drafts else 0
-        return passes or max(self.proposed, default=0)
+    def __post_init__(self) -> None:
+        drafts, scheduled = self.drafts, self.sched.scheduled
+        counts = [len(d) for d in drafts.token_ids] if drafts is not None else [0] * len(scheduled)
+        self.num_drafts = counts
+        self.proposed = [0 if item.forced else k for item, k in zip(scheduled, counts, strict=True)]
+        passes = drafts.passes if drafts is not None else 0
+        self.draft_passes = passes or max(self.proposed, default=0)

@@ -82,8 +82,7 @@ class DraftCost:
     def observe(
         self, passes: float, drafts: float, pairs: float, fed: float, seconds: float
     ) -> None:
-        """A step's time into a ridge fit's decayed moments (plain Python: numpy's per-call
-        cost dominates at 4 x 4), solved when next read."""
+        """A step's time into a ridge fit's moments, solved when next read (plain Python here)."""
         cal = self.calibrated
         parts = [cal[0] * passes, cal[1] * drafts, cal[2] * pairs, cal[3] * fed]
         calibrated = sum(parts)

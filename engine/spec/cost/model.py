@@ -237,7 +237,8 @@ class CostModel:
         self, batch: int, interval: float, passes: float, drafting: bool = False
     ) -> None:
         """`interval`: from a decode step's start to the next's; `passes`: of it in passes."""
-        seen = self.overheads.setdefault((overhead_key(batch), drafting), _Seconds())
+        key = (overhead_key(batch), drafting)
+        seen = self.overheads.get(key) or self.overheads.setdefault(key, _Seconds())
         seen.observe(max(interval - passes, 0.0))
 
     def observe_draft(

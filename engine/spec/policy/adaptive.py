@@ -8,7 +8,7 @@ from engine.spec.cost.model import CostModel
 from engine.spec.policy.acceptance import REQUEST_WEIGHT, AcceptanceEstimates
 from engine.spec.policy.base import REASON_ACCEPTANCE, REASON_BATCH, DraftLengths
 from engine.spec.policy.catch_up import CatchUp
-from engine.spec.policy.reuse import Decision, DecisionReuse, decision_key
+from engine.spec.policy.reuse import PLAIN_REUSE_STEPS, Decision, DecisionReuse, decision_key
 from engine.spec.policy.search import BatchSearch
 from engine.types.request import Request
 
@@ -33,6 +33,7 @@ class AdaptiveDraftLength:
         max_probe_interval: int = 1024,
         max_branches: int = 1,
         reuse_steps: int = 4,
+        plain_reuse_steps: int = PLAIN_REUSE_STEPS,
     ) -> None:
         self.max_draft_tokens = max_draft_tokens
         self.max_branches = max_branches
@@ -41,7 +42,7 @@ class AdaptiveDraftLength:
         self.estimates = AcceptanceEstimates(max_draft_tokens, prior, prior_weight, request_weight)
         self.search = BatchSearch(cost, self.estimates)
         self.catch_up = CatchUp()
-        self.reuse = DecisionReuse(reuse_steps)
+        self.reuse = DecisionReuse(reuse_steps, plain_reuse_steps)
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
         self._probe_every = probe_interval
@@ -52,11 +53,13 @@ class AdaptiveDraftLength:
         self, request: Request, num_drafted: int, num_accepted: int, branches: int = 1
     ) -> None:
         self.estimates.observe(request, num_drafted, num_accepted, branches)
+        self.reuse.expire_plain()
 
     def observe_lookup(
         self, match: int, num_drafted: int, num_accepted: int, request: Request | None = None
     ) -> None:
         self.estimates.observe_lookup(match, num_drafted, num_accepted, request)
+        self.reuse.expire_plain()
 
     def lookup_length(self, request: Request, k: int, match: int, found: int, batch: int) -> int:
         """Alone: the best chain at `match`'s acceptance (and the request's own record) unless
@@ -101,13 +104,15 @@ class AdaptiveDraftLength:
         a = [self.estimates.acceptance(r) for r in requests]
         context = [r.num_tokens for r in requests]
         catch_up = [self.catch_up.tokens(r) for r in requests]
-        key = decision_key(
-            self.cost, self.estimates, self.max_branches, a, context, num_other_tokens, catch_up
-        )
-        decided = self.reuse.keyed(key)
-        if decided is not None:
-            self.reuse.remember(ids, None, decided)
-            return decided
+        key = None
+        if len(requests) > 1 or self.max_branches > 1:  # one chain's search costs less than a key
+            key = decision_key(
+                self.cost, self.estimates, self.max_branches, a, context, num_other_tokens, catch_up
+            )
+            decided = self.reuse.keyed(key)
+            if decided is not None:
+                self.reuse.remember(ids, None, decided)
+                return decided
         arrays = np.array(a), np.array(context, dtype=np.float64)
         decided = self.decide(*arrays, num_other_tokens, np.array(catch_up))
         self.reuse.remember(ids, key, decided)

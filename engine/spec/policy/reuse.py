@@ -1,5 +1,5 @@
-"""When the adaptive policy may reuse a decision: for `reuse_steps` steps of the same requests
-without prefill tokens, else for a step whose inputs round alike (`decision_key`)."""
+"""When the adaptive policy may reuse a decision: for `reuse_steps` (or PLAIN_REUSE_STEPS) steps
+of the same requests without prefill tokens, else for a step whose inputs round alike."""
 
 from __future__ import annotations
 
@@ -8,13 +8,16 @@ from engine.spec.policy.acceptance import AcceptanceEstimates
 
 Decision = tuple[list[int], list[str | None], int]  # (Ks, reasons, tree branches)
 MAX_CACHED = 4096  # decisions kept by key; the cache starts afresh when full
+PLAIN_REUSE_STEPS = 32
+"""Steps a decision of K = 0 for all serves, unless drafts are verified (a probe's) first."""
 
 
 class DecisionReuse:
     """The last decision with the steps it may still serve, and earlier decisions by key."""
 
-    def __init__(self, reuse_steps: int) -> None:
+    def __init__(self, reuse_steps: int, plain_reuse_steps: int = PLAIN_REUSE_STEPS) -> None:
         self.reuse_steps = reuse_steps
+        self.plain_reuse_steps = plain_reuse_steps
         self._last: tuple[list[str], int, Decision | None] = ([], 0, None)
         self._by_key: dict[tuple, Decision] = {}
 
@@ -26,11 +29,17 @@ class DecisionReuse:
             return decided
         return None
 
+    def expire_plain(self) -> None:
+        ids, left, decided = self._last
+        if left and decided is not None and not any(decided[0]):
+            self._last = (ids, 0, decided)
+
     def keyed(self, key: tuple) -> Decision | None:
         return self._by_key.get(key)
 
     def remember(self, request_ids: list[str], key: tuple | None, decided: Decision) -> None:
-        self._last = (request_ids, self.reuse_steps - 1, decided)
+        steps = self.reuse_steps if any(decided[0]) else self.plain_reuse_steps
+        self._last = (request_ids, steps - 1, decided)
         if key is not None:
             if len(self._by_key) >= MAX_CACHED:
                 self._by_key.clear()
