@@ -37,20 +37,20 @@ class PackedBatch:
         token_ids: list[int] = []
         positions: list[int] = []
         logit_index: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tree = False
         for seq in seqs:
-            logit_index.extend(len(token_ids) + off for off in seq.logit_offsets)
-            token_ids.extend(seq.token_ids)
-            positions.extend(seq.positions or range(seq.start_pos, seq.context_len))
-        trees = [s.attention_tree() for s in seqs] if any(s.tree for s in seqs) else None
-        return cls(
-            token_ids,
-            positions,
-            [len(s.token_ids) for s in seqs],
-            [s.context_len for s in seqs],
-            [s.block_table for s in seqs],
-            logit_index,
-            trees,
-        )
+            n, q, start = len(token_ids), len(seq.token_ids), seq.start_pos
+            logit_index += [n + off for off in seq.logit_offsets]
+            token_ids += seq.token_ids
+            positions += seq.positions or range(start, start + q)
+            query_lens.append(q)
+            context_lens.append(start + q)
+            tree = tree or bool(seq.tree)
+        trees = [s.attention_tree() for s in seqs] if tree else None
+        tables = [s.block_table for s in seqs]
+        return cls(token_ids, positions, query_lens, context_lens, tables, logit_index, trees)
 
     @property
     def every_row(self) -> bool:
