@@ -73,12 +73,13 @@ class Verifier:
         prompt_rows: list[tuple[Request, int]] = []  # (request, number of prompt rows)
         samplers: list[tuple[Request, list[int]]] = []  # (request, its drafts)
         trees: dict[str, tuple[DraftTree, list[int], int]] = {}  # id: (tree, table, root slot)
+        no_drafts: list[list[int]] = [[] for _ in sched.scheduled]
+        token_ids = drafts.token_ids if drafts is not None else no_drafts
+        all_parents = drafts.parents if drafts is not None else None
         for i, (item, table) in enumerate(zip(sched.scheduled, block_tables, strict=True)):
-            req = item.request
-            drafted = drafts.token_ids[i] if drafts is not None else []
-            start = req.num_computed_tokens
+            req, drafted, start = item.request, token_ids[i], item.request.num_computed_tokens
             tokens = req.token_ids(start, start + item.num_new_tokens) + drafted
-            parents = drafts.parents[i] if drafts is not None and drafts.parents else None
+            parents = all_parents[i] if all_parents else None
             bits = positions = None
             if parents is not None and drafted:  # a draft tree under the request's last token
                 fixed = parents.count(0) - 1 if self.tree_drafts == "top" else 0
@@ -86,14 +87,14 @@ class Verifier:
                 trees[req.request_id] = (tree, table, start)
                 bits = [sum(1 << a for a in tree.ancestors(v)) for v in range(len(tokens))]
                 positions = [start + tree.depth(v) for v in range(len(tokens))]
-            offsets = []
-            if req.params.prompt_logprobs is not None and req.num_output_tokens == 0:
+            offsets: list[int] = []
+            if req.params.prompt_logprobs is not None and not req.output_token_ids:
                 # Row j predicts the prompt token at position start + j + 1.
                 n = max(0, min(item.num_new_tokens, req.num_prompt_tokens - start - 1))
-                offsets.extend(range(n))
+                offsets += range(n)
                 prompt_rows.append((req, n))
             if item.samples:
-                offsets.extend(range(item.num_new_tokens - 1, len(tokens)))
+                offsets += range(item.num_new_tokens - 1, len(tokens))
                 samplers.append((req, drafted))
             seqs.append(SeqInput(tokens, start, table, offsets, tree=bits, positions=positions))
 
