@@ -29,16 +29,17 @@ class RowSpec:
 
 def edits_logits(req: Request) -> bool:
     """Whether `apply_penalties_and_masks` may change any of `req`'s rows (after its output)."""
-    params = req.params
-    if req.grammar is not None or params.has_penalties or params.logit_bias:
+    if _rewrites(req):
         return True
-    return params.min_tokens > req.num_output_tokens and bool(req.stop_token_ids)
+    return req.params.min_tokens > req.num_output_tokens and bool(req.stop_token_ids)
+
+
+def _rewrites(req: Request) -> bool:
+    return req.grammar is not None or req.params.has_penalties or bool(req.params.logit_bias)
 
 
 def _changes(row: RowSpec) -> bool:
-    req = row.request
-    edits = req.grammar is not None or req.params.has_penalties or bool(req.params.logit_bias)
-    return edits or _masks_stops(row)
+    return _rewrites(row.request) or _masks_stops(row)
 
 
 def apply_penalties_and_masks(

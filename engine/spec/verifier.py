@@ -73,8 +73,7 @@ class Verifier:
         prompt_rows: list[tuple[Request, int]] = []  # (request, number of prompt rows)
         samplers: list[tuple[Request, list[int]]] = []  # (request, its drafts)
         trees: dict[str, tuple[DraftTree, list[int], int]] = {}  # id: (tree, table, root slot)
-        no_drafts: list[list[int]] = [[] for _ in sched.scheduled]
-        token_ids = drafts.token_ids if drafts is not None else no_drafts
+        token_ids = drafts.token_ids if drafts is not None else [[] for _ in sched.scheduled]
         all_parents = drafts.parents if drafts is not None else None
         for i, (item, table) in enumerate(zip(sched.scheduled, block_tables, strict=True)):
             req, drafted, start = item.request, token_ids[i], item.request.num_computed_tokens

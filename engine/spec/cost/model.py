@@ -121,12 +121,11 @@ class CostModel:
 
     def _target_scales(self, num_tokens: np.ndarray | float) -> np.ndarray:
         n = np.asarray(num_tokens)
-        shared, least = self.target_scale.value, _SMALL_MIN_OBSERVED  # as target_scale_at
-        by_count = np.array([s.value if s.count >= least else shared for s in self.small_scales])
+        by_count = np.array([self._scale_value(s) for s in self.small_scales])
         small = by_count[np.clip(n, 0, SMALL_PASS).astype(np.int64)]
         buckets = np.minimum(np.frexp(np.maximum(n, SMALL_PASS + 1) - 1)[1], _BUCKETS - 1)
         sizes = self.size_scales[: int(buckets.max()) + 1]
-        by_size = np.array([s.value if s.count >= least else shared for s in sizes])
+        by_size = np.array([self._scale_value(s) for s in sizes])
         return np.where(n <= SMALL_PASS, small, by_size[buckets])  # frexp: size_bucket
 
     def target_scale_at(self, num_tokens: int) -> float:
@@ -135,9 +134,11 @@ class CostModel:
             scale = self.small_scales[max(int(num_tokens), 0)]
         else:
             scale = self.size_scales[size_bucket(num_tokens)]
-        if scale.count >= _SMALL_MIN_OBSERVED:
-            return scale.value
-        return self.target_scale.value
+        return self._scale_value(scale)
+
+    def _scale_value(self, scale: _Scale) -> float:
+        """A size's own scale once seen _SMALL_MIN_OBSERVED times, else the shared one."""
+        return scale.value if scale.count >= _SMALL_MIN_OBSERVED else self.target_scale.value
 
     def draft_time(
         self,
