@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 
 from engine.config import SpecConfig
+from engine.spec.policy import AdaptiveDraftLength
 from engine.spec.proposers.ngram import prompt_lookup
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
+from tests.test_draft_length import memory_then_compute_bound
 from tests.test_speculative import (
     PerRequestK,
     _chi_square_test,
@@ -96,6 +98,10 @@ def test_adaptive_ngram_decoding_alone_verifies_priced_lookups_past_k_max(tiny_d
     expected = hf_greedy(tiny_dirs["llama"], prompts, 48)
     spec = SpecConfig("ngram", max_draft_tokens=2, draft_length="adaptive")
     engine = make_engine(tiny_dirs["llama"], spec=spec)
+    # Priced on a memory-bound target, not this machine's timings of a tiny model (where a
+    # step's host time outweighs its pass and whether a lookup pays is the machine's call).
+    engine.planner.cost_model = None
+    engine.planner.policy = AdaptiveDraftLength(2, memory_then_compute_bound())
     for i, prompt in enumerate(prompts):  # one at a time: each decodes alone
         engine.add_request(f"r{i}", prompt, greedy(48))
         assert drain(engine)[f"r{i}"] == expected[i]
