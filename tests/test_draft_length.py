@@ -639,12 +639,12 @@ def test_one_requests_draft_length_is_what_the_vectorised_search_gives():
         context = np.array([float(rng.integers(1, 3000))])
         other = int(rng.choice([0, 0, 5, 200]))
         lag = np.array([float(rng.choice([0, 0, 0.5, 3.0]))])
-        ks, reasons, branches = policy.decide(a, context, other, lag)
+        decided = policy.decide(a, context, other, lag)
         gains = policy.estimates.gains(a)
         want = int(policy.search.best_prefix(gains, context, other, lag)[0][0])
         solo = int(policy.search.best_alone(gains, context, lag)[0])
         reason = None if want >= 4 else REASON_BATCH if want < solo else REASON_ACCEPTANCE
-        assert (ks, reasons, branches) == ([want], [reason], 1), trial
+        assert (decided.ks, decided.reasons, decided.branches) == ([want], [reason], 1), trial
 
 
 def test_a_steps_cost_outside_the_passes_makes_speculation_pay_sooner():

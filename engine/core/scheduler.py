@@ -52,6 +52,7 @@ class Scheduler:
         prefill = sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.is_prefill)
         batch = len(decoding)
         plans = self.planner.plan(decoding, min(prefill, max(budget - batch, 0)))
+        out.prefills = batch < len(self.running)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -102,6 +103,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
+            out.prefills = True
             budget -= num_new
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget

@@ -3,6 +3,7 @@ for what was scheduled, `observe` the verified step (acceptance, pass costs, fea
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -59,16 +60,22 @@ class SpecPlanner:
         """The last step, if it decoded only and left work: (start, requests, passes, drafted)."""
         self._plain_steps = 0
         self._timed = False  # whether this step's costs are observed
+        self._proposing = False
+        self._tally: tuple[list[str | None], dict[str, int]] = ([], {})
 
     @property
     def max_draft_tokens(self) -> int:
         return self.policy.max_draft_tokens
 
     def plan(self, decoding: list[Request], num_other_tokens: int) -> dict[Request, DraftPlan]:
-        """Per decoding request, what it should verify."""
+        """Per decoding request, what it should verify (a request left out verifies nothing)."""
         choice = self.policy.choose(decoding, num_other_tokens)
         batch = len(decoding)
-        plans = {}
+        plans, self._proposing = {}, False
+        if not any(choice.ks) and (self.lookup is None or batch > 1):
+            if all(req.grammar is None for req in decoding):
+                self._count_reasons(choice.reasons)  # here, as no scheduled request carries them
+                return plans
         for req, k, reason in zip(decoding, choice.ks, choice.reasons, strict=True):
             cap = self._cap(req)
             if k > cap:  # the request's own `speculation` limit, after the policy's choice
@@ -87,13 +94,20 @@ class SpecPlanner:
                     plans[req] = DraftPlan(n, reason, 1, found[:n], lookup_match=match)
                     continue
                 k = k if self.keeps_draft_kv else 0
+            if not k:
+                plans[req] = _no_drafts(reason)
+                continue
             width = 1 if req.grammar is not None else choice.branches  # a grammar's are chains
             plans[req] = DraftPlan(k, reason, width)
+            self._proposing = True
         return plans
 
     def draft(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch | None:
-        """The step's drafts: the proposer's, with given ones (forced, looked up) in place."""
-        drafts = self.proposer.propose(sched, block_tables) if self.proposer else None
+        """The step's drafts: the proposer's (asked only if the plan drafts or a prompt is
+        fed), with given ones (forced, looked up) in place."""
+        drafts = None
+        if self.proposer is not None and (self._proposing or sched.prefills):
+            drafts = self.proposer.propose(sched, block_tables)
         return with_forced_drafts(sched, drafts)
 
     def release(self, req: Request) -> None:
@@ -111,7 +125,7 @@ class SpecPlanner:
     def observe(self, step: StepResult) -> None:
         """Learn from a verified step, before the scheduler moves its requests on."""
         counters, sched = self.counters, step.sched
-        if self.proposer is not None:  # a feature draft keeps the target's hidden states
+        if self.proposer is not None and self.proposer.observes:
             start = time.perf_counter()
             self.proposer.observe(step)
             step.draft_seconds += time.perf_counter() - start  # the draft's time, not the target's
@@ -141,7 +155,7 @@ class SpecPlanner:
                 req.spec.record(drafted, accepted, by_position=False)
                 totals.record(drafted, accepted)
                 policy.observe(req, drafted, accepted, item.branches)
-        if any(item.branches > 1 for item in sched.scheduled):
+        if self._proposing and any(item.branches > 1 for item in sched.scheduled):
             counters.tree_steps += 1
         self._timed = self.cost_model is not None and step.timed and self._teaches(step)
         if self._timed:
@@ -158,10 +172,21 @@ class SpecPlanner:
         passes = step.draft_seconds + step.target_seconds
         self._last_decode = (self._step_start, sched.num_decodes, passes, drafted)
 
+    def _count_reasons(self, reasons: list[str | None]) -> None:
+        """Count a plan's reasons; a reused decision's list (the same object) is tallied once."""
+        if reasons is not self._tally[0]:
+            tally: dict[str, int] = {}
+            for reason in reasons:
+                if reason is not None:
+                    tally[reason] = tally.get(reason, 0) + 1
+            self._tally = (reasons, tally)
+        for reason, n in self._tally[1].items():
+            self.counters.reasons[reason] += n
+
     def _teaches(self, step: StepResult) -> bool:
         """Whether the cost model learns from this step (PLAIN_TIMED_FIRST, PLAIN_TIMED_EVERY)."""
         fed = step.drafts is not None and step.drafts.fed_tokens
-        if any(step.num_drafts) or fed or step.sched.num_decodes != len(step.sched.scheduled):
+        if any(step.num_drafts) or fed or step.sched.prefills:
             return True
         self._plain_steps += 1
         return self._plain_steps <= PLAIN_TIMED_FIRST or self._plain_steps % PLAIN_TIMED_EVERY == 0
@@ -206,3 +231,8 @@ class SpecPlanner:
         if req.grammar is None or req.is_prefill:
             return []
         return req.grammar.forced()[: max(self.policy.max_draft_tokens, FORCED_MAX)]
+
+
+@functools.cache
+def _no_drafts(reason: str | None) -> DraftPlan:
+    return DraftPlan(0, reason)

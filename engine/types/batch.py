@@ -44,6 +44,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    prefills: bool = False  # whether a prefilling request may be among the scheduled
 
     @property
     def num_decodes(self) -> int:

@@ -8,7 +8,7 @@ from engine.spec.cost.model import CostModel
 from engine.spec.policy.acceptance import REQUEST_WEIGHT, AcceptanceEstimates
 from engine.spec.policy.base import REASON_ACCEPTANCE, REASON_BATCH, DraftLengths
 from engine.spec.policy.catch_up import CatchUp
-from engine.spec.policy.reuse import PLAIN_REUSE_STEPS, Decision, DecisionReuse, decision_key
+from engine.spec.policy.reuse import PLAIN_REUSE_STEPS, DecisionReuse, decision_key
 from engine.spec.policy.search import BatchSearch
 from engine.types.request import Request
 
@@ -84,23 +84,25 @@ class AdaptiveDraftLength:
         batch, k_max = len(requests), self.max_draft_tokens
         if batch == 0 or k_max == 0:
             return DraftLengths([0] * batch, [None] * batch)
-        ids = [r.request_id for r in requests]
-        decided = self.reuse.recent(ids, num_other_tokens)
+        decided = self.reuse.recent(requests, num_other_tokens)
         if decided is None:
             decided = self.decision_for(requests, num_other_tokens)
-        ks, reasons, branches = decided
-        if any(ks):
+        if any(decided.ks):
             self._steps_without_drafts = 0
             self._probe_every = self.probe_interval
             self._probing = ("", 0)
-        else:
-            ks = self._probe(requests, ks)
-        self.catch_up.count(requests, ks, probe=not any(decided[0]) and any(ks))
-        return DraftLengths(list(ks), list(reasons), branches)
+            self.catch_up.count(requests, decided.ks, probe=False)
+            return decided
+        ks = self._probe(requests, decided.ks)
+        if ks is decided.ks:  # no probe
+            if self.catch_up.open_runs:
+                self.catch_up.count(requests, ks, probe=False)
+            return decided
+        self.catch_up.count(requests, ks, probe=True)
+        return DraftLengths(ks, decided.reasons, decided.branches)
 
-    def decision_for(self, requests: list[Request], num_other_tokens: int) -> Decision:
+    def decision_for(self, requests: list[Request], num_other_tokens: int) -> DraftLengths:
         """An earlier decision whose inputs round alike, or a new search."""
-        ids = [r.request_id for r in requests]
         a = [self.estimates.acceptance(r) for r in requests]
         context = [r.num_tokens for r in requests]
         catch_up = [self.catch_up.tokens(r) for r in requests]
@@ -111,23 +113,25 @@ class AdaptiveDraftLength:
             )
             decided = self.reuse.keyed(key)
             if decided is not None:
-                self.reuse.remember(ids, None, decided)
+                self.reuse.remember(requests, None, decided)
                 return decided
         arrays = np.array(a), np.array(context, dtype=np.float64)
         decided = self.decide(*arrays, num_other_tokens, np.array(catch_up))
-        self.reuse.remember(ids, key, decided)
+        self.reuse.remember(requests, key, decided)
         return decided
 
     def _probe(self, requests: list[Request], ks: list[int]) -> list[int]:
         """`ks` (all 0), or K = 1 for the request a probe drafts for this step."""
         probed, left = self._probing
-        ids = [r.request_id for r in requests]
-        if left and probed in ids:  # a probe's later steps: the same request
-            self._probing = (probed, left - 1)
-            return [int(i == probed) for i in ids]
+        if left:
+            ids = [r.request_id for r in requests]
+            if probed in ids:  # a probe's later steps: the same request
+                self._probing = (probed, left - 1)
+                return [int(i == probed) for i in ids]
         self._steps_without_drafts += 1
         if self._steps_without_drafts < self._probe_every:
             return ks
+        ids = [r.request_id for r in requests]
         self._steps_without_drafts = 0
         self._probe_every = min(2 * self._probe_every, self.max_probe_interval)
         behind = [r.num_tokens - r.num_draft_computed_tokens for r in requests]
@@ -137,8 +141,8 @@ class AdaptiveDraftLength:
 
     def decide(
         self, a: np.ndarray, context: np.ndarray, num_other_tokens: int, catch_up: np.ndarray
-    ) -> Decision:
-        """(K per request, why each is below K_max, tree branches): the batch's best rate."""
+    ) -> DraftLengths:
+        """K per request, why each is below K_max and tree branches: the batch's best rate."""
         batch, k_max, search = len(a), self.max_draft_tokens, self.search
         if batch == 1 and self.max_branches == 1:  # one request: plain numbers, no arrays
             g1 = self.estimates.gains_one(float(a[0]))
@@ -147,7 +151,7 @@ class AdaptiveDraftLength:
             k = _best(rates(g1, c1, num_other_tokens + 1, k_max, lag, over))
             solo = _best(rates(g1, c1, 1, k_max, lag, over)) if num_other_tokens else k
             reason = None if k >= k_max else REASON_BATCH if k < solo else REASON_ACCEPTANCE
-            return [k], [reason], 1
+            return DraftLengths([k], [reason])
         gains = self.estimates.gains(a)  # [batch, k_max]: the d-th draft's expected tokens
         ks, rate = search.best_prefix(gains, context, num_other_tokens, catch_up)
         uniform_ks, uniform_rate = search.best_uniform(gains, context, num_other_tokens, catch_up)
@@ -168,7 +172,7 @@ class AdaptiveDraftLength:
             if n > 1 and tree_rate > (1 + self.uniform_margin) * max(rate, uniform_rate):
                 ks, branches = np.full(batch, k_tree, dtype=np.int64), n
                 reasons = [None] * batch
-        return [int(k) for k in ks], reasons, branches
+        return DraftLengths([int(k) for k in ks], reasons, branches)
 
 
 def _best(rates: list[float]) -> int:

@@ -12,7 +12,7 @@ class CatchUp:
     def __init__(self) -> None:
         self.run_steps = float(CATCH_UP_STEPS)  # a running mean up to 20 runs, then an EMA
         self._runs = 1
-        self._open: dict[str, int] = {}  # per request in a drafting run: its steps so far
+        self.open_runs: dict[str, int] = {}  # per request in a drafting run: its steps so far
 
     def tokens(self, req: Request) -> float:
         """Draft tokens a step of `req` is charged: its lag over `run_steps` (or steps left)."""
@@ -25,15 +25,15 @@ class CatchUp:
     def count(self, requests: list[Request], ks: list[int], probe: bool) -> None:
         """A step's K per request: a run ends at K = 0 and counts into `run_steps`; a probe
         drops the open runs (not the policy's choice), as does a request finishing mid-run."""
-        if probe:
-            self._open.clear()
+        if probe or not (self.open_runs or any(ks)):
+            self.open_runs.clear()
             return
         still: dict[str, int] = {}
         for req, k in zip(requests, ks, strict=True):
-            run = self._open.get(req.request_id, 0)
+            run = self.open_runs.get(req.request_id, 0)
             if k:
                 still[req.request_id] = run + 1
             elif run:
                 self._runs += 1
                 self.run_steps += max(1.0 / self._runs, 0.05) * (run - self.run_steps)
-        self._open = still
+        self.open_runs = still

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from engine.spec.cost.model import CostModel
 from engine.spec.policy.acceptance import AcceptanceEstimates
+from engine.spec.policy.base import DraftLengths
+from engine.types.request import Request
 
-Decision = tuple[list[int], list[str | None], int]  # (Ks, reasons, tree branches)
 MAX_CACHED = 4096  # decisions kept by key; the cache starts afresh when full
 PLAIN_REUSE_STEPS = 32
 """Steps a decision of K = 0 for all serves, unless drafts are verified (a probe's) first."""
@@ -18,28 +19,28 @@ class DecisionReuse:
     def __init__(self, reuse_steps: int, plain_reuse_steps: int = PLAIN_REUSE_STEPS) -> None:
         self.reuse_steps = reuse_steps
         self.plain_reuse_steps = plain_reuse_steps
-        self._last: tuple[list[str], int, Decision | None] = ([], 0, None)
-        self._by_key: dict[tuple, Decision] = {}
+        self._last: tuple[list[Request], int, DraftLengths | None] = ([], 0, None)
+        self._by_key: dict[tuple, DraftLengths] = {}
 
-    def recent(self, request_ids: list[str], num_other_tokens: int) -> Decision | None:
+    def recent(self, requests: list[Request], num_other_tokens: int) -> DraftLengths | None:
         """The last decision, if it may serve this step (and counts the step against it)."""
-        ids, left, decided = self._last
-        if left and not num_other_tokens and request_ids == ids and decided is not None:
-            self._last = (ids, left - 1, decided)
+        last, left, decided = self._last
+        if left and not num_other_tokens and requests == last and decided is not None:
+            self._last = (last, left - 1, decided)
             return decided
         return None
 
     def expire_plain(self) -> None:
-        ids, left, decided = self._last
-        if left and decided is not None and not any(decided[0]):
-            self._last = (ids, 0, decided)
+        last, left, decided = self._last
+        if left and decided is not None and not any(decided.ks):
+            self._last = (last, 0, decided)
 
-    def keyed(self, key: tuple) -> Decision | None:
+    def keyed(self, key: tuple) -> DraftLengths | None:
         return self._by_key.get(key)
 
-    def remember(self, request_ids: list[str], key: tuple | None, decided: Decision) -> None:
-        steps = self.reuse_steps if any(decided[0]) else self.plain_reuse_steps
-        self._last = (request_ids, steps - 1, decided)
+    def remember(self, requests: list[Request], key: tuple | None, decided: DraftLengths) -> None:
+        steps = self.reuse_steps if any(decided.ks) else self.plain_reuse_steps
+        self._last = (requests, steps - 1, decided)
         if key is not None:
             if len(self._by_key) >= MAX_CACHED:
                 self._by_key.clear()

@@ -71,6 +71,7 @@ class Proposer(Protocol):
 
     keeps_kv: bool  # a KV cache of its own in the target's blocks (a draft model)
     runner: ModelRunner | None  # its own model's runner, or None (model-free)
+    observes: bool  # whether `observe` does anything (else the planner skips the call)
 
     def kv_bytes_per_block(self, block_size: int) -> int: ...
 
@@ -89,6 +90,7 @@ class ModelFreeProposer:
 
     keeps_kv = False
     runner = None
+    observes = False
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return 0

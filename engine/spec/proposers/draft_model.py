@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 class DraftModelProposer:
     keeps_kv = True
+    observes = False
 
     def __init__(
         self,

@@ -160,6 +160,7 @@ class _Features:
 
 class EagleProposer(DraftModelProposer):
     keeps_kv = True
+    observes = True
 
     def __init__(self, runner: ModelRunner, target: ModelRunner) -> None:
         super().__init__(runner, target.vocab_size)
