@@ -106,6 +106,8 @@ class DraftModelProposer:
             return DraftBatch(drafts, None)
         # Greedy drafts need no q: one-hot, as a model-free drafter's missing probs mean.
         want_q = not all(req.params.greedy for _, req, _ in drafting)
+        if drafting and not want_q and self._argmax_chains(sched, drafting):
+            return self._greedy_chains(drafting, seqs, block_tables, drafts)
         fed = [0, 0]  # tokens, query x key pairs
 
         def forward(seqs: list[SeqInput]) -> torch.Tensor:
@@ -135,7 +137,7 @@ class DraftModelProposer:
                 break
             entries = [(req, lane, 1) for i, req in active for lane in lanes[i]]
             if len(entries) == len(active):  # chains only: packed directly, one token each
-                batch = _chain_pass(active, lanes, block_tables)
+                batch = _chain_pass(active, [lanes[i][0][-1] for i, _ in active], block_tables)
                 fed[0] += len(active)
                 fed[1] += sum(batch.context_lens)
                 logits = self.runner.forward_packed(batch, widen=False)
@@ -167,6 +169,44 @@ class DraftModelProposer:
         probs = (flat_q[0][None] if len(flat_q) == 1 else torch.stack(flat_q)) if flat_q else None
         has_tree = any(p is not None for p in parents)
         return DraftBatch(drafts, probs, *fed, parents if has_tree else None, passes)
+
+    @staticmethod
+    def _argmax_chains(sched: SchedulerOutput, drafting: list[tuple[int, Request, int]]) -> bool:
+        """Whether every drafting request's drafts are a chain of argmaxes of unedited rows."""
+        items = sched.scheduled
+        return all(items[i].branches == 1 and not edits_logits(req) for i, req, _ in drafting)
+
+    def _greedy_chains(
+        self,
+        drafting: list[tuple[int, Request, int]],  # (scheduled index, request, K)
+        seqs: list[SeqInput],  # the first pass: every token each request's draft has not seen
+        tables: list[list[int]],
+        drafts: list[list[int]],  # per scheduled request, filled in
+    ) -> DraftBatch:
+        """`propose` for `_argmax_chains`: each pass's rows argmaxed at once, no q kept."""
+        head = self.runner.head_tokens
+
+        def picked(logits: torch.Tensor) -> list[int]:
+            ids = argmax(logits)  # a restricted head's columns are in token order
+            return (ids if head is None else head[ids]).tolist()
+
+        fed = sum(len(seq.token_ids) for seq in seqs)
+        pairs = sum(len(seq.token_ids) * seq.context_len for seq in seqs)
+        chains = [[token] for token in picked(self.runner.forward(seqs, widen=False))]
+        ks = [k for _, _, k in drafting]
+        active = list(range(len(drafting)))
+        for depth in range(2, max(ks) + 1):
+            active = [j for j in active if ks[j] >= depth]
+            batch = _chain_pass(
+                [drafting[j][:2] for j in active], [chains[j][-1] for j in active], tables
+            )
+            fed, pairs = fed + len(active), pairs + sum(batch.context_lens)
+            logits = self.runner.forward_packed(batch, widen=False)
+            for j, token in zip(active, picked(logits), strict=True):
+                chains[j].append(token)
+        for (i, _, _), chain in zip(drafting, chains, strict=True):
+            drafts[i] = chain
+        return DraftBatch(drafts, None, fed, pairs, None, max(ks))
 
     def _next_pass(
         self, req: Request, lanes: list[list[int]], table: list[int], root: int
@@ -272,7 +312,7 @@ class DraftModelProposer:
 
 
 def _chain_pass(
-    active: list[tuple[int, Request]], lanes: dict[int, list[list[int]]], tables: list[list[int]]
+    active: list[tuple[int, Request]], tokens: list[int], tables: list[list[int]]
 ) -> PackedBatch:
     """A pass of chains as `_next_pass`'s inputs would pack: each feeds its last draft."""
     positions = []
@@ -280,7 +320,6 @@ def _chain_pass(
         positions.append(req.num_draft_computed_tokens)
         req.num_draft_computed_tokens += 1
     n = len(active)
-    tokens = [lanes[i][0][-1] for i, _ in active]
     context = [p + 1 for p in positions]
     return PackedBatch(
         tokens, positions, [1] * n, context, [tables[i] for i, _ in active], list(range(n)), None
