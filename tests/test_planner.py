@@ -4,6 +4,8 @@ records what it is told, and requests whose counters say they decode."""
 
 from __future__ import annotations
 
+import random
+
 from engine.config import SpecConfig
 from engine.spec.planner import FORCED_MAX, SpecPlanner
 from engine.spec.policy import DraftLengths
@@ -11,7 +13,7 @@ from engine.spec.step import StepResult
 from engine.spec.verifier import VerifyResult
 from engine.types.batch import ScheduledRequest, SchedulerOutput
 from engine.types.outputs import StepTokens
-from engine.types.request import Request, RequestStatus, SamplingParams
+from engine.types.request import Request, RequestStatus, SamplingParams, SpecStats
 
 
 class RecordingPolicy:
@@ -140,3 +142,16 @@ def test_observe_feeds_each_kind_of_draft_to_its_own_count_and_skips_aborted_req
     assert (counters.forced_drafted, counters.forced_accepted) == (2, 2)
     assert reqs[3].spec.drafted == 0  # the aborted request's step teaches nothing
     assert counters.reasons == {"batch_cost": 1, "kv_memory": 1}  # every scheduled cut counts
+
+
+def test_the_engines_counts_of_a_steps_chains_equal_recording_each_chain_alone():
+    rng = random.Random(3)
+    one_by_one, at_once = SpecStats(), SpecStats()
+    for _ in range(40):
+        drafted = [rng.randint(1, 6) for _ in range(rng.randint(1, 9))]
+        accepted = [rng.randint(0, d) for d in drafted]
+        for d, a in zip(drafted, accepted, strict=True):
+            one_by_one.record(d, a)
+        at_once.record_many(drafted, accepted)
+    assert at_once == one_by_one
+    assert at_once.drafted_by_position[0] == at_once.verify_passes > 40

@@ -76,15 +76,22 @@ class SpecPlanner:
             if all(req.grammar is None for req in decoding):
                 self._count_reasons(choice.reasons)  # here, as no scheduled request carries them
                 return plans
+        # A request's own limit (SamplingParams.max_draft_tokens) caps K after the policy's
+        # choice; without one, a grammar's forced drafts may outnumber K_max.
+        no_cap = max(self.policy.max_draft_tokens, FORCED_MAX)
         for req, k, reason in zip(decoding, choice.ks, choice.reasons, strict=True):
-            cap = self._cap(req)
-            if k > cap:  # the request's own `speculation` limit, after the policy's choice
+            cap, grammar = req.params.max_draft_tokens, req.grammar
+            if cap is None:
+                cap = no_cap
+            elif k > cap:
                 k, reason = cap, REASON_REQUEST
-            forced = self._forced(req)[:cap] if cap else []
-            if forced:  # the grammar's own drafts, whatever the policy chose
-                plans[req] = DraftPlan(len(forced), None, 1, forced)
-                continue
-            if cap and self._may_look_up(req, k, batch):
+            if grammar is not None and cap:  # the grammar's own drafts, whatever the policy chose
+                if forced := grammar.forced()[: min(cap, no_cap)]:
+                    plans[req] = DraftPlan(len(forced), None, 1, forced)
+                    continue
+            # A lookup for a request that drafts or decodes alone (in a batch it takes the rows
+            # the search priced).
+            if cap and self.lookup is not None and grammar is None and (k > 0 or batch == 1):
                 limit = LOOKUP_MAX if req.params.max_draft_tokens is None else cap
                 match, found = self.lookup(req.all_token_ids, limit)
                 # Alone: a draft model's K is the lookup's rival; in a batch, its cap.
@@ -97,7 +104,7 @@ class SpecPlanner:
             if not k:
                 plans[req] = _no_drafts(reason)
                 continue
-            width = 1 if req.grammar is not None else choice.branches  # a grammar's are chains
+            width = 1 if grammar is not None else choice.branches  # a grammar's are chains
             plans[req] = DraftPlan(k, reason, width)
             self._proposing = True
         return plans
@@ -129,7 +136,8 @@ class SpecPlanner:
             start = time.perf_counter()
             self.proposer.observe(step)
             step.draft_seconds += time.perf_counter() - start  # the draft's time, not the target's
-        results, totals, policy = step.verified.tokens, counters.totals, self.policy
+        results, policy = step.verified.tokens, self.policy
+        chains: tuple[list[int], list[int]] = ([], [])  # the proposer's: drafted, accepted
         for item in sched.scheduled:
             if item.reason is not None:
                 counters.reasons[item.reason] += 1
@@ -153,8 +161,11 @@ class SpecPlanner:
             else:
                 req.spec.count(self.method, drafted, accepted)
                 req.spec.record(drafted, accepted, by_position=False)
-                totals.record(drafted, accepted)
+                chains[0].append(drafted)
+                chains[1].append(accepted)
                 policy.observe(req, drafted, accepted, item.branches)
+        if chains[0]:
+            counters.totals.record_many(*chains)
         if self._proposing and any(item.branches > 1 for item in sched.scheduled):
             counters.tree_steps += 1
         self._timed = self.cost_model is not None and step.timed and self._teaches(step)
@@ -213,24 +224,6 @@ class SpecPlanner:
             )
         shape = PassShape.of(query_lens, context_lens)
         self.cost_model.observe_target(shape, step.target_seconds, branches)
-
-    def _may_look_up(self, req: Request, k: int, batch: int) -> bool:
-        """For a request without a grammar that drafts or decodes alone (in a batch a lookup
-        takes the rows the search priced)."""
-        usable = self.lookup is not None and req.grammar is None and not req.is_prefill
-        return usable and (k > 0 or batch == 1)
-
-    def _cap(self, req: Request) -> int:
-        """The most drafts `req` allows itself (SamplingParams.max_draft_tokens), or no limit
-        (a grammar's forced drafts may outnumber K_max)."""
-        cap = req.params.max_draft_tokens
-        return max(self.policy.max_draft_tokens, FORCED_MAX) if cap is None else cap
-
-    def _forced(self, req: Request) -> list[int]:
-        """Tokens a decoding request's grammar forces next, at most FORCED_MAX or K_max."""
-        if req.grammar is None or req.is_prefill:
-            return []
-        return req.grammar.forced()[: max(self.policy.max_draft_tokens, FORCED_MAX)]
 
 
 @functools.cache

@@ -162,6 +162,27 @@ class SpecStats:
         for pos in range(num_accepted):
             accepted[pos] += 1
 
+    def record_many(self, num_drafted: list[int], num_accepted: list[int]) -> None:
+        """`record` of each pair (one verified chain each), by position included."""
+        self.drafted += sum(num_drafted)
+        self.accepted += sum(num_accepted)
+        ended = sum(a < d for d, a in zip(num_drafted, num_accepted, strict=True))  # by a rejection
+        self.trials += sum(num_accepted) + ended
+        self.verify_passes += len(num_drafted)
+        depth = max(num_drafted, default=0)
+        for counts, values in (
+            (self.drafted_by_position, num_drafted),
+            (self.accepted_by_position, num_accepted),
+        ):
+            counts.extend([0] * (depth - len(counts)))
+            ending = [0] * (depth + 1)  # chains of each length
+            for n in values:
+                ending[n] += 1
+            longer = 0  # chains longer than pos - 1
+            for pos in range(depth, 0, -1):
+                longer += ending[pos]
+                counts[pos - 1] += longer
+
 
 class GrammarMatcher(Protocol):
     """A constrained request's matcher at its committed output (engine/sample/grammar.py)."""
