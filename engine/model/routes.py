@@ -5,6 +5,7 @@ where a decode graph ran (`hidden_rows` keeps graphs off when a proposer needs e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -34,28 +35,58 @@ class PackedBatch:
 
     @classmethod
     def pack(cls, seqs: list[SeqInput]) -> PackedBatch:
-        token_ids: list[int] = []
-        positions: list[int] = []
-        logit_index: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        tree = False
+        packer = Packer()
         for seq in seqs:
-            n, q, start = len(token_ids), len(seq.token_ids), seq.start_pos
-            logit_index += [n + off for off in seq.logit_offsets]
-            token_ids += seq.token_ids
-            positions += seq.positions or range(start, start + q)
-            query_lens.append(q)
-            context_lens.append(start + q)
-            tree = tree or bool(seq.tree)
-        trees = [s.attention_tree() for s in seqs] if tree else None
-        tables = [s.block_table for s in seqs]
-        return cls(token_ids, positions, query_lens, context_lens, tables, logit_index, trees)
+            packer.add(
+                seq.token_ids, seq.start_pos, seq.block_table, seq.logit_offsets, seq.positions
+            )
+        trees = [s.attention_tree() for s in seqs] if any(s.tree for s in seqs) else None
+        return packer.build(trees)
 
     @property
     def every_row(self) -> bool:
         """One logit row per fed token (a decode, a verification)."""
         return len(self.logit_index) == len(self.token_ids)
+
+
+class Packer:
+    """A PackedBatch built one sequence at a time, as `PackedBatch.pack` packs SeqInputs (a
+    step's chains are added straight from its requests, no SeqInput each)."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.positions: list[int] = []
+        self.query_lens: list[int] = []
+        self.context_lens: list[int] = []
+        self.tables: list[list[int]] = []
+        self.logit_index: list[int] = []
+
+    def add(
+        self,
+        token_ids: list[int],
+        start: int,
+        table: list[int],
+        logit_offsets: Sequence[int],
+        positions: list[int] | None = None,  # None: a chain from `start`
+    ) -> None:
+        n, q = len(self.token_ids), len(token_ids)
+        self.logit_index += [n + off for off in logit_offsets]
+        self.token_ids += token_ids
+        self.positions += positions or range(start, start + q)
+        self.query_lens.append(q)
+        self.context_lens.append(start + q)
+        self.tables.append(table)
+
+    def build(self, trees: list[attention.Tree | None] | None = None) -> PackedBatch:
+        return PackedBatch(
+            self.token_ids,
+            self.positions,
+            self.query_lens,
+            self.context_lens,
+            self.tables,
+            self.logit_index,
+            trees,
+        )
 
 
 class Route(Protocol):

@@ -76,8 +76,7 @@ class SpecPlanner:
             if all(req.grammar is None for req in decoding):
                 self._count_reasons(choice.reasons)  # here, as no scheduled request carries them
                 return plans
-        # A request's own limit (SamplingParams.max_draft_tokens) caps K after the policy's
-        # choice; without one, a grammar's forced drafts may outnumber K_max.
+        # max_draft_tokens caps K after the policy; without it forced drafts may pass K_max.
         no_cap = max(self.policy.max_draft_tokens, FORCED_MAX)
         for req, k, reason in zip(decoding, choice.ks, choice.reasons, strict=True):
             cap, grammar = req.params.max_draft_tokens, req.grammar
@@ -89,8 +88,7 @@ class SpecPlanner:
                 if forced := grammar.forced()[: min(cap, no_cap)]:
                     plans[req] = DraftPlan(len(forced), None, 1, forced)
                     continue
-            # A lookup for a request that drafts or decodes alone (in a batch it takes the rows
-            # the search priced).
+            # A lookup where the request drafts or decodes alone (in a batch: the rows priced).
             if cap and self.lookup is not None and grammar is None and (k > 0 or batch == 1):
                 limit = LOOKUP_MAX if req.params.max_draft_tokens is None else cap
                 match, found = self.lookup(req.all_token_ids, limit)

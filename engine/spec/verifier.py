@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.model.inputs import SeqInput
+from engine.attention.paged import Tree
+from engine.model.routes import Packer
 from engine.model.runner import ModelRunner
 from engine.sample.rejection_sampler import emitted_tokens, greedy_verify, verify_sampled
 from engine.sample.sampler import (
@@ -69,7 +70,8 @@ class Verifier:
         block_tables: list[list[int]],
         drafts: DraftBatch | None,
     ) -> VerifyResult:
-        seqs: list[SeqInput] = []
+        packer = Packer()
+        attention_trees: dict[int, Tree] = {}  # by scheduled index
         prompt_rows: list[tuple[Request, int]] = []  # (request, number of prompt rows)
         samplers: list[tuple[Request, list[int]]] = []  # (request, its drafts)
         trees: dict[str, tuple[DraftTree, list[int], int]] = {}  # id: (tree, table, root slot)
@@ -95,10 +97,15 @@ class Verifier:
             if item.samples:
                 offsets += range(item.num_new_tokens - 1, len(tokens))
                 samplers.append((req, drafted))
-            seqs.append(SeqInput(tokens, start, table, offsets, tree=bits, positions=positions))
+            packer.add(tokens, start, table, offsets, positions)
+            if bits is not None:
+                attention_trees[i] = Tree(start, bits)
 
+        batch = packer.build(
+            [attention_trees.get(i) for i in range(len(sched.scheduled))] if trees else None
+        )
         start = time.perf_counter()
-        logits = runner.forward(seqs)[:, : self.vocab_size]  # [num_rows, vocab]
+        logits = runner.forward_packed(batch)[:, : self.vocab_size]  # [num_rows, vocab]
         result = VerifyResult(forward_seconds=time.perf_counter() - start)
         if runner.hidden_rows:
             result.hidden = runner.last_hidden

@@ -12,7 +12,7 @@ import torch
 from engine.config import SpecConfig
 from engine.cpu import sampling as cpu_sampling
 from engine.model.inputs import SeqInput
-from engine.model.routes import PackedBatch
+from engine.model.routes import PackedBatch, Packer
 from engine.model.runner import ModelRunner
 from engine.sample.sampler import (
     RowSpec,
@@ -82,7 +82,7 @@ class DraftModelProposer:
         pass
 
     def propose(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> DraftBatch:
-        seqs: list[SeqInput] = []
+        first = Packer()  # the first pass: every token each request's draft has not seen
         drafting: list[tuple[int, Request, int]] = []  # (scheduled index, request, K)
         for i, (item, table) in enumerate(zip(sched.scheduled, block_tables, strict=True)):
             req, k = item.request, item.num_proposed_tokens
@@ -96,25 +96,24 @@ class DraftModelProposer:
             tokens = req.token_ids(start, end)
             if not tokens:
                 continue
-            seqs.append(SeqInput(tokens, start, table, [len(tokens) - 1] if k > 0 else []))
+            first.add(tokens, start, table, (len(tokens) - 1,) if k > 0 else ())
             req.num_draft_computed_tokens = end
             if k > 0:
                 drafting.append((i, req, k))
 
         drafts: list[list[int]] = [[] for _ in sched.scheduled]
-        if not seqs:
+        if not first.tables:
             return DraftBatch(drafts, None)
         # Greedy drafts need no q: one-hot, as a model-free drafter's missing probs mean.
         want_q = not all(req.params.greedy for _, req, _ in drafting)
         if drafting and not want_q and self._argmax_chains(sched, drafting):
-            return self._greedy_chains(drafting, seqs, block_tables, drafts)
+            return self._greedy_chains(drafting, first.build(), block_tables, drafts)
         fed = [0, 0]  # tokens, query x key pairs
 
-        def forward(seqs: list[SeqInput]) -> torch.Tensor:
-            for seq in seqs:
-                fed[0] += len(seq.token_ids)
-                fed[1] += len(seq.token_ids) * seq.context_len
-            return self.runner.forward(seqs, widen=False)  # _pick widens where it must
+        def forward(batch: PackedBatch) -> torch.Tensor:
+            tokens, pairs = _fed(batch)
+            fed[0], fed[1] = fed[0] + tokens, fed[1] + pairs
+            return self.runner.forward_packed(batch, widen=False)  # _pick widens where it must
 
         # A lane is one chain of drafts: one per request, or one per branch of a tree.
         width = {i: sched.scheduled[i].branches for i, _, _ in drafting}
@@ -124,7 +123,7 @@ class DraftModelProposer:
         }
         root = {i: req.num_tokens - 1 for i, req, _ in drafting}  # the root's cache slot
         passes = 1 if drafting else 0  # that picked drafts
-        logits = forward(seqs)
+        logits = forward(first.build())
         picks = self._pick(logits, [(req, [], width[i]) for i, req, _ in drafting], want_q)
         for (i, _, _), (tokens, q) in zip(drafting, picks, strict=True):
             for b, token in enumerate(tokens):
@@ -138,12 +137,10 @@ class DraftModelProposer:
             entries = [(req, lane, 1) for i, req in active for lane in lanes[i]]
             if len(entries) == len(active):  # chains only: packed directly, one token each
                 batch = _chain_pass(active, [lanes[i][0][-1] for i, _ in active], block_tables)
-                fed[0] += len(active)
-                fed[1] += sum(batch.context_lens)
-                logits = self.runner.forward_packed(batch, widen=False)
             else:
                 seqs = [self._next_pass(r, lanes[i], block_tables[i], root[i]) for i, r in active]
-                logits = forward(seqs)
+                batch = PackedBatch.pack(seqs)
+            logits = forward(batch)
             passes += 1
             picks = self._pick(logits, entries, want_q)
             for (_, lane, _), (tokens, _) in zip(entries, picks, strict=True):
@@ -179,7 +176,7 @@ class DraftModelProposer:
     def _greedy_chains(
         self,
         drafting: list[tuple[int, Request, int]],  # (scheduled index, request, K)
-        seqs: list[SeqInput],  # the first pass: every token each request's draft has not seen
+        first: PackedBatch,  # every token each request's draft has not seen
         tables: list[list[int]],
         drafts: list[list[int]],  # per scheduled request, filled in
     ) -> DraftBatch:
@@ -190,9 +187,8 @@ class DraftModelProposer:
             ids = argmax(logits)  # a restricted head's columns are in token order
             return (ids if head is None else head[ids]).tolist()
 
-        fed = sum(len(seq.token_ids) for seq in seqs)
-        pairs = sum(len(seq.token_ids) * seq.context_len for seq in seqs)
-        chains = [[token] for token in picked(self.runner.forward(seqs, widen=False))]
+        fed, pairs = _fed(first)
+        chains = [[token] for token in picked(self.runner.forward_packed(first, widen=False))]
         ks = [k for _, _, k in drafting]
         active = list(range(len(drafting)))
         for depth in range(2, max(ks) + 1):
@@ -324,3 +320,8 @@ def _chain_pass(
     return PackedBatch(
         tokens, positions, [1] * n, context, [tables[i] for i, _ in active], list(range(n)), None
     )
+
+
+def _fed(batch: PackedBatch) -> tuple[int, int]:
+    pairs = sum(q * c for q, c in zip(batch.query_lens, batch.context_lens, strict=True))
+    return len(batch.token_ids), pairs
