@@ -56,11 +56,12 @@ def stream_text(events: list[str]) -> tuple[str, str | None, dict | None]:
 def patched_forward(
     served: Served, monkeypatch: pytest.MonkeyPatch, wrap: Callable[[Callable], Callable]
 ) -> Iterator[None]:
-    """Run the target model's forward through `wrap(original)` inside the block."""
+    """Run the target model's passes (`forward_packed`, which every forward runs) through
+    `wrap(original)` inside the block."""
     runner = served.engine.engine.runner
-    original = runner.forward
+    original = runner.forward_packed
     with monkeypatch.context() as patch:
-        patch.setattr(runner, "forward", wrap(original))
+        patch.setattr(runner, "forward_packed", wrap(original))
         yield
 
 
@@ -68,9 +69,9 @@ def slow(seconds: float) -> Callable[[Callable], Callable]:
     """A wrap for patched_forward: every target forward takes at least `seconds` longer."""
 
     def wrap(original: Callable) -> Callable:
-        def forward(seqs: list) -> Any:
+        def forward(*args: Any, **kwargs: Any) -> Any:
             time.sleep(seconds)
-            return original(seqs)
+            return original(*args, **kwargs)
 
         return forward
 
@@ -88,13 +89,13 @@ class FailOnce:
         """Requests in the forward that raised."""
 
     def __call__(self, original: Callable) -> Callable:
-        def forward(seqs: list) -> Any:
+        def forward(batch: Any, *args: Any, **kwargs: Any) -> Any:
             if self.armed.is_set() and self.calls_failed == 0:
                 if self.after == 0:
                     self.calls_failed += 1
-                    self.batch_sizes.append(len(seqs))
+                    self.batch_sizes.append(len(batch.query_lens))
                     raise RuntimeError("injected fault: CUDA error: an illegal memory access")
                 self.after -= 1
-            return original(seqs)
+            return original(batch, *args, **kwargs)
 
         return forward

@@ -328,16 +328,16 @@ def test_context_bound_batch_drafts_more_than_weight_bound_one():
 
 
 def _count_draft_tokens(engine) -> list[int]:
-    """Wrap the draft runner's forward to count how many tokens it is fed per call."""
+    """Wrap the draft runner's passes to count how many tokens each is fed."""
     runner = engine.proposer.runner
-    original = runner.forward
+    original = runner.forward_packed
     fed: list[int] = []
 
-    def counting(seqs, **kwargs):
-        fed.append(sum(len(s.token_ids) for s in seqs))
-        return original(seqs, **kwargs)
+    def counting(batch, *args, **kwargs):
+        fed.append(len(batch.token_ids))
+        return original(batch, *args, **kwargs)
 
-    runner.forward = counting
+    runner.forward_packed = counting
     return fed
 
 

@@ -172,9 +172,9 @@ def test_an_abort_during_a_step_wins_over_its_tokens(served, monkeypatch):
     request_id = "aborted-mid-step"
 
     def wrap(original):
-        def forward(seqs):
+        def forward(*args, **kwargs):
             served.engine.abort(request_id)  # arrives while the step is in flight
-            return original(seqs)
+            return original(*args, **kwargs)
 
         return forward
 

@@ -41,14 +41,14 @@ def _post(served: Served, results: list) -> None:
 
 def test_a_hung_forward_fails_health_until_it_returns(served: Served, monkeypatch):
     runner = served.engine.engine.runner
-    original, release = runner.forward, threading.Event()
+    original, release = runner.forward_packed, threading.Event()
 
-    def hanging(seqs):
+    def hanging(*args, **kwargs):
         release.wait(timeout=30)
-        return original(seqs)
+        return original(*args, **kwargs)
 
     monkeypatch.setattr(served.engine, "stall_seconds", 0.3)
-    monkeypatch.setattr(runner, "forward", hanging)
+    monkeypatch.setattr(runner, "forward_packed", hanging)
     results: list[httpx.Response] = []
     client = threading.Thread(target=_post, args=(served, results))
     client.start()
@@ -58,7 +58,7 @@ def test_a_hung_forward_fails_health_until_it_returns(served: Served, monkeypatc
         assert "has not returned" in error["message"] and error["code"] == "not_ready"
     finally:
         release.set()
-        monkeypatch.setattr(runner, "forward", original)
+        monkeypatch.setattr(runner, "forward_packed", original)
         client.join(timeout=30)
     assert results and results[0].status_code == 200  # the slow request still finished
     _wait_for(lambda: _health(served).status_code == 200)
