@@ -157,13 +157,12 @@ class AdaptiveDraftLength:
         uniform_ks, uniform_rate = search.best_uniform(gains, context, num_other_tokens, catch_up)
         if rate < (1 + self.uniform_margin) * uniform_rate:
             ks = uniform_ks
-        solo = search.best_alone(gains, context, catch_up)
-        reasons: list[str | None] = []
-        for k, k_solo in zip(ks, solo, strict=True):
-            if k >= k_max:
-                reasons.append(None)
-            else:  # would it get more alone? then the batch is what cut it
-                reasons.append(REASON_BATCH if k < k_solo else REASON_ACCEPTANCE)
+        reasons: list[str | None] = [None] * batch
+        if (ks < k_max).any():  # would a request get more alone? then the batch cut it
+            solo = search.best_alone(gains, context, catch_up)
+            for j, (k, k_solo) in enumerate(zip(ks, solo, strict=True)):
+                if k < k_max:
+                    reasons[j] = REASON_BATCH if k < k_solo else REASON_ACCEPTANCE
         branches = 1
         if self.max_branches > 1:
             n, k_tree, tree_rate = search.best_tree(
