@@ -122,7 +122,7 @@ class CostModel:
     def _target_scales(self, num_tokens: np.ndarray | float) -> np.ndarray:
         n = np.asarray(num_tokens)
         by_count = np.array([self._scale_value(s) for s in self.small_scales])
-        small = by_count[np.clip(n, 0, SMALL_PASS).astype(np.int64)]
+        small = by_count[np.minimum(np.maximum(n, 0), SMALL_PASS).astype(np.int64)]
         buckets = np.minimum(np.frexp(np.maximum(n, SMALL_PASS + 1) - 1)[1], _BUCKETS - 1)
         sizes = self.size_scales[: int(buckets.max()) + 1]
         by_size = np.array([self._scale_value(s) for s in sizes])
