@@ -147,11 +147,17 @@ def test_observe_feeds_each_kind_of_draft_to_its_own_count_and_skips_aborted_req
 def test_the_engines_counts_of_a_steps_chains_equal_recording_each_chain_alone():
     rng = random.Random(3)
     one_by_one, at_once = SpecStats(), SpecStats()
+    chains: list[tuple[int, int]] = []
     for _ in range(40):
         drafted = [rng.randint(1, 6) for _ in range(rng.randint(1, 9))]
         accepted = [rng.randint(0, d) for d in drafted]
         for d, a in zip(drafted, accepted, strict=True):
             one_by_one.record(d, a)
         at_once.record_many(drafted, accepted)
+        chains += zip(drafted, accepted, strict=True)
     assert at_once == one_by_one
+    # Position p counts the chains that drafted (accepted) more than p tokens.
+    assert at_once.drafted_by_position == [sum(d > p for d, _ in chains) for p in range(6)]
+    assert at_once.accepted_by_position == [sum(a > p for _, a in chains) for p in range(6)]
+    assert at_once.trials == sum(a + (a < d) for d, a in chains)
     assert at_once.drafted_by_position[0] == at_once.verify_passes > 40

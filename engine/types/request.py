@@ -147,20 +147,13 @@ class SpecStats:
         self.by_source[source] = (drafted + num_drafted, accepted + num_accepted)
 
     def record(self, num_drafted: int, num_accepted: int, by_position: bool = True) -> None:
+        if by_position:
+            self.record_many([num_drafted], [num_accepted])
+            return
         self.drafted += num_drafted
         self.accepted += num_accepted
         self.trials += num_accepted + (num_accepted < num_drafted)
         self.verify_passes += 1
-        if not by_position:
-            return
-        drafted, accepted = self.drafted_by_position, self.accepted_by_position
-        if num_drafted > len(drafted):
-            drafted.extend([0] * (num_drafted - len(drafted)))
-            accepted.extend([0] * (num_drafted - len(accepted)))
-        for pos in range(num_drafted):
-            drafted[pos] += 1
-        for pos in range(num_accepted):
-            accepted[pos] += 1
 
     def record_many(self, num_drafted: list[int], num_accepted: list[int]) -> None:
         """`record` of each pair (one verified chain each), by position included."""

@@ -25,7 +25,7 @@ class CatchUp:
     def count(self, requests: list[Request], ks: list[int], probe: bool) -> None:
         """A step's K per request: a run ends at K = 0 and counts into `run_steps`; a probe
         drops the open runs (not the policy's choice), as does a request finishing mid-run."""
-        if probe or not (self.open_runs or any(ks)):
+        if probe:
             self.open_runs.clear()
             return
         still: dict[str, int] = {}

@@ -196,7 +196,8 @@ class DraftModelProposer:
             batch = _chain_pass(
                 [drafting[j][:2] for j in active], [chains[j][-1] for j in active], tables
             )
-            fed, pairs = fed + len(active), pairs + sum(batch.context_lens)
+            more = _fed(batch)
+            fed, pairs = fed + more[0], pairs + more[1]
             logits = self.runner.forward_packed(batch, widen=False)
             for j, token in zip(active, picked(logits), strict=True):
                 chains[j].append(token)
