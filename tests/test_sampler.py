@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -12,12 +14,15 @@ from engine.sample.sampler import (
     RowSpec,
     couple_seeded_rows,
     coupled_tokens,
+    coupled_winner,
     logits_to_probs,
     plain_sampling,
-    position_uniforms,
+    race_key,
+    race_times,
     request_uniforms,
     sample_from,
     sample_logits,
+    target_tokens,
 )
 from engine.types.request import Request, SamplingParams
 
@@ -199,52 +204,81 @@ def test_a_requests_generator_gives_its_stream():
     assert draws(5) == draws(5) != draws(6)
 
 
-def test_seeded_noise_depends_on_seed_and_position_only():
-    vocab = 1000
-    alone = position_uniforms(11, [5], vocab)
-    cache: dict = {}
-    together = position_uniforms(11, [3, 5, 9], vocab, cache)
-    assert np.array_equal(alone[0], together[1])  # not on which other positions are drawn
-    assert not np.array_equal(together[0], together[1])
-    assert not np.array_equal(position_uniforms(12, [5], vocab)[0], alone[0])
-    assert bool(((alone[0] >= 0) & (alone[0] < 1)).all())
-    assert sorted(cache) == [3, 5, 9]
-    assert position_uniforms(11, [5], vocab, cache)[0] is cache[5]  # drawn once
+def test_seeded_noise_depends_on_seed_position_and_token_only():
+    tokens = np.arange(1000)
+    alone = race_times(11, 5, tokens)
+    assert np.array_equal(race_times(11, 5, tokens[[7, 3]]), alone[[7, 3]])  # token by token
+    assert not np.array_equal(race_times(11, 6, tokens), alone)
+    assert not np.array_equal(race_times(12, 5, tokens), alone)
+    assert bool((alone > 0).all()) and len(set(alone.tolist())) > 990
+    # Exp(1): mean 1, P(E > 1) = 1/e, within a few standard errors over 1000 tokens.
+    assert abs(alone.mean() - 1) < 0.15 and abs((alone > 1).mean() - np.exp(-1)) < 0.06
 
 
 def test_coupled_race_equals_the_plain_race_and_follows_p():
-    """The pruned race picks argmin -log(u) / p exactly, and over seeds it samples p."""
+    """The pruned race picks argmin E / p over the whole vocabulary exactly, and over seeds
+    it samples p; top-k and top-p rows race over what they keep."""
     gen = torch.Generator().manual_seed(3)
     vocab = 50
-    p = torch.softmax(torch.randn(vocab, generator=gen) * 2, -1)
-    p[7] = 0.0  # a token without mass never wins
-    p /= p.sum()
+    logits = torch.randn(vocab, generator=gen) * 2
+    logits[7] = float("-inf")  # a token without mass never wins
+    logits[9] = -60.0  # nor, in practice, one this far below the others
+    p = torch.softmax(logits, -1).double()
     counts = torch.zeros(vocab)
     for seed in range(4000):
         row = RowSpec(Request("r", [1], SamplingParams(temperature=1.0, seed=seed)))
-        token = coupled_tokens(p[None], [row])[0]
-        u = torch.from_numpy(position_uniforms(seed, [0], vocab)[0])
-        assert token == int((-torch.log(u) / p).argmin())
+        token = coupled_tokens(logits[None], [row])[0]
+        times = torch.from_numpy(race_times(seed, 0, np.arange(vocab)))
+        assert token == int((times / p).argmin())
         counts[token] += 1
     expected = p * 4000
-    keep = expected > 0
+    keep = expected > 1e-9
     assert counts[~keep].sum() == 0
     chi2 = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
     assert chi2 < 85.35  # 99.9th percentile of chi-square with 48 degrees of freedom
+    top3 = SamplingParams(temperature=1.0, seed=0, top_k=3)
+    allowed = set(logits.topk(3).indices.tolist())
+    picks = {coupled_tokens(logits[None], [RowSpec(Request("r", [1], replace(top3, seed=s)))])[0]
+             for s in range(200)}  # fmt: skip
+    assert picks == allowed
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="Tandem's CPU kernels did not build")
+def test_the_kernels_race_is_the_numpy_race():
+    """CPU rows race in C (engine/cpu/csrc/sample.c): the same token as `coupled_winner` on
+    rows of every spread, with masked (-inf) tokens; a NaN row is left to numpy (-1)."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(120):
+        vocab = (50, 1003, 49152)[trial % 3]
+        spread = float(torch.rand(1, generator=gen)) * 8 + 0.3
+        z = torch.randn(4, vocab, generator=gen) * spread
+        z[1, : vocab // 2] = float("-inf")
+        z[2, 5] = z[2].max() + 30  # one token far ahead: it nearly always wins
+        keys = [race_key(trial, position) for position in range(4)]
+        expected = [coupled_winner(z[j].numpy(), trial, j) for j in range(4)]
+        assert cpu_sampling.race_rows(z, keys) == expected
+    z[0, 3] = float("nan")
+    z[3] = float("-inf")
+    assert cpu_sampling.race_rows(z, keys)[0] == -1 and cpu_sampling.race_rows(z, keys)[3] == -1
 
 
 def test_seeded_rows_are_one_hot_at_their_coupled_sample():
     seeded = Request("a", [1], SamplingParams(temperature=1.0, seed=4))
     plain = Request("b", [1], SamplingParams(temperature=1.0))
-    rows = [RowSpec(seeded), RowSpec(plain), RowSpec(seeded, [7])]
-    probs = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(0)), -1)
-    coupled = couple_seeded_rows(probs.clone(), rows)
-    assert torch.equal(coupled[1], probs[1])
+    greedy = Request("c", [1], SamplingParams(temperature=0.0))
+    rows = [RowSpec(seeded), RowSpec(plain), RowSpec(seeded, [7]), RowSpec(greedy)]
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    probs = logits_to_probs(logits, rows)
+    coupled = couple_seeded_rows(probs.clone(), rows, logits)
+    assert torch.equal(coupled[1], probs[1]) and torch.equal(coupled[3], probs[3])
     for i, position in ((0, 0), (2, 1)):  # output positions 0 and 1 (one prior draft)
         token = coupled_tokens(
-            probs[i : i + 1], [RowSpec(Request("c", [1], seeded.params), [7] * position)]
+            logits[i : i + 1], [RowSpec(Request("c", [1], seeded.params), [7] * position)]
         )[0]
         assert coupled[i].sum() == 1 and coupled[i, token] == 1
+    # The verifier's one-hot tokens: the race's for seeded rows, the argmax for greedy ones.
+    one_hot = [rows[i] for i in (0, 2, 3)]
+    assert target_tokens(logits[[0, 2, 3]], one_hot) == coupled[[0, 2, 3]].argmax(-1).tolist()
     assert request_uniforms([seeded], [3], torch.device("cpu")).tolist() == [0.0] * 3
 
 

@@ -54,6 +54,18 @@ def sample_head(
     return list(out), q
 
 
+def race_rows(z: torch.Tensor, keys: list[int]) -> list[int]:
+    """The coupled race's token of each row of log-weights z [rows, vocab] float32 under its
+    key (`sampler.coupled_winner`); -1 for a row with a NaN or no finite weight."""
+    z = z.contiguous()
+    rows, vocab = z.shape
+    out = (ctypes.c_int64 * rows)()
+    cpu_kernels.require().tandem_race_rows(
+        z.data_ptr(), (ctypes.c_uint64 * rows)(*keys), rows, vocab, out, torch.get_num_threads()
+    )
+    return list(out)
+
+
 def _sample(name: str, rows_in: torch.Tensor, uniform: torch.Tensor, *per_row: int) -> torch.Tensor:
     rows_in, uniform = rows_in.contiguous(), uniform.to(torch.float64).contiguous()
     rows, vocab = rows_in.shape

@@ -3,13 +3,14 @@ and logprobs; seeded rows race keyed by (seed, position) alone (docs/VERIFICATIO
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
 from engine.cpu import kernels as cpu_kernels
+from engine.cpu import sampling as cpu_sampling
 from engine.sample.backends import backend_for
 from engine.types.outputs import TokenLogprob
 from engine.types.request import Request, SamplingParams
@@ -115,6 +116,17 @@ def logits_to_probs(
     params = [row.request.params for row in rows]
     if all(p.greedy for p in params):  # the common case; skips the softmax and the blend
         return torch.zeros_like(logits).scatter_(1, argmax(logits)[:, None], 1.0)
+    probs = torch.softmax(scaled_logits(logits, params), dim=-1)
+    if any(p.greedy for p in params):
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        one_hot = torch.zeros_like(probs)
+        one_hot.scatter_(1, argmax(logits)[:, None], 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def scaled_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Logits over each row's temperature (1 if greedy), top-k and top-p dropped to -inf."""
     temperatures = [p.temperature if not p.greedy else 1.0 for p in params]
     if len(set(temperatures)) == 1:  # one request, or one setting: a scalar divides the same
         scaled = logits / temperatures[0]
@@ -124,13 +136,7 @@ def logits_to_probs(
         )
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy):
         scaled = _top_k_top_p(scaled, params)
-    probs = torch.softmax(scaled, dim=-1)
-    if any(p.greedy for p in params):
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        one_hot = torch.zeros_like(probs)
-        one_hot.scatter_(1, argmax(logits)[:, None], 1.0)
-        probs = torch.where(greedy[:, None], one_hot, probs)
-    return probs
+    return scaled
 
 
 def kernel_rows(rows: torch.Tensor) -> bool:
@@ -157,53 +163,60 @@ def _top_k_top_p(scaled: torch.Tensor, params: list) -> torch.Tensor:
 
 
 _MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+# A race time is -log u with u = (k + 1/2) / 2^24, so -log(time) is at most this.
+_MOST_BONUS = -math.log(-math.log1p(-(2.0**-25)))
 
 
 def _mix64(x: int) -> int:  # splitmix64's finaliser
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = (x + _GOLDEN) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
 
 
-def position_uniforms(
-    seed: int, positions: list[int], vocab: int, cache: dict[int, Any] | None = None
-) -> list[np.ndarray]:
-    """U[0, 1) vocabulary noise per output position, keyed by (seed, position); cached."""
-    base = _mix64(seed & _MASK64)
-    cache = {} if cache is None else cache
-    out = []
-    for t in positions:
-        u = cache.get(t)
-        if u is None or len(u) != vocab:
-            u = np.random.Generator(np.random.PCG64(_mix64(base ^ t))).random(
-                vocab, dtype=np.float32
-            )
-            cache[t] = u
-        out.append(u)
-    return out
+def race_key(seed: int, position: int) -> int:
+    return _mix64(_mix64(seed & _MASK64) ^ position)
+
+
+def race_times(seed: int, position: int, tokens: np.ndarray) -> np.ndarray:
+    """Exp(1) race times -log u of `tokens`: u = (k + 1/2) / 2^24, k the top 24 bits of
+    splitmix64 stepped token + 1 times from `race_key`; a function of (seed, position, token)."""
+    key = np.uint64(race_key(seed, position))
+    x = key + (tokens.astype(np.uint64) + np.uint64(1)) * np.uint64(_GOLDEN)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return -np.log(((x >> np.uint64(40)).astype(np.float64) + 0.5) * 2.0**-24)
+
+
+def coupled_winner(z: np.ndarray, seed: int, position: int) -> int:
+    """argmax_x z(x) - log E(x), E = `race_times`: the exponential race's sample of softmax(z)
+    for log-weights z. A token wins only within `_MOST_BONUS` of the top's key (E >= 1 - u)."""
+    top = int(z.argmax())
+    best = float(z[top]) - math.log(race_times(seed, position, np.array([top]))[0])
+    candidates = np.flatnonzero(z >= best - _MOST_BONUS - 1e-6)
+    if candidates.size <= 1:
+        return top
+    keys = z[candidates].astype(np.float64) - np.log(race_times(seed, position, candidates))
+    return int(candidates[keys.argmax()])
 
 
 def coupled_tokens(
-    probs: torch.Tensor,  # [n, vocab] rows of seeded requests
+    logits: torch.Tensor,  # [n, vocab] seeded rows, after penalties and masks
     rows: list[RowSpec],  # each row's request and place: its noise is (seed, output position)
-) -> list[int]:  # argmin E / p with E = -log(u): a sample of each row, fixed by (seed, position)
-    """With m the top token's race time, x can win only if 1 - u(x) < m p(x) (as -log u >=
-    1 - u): only those few candidates get a logarithm."""
-    vocab = probs.shape[1]
-    tokens = []
-    with np.errstate(divide="ignore", invalid="ignore"):
-        for p, row in zip(probs.detach().to("cpu", torch.float32).numpy(), rows, strict=True):
-            noise = row.request.coupled_noise
-            u = position_uniforms(_seed(row), [row.num_generated], vocab, noise)[0]
-            top = int(p.argmax())
-            # The margin keeps rounding from dropping a winner; u = 0 keeps every token.
-            bound = -np.log(u[top]) / p[top] * (1 + 1e-4)
-            cand = np.flatnonzero((1 - u) < bound * p)
-            if cand.size == 0:  # every race time rounded above the bound: keep the top
-                cand = np.array([top])
-            times = -np.log(u[cand]) / p[cand]
-            tokens.append(int(cand[np.argmin(times)]))
+) -> list[int]:
+    """Each row's coupled sample of the distribution it samples from (`scaled_logits`)."""
+    scaled = scaled_logits(logits, [row.request.params for row in rows])
+    tokens = [-1] * len(rows)
+    if kernel_rows(scaled):
+        keys = [race_key(_seed(row), row.num_generated) for row in rows]
+        tokens = cpu_sampling.race_rows(scaled, keys)
+    z = None
+    for j, row in enumerate(rows):
+        if tokens[j] < 0:
+            z = scaled.detach().to("cpu", torch.float32).numpy() if z is None else z
+            tokens[j] = coupled_winner(z[j], _seed(row), row.num_generated)
     return tokens
 
 
@@ -213,19 +226,30 @@ def _seed(row: RowSpec) -> int:
     return seed
 
 
-def couple_seeded_rows(probs: torch.Tensor, rows: list[RowSpec]) -> torch.Tensor:
+def couple_seeded_rows(
+    probs: torch.Tensor,  # [rows, vocab] `logits_to_probs` of `logits`
+    rows: list[RowSpec],
+    logits: torch.Tensor,  # after penalties and masks
+) -> torch.Tensor:
     """Seeded sampling rows made one-hot at their coupled sample (the others unchanged)."""
     idx = [i for i, row in enumerate(rows) if row.request.params.coupled]
-    if not idx:
-        return probs
-    for req in {id(rows[i].request): rows[i].request for i in idx}.values():
-        # Positions before this step's are settled: their noise is never needed again.
-        for t in [t for t in req.coupled_noise if t < req.num_output_tokens]:
-            del req.coupled_noise[t]
-    tokens = coupled_tokens(probs[idx], [rows[i] for i in idx])
-    probs[idx] = 0.0
-    probs[idx, tokens] = 1.0
+    if idx:
+        tokens = coupled_tokens(logits[idx], [rows[i] for i in idx])
+        probs[idx] = 0.0
+        probs[idx, tokens] = 1.0
     return probs
+
+
+def target_tokens(logits: torch.Tensor, rows: list[RowSpec]) -> list[int]:
+    """Each greedy or seeded row's token (after penalties and masks): argmax or coupled race."""
+    idx = [i for i, row in enumerate(rows) if row.request.params.coupled]
+    if len(idx) == len(rows):
+        return coupled_tokens(logits, rows)
+    tokens = argmax(logits).tolist()
+    if idx:
+        for i, token in zip(idx, coupled_tokens(logits[idx], [rows[i] for i in idx]), strict=True):
+            tokens[i] = token
+    return tokens
 
 
 def request_uniforms(

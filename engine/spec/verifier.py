@@ -22,6 +22,7 @@ from engine.sample.sampler import (
     logits_to_probs,
     plain_sampling,
     request_uniforms,
+    target_tokens,
     token_logprobs,
 )
 from engine.sample.tree_verifier import DraftTree, verify_tree, verify_tree_greedy
@@ -183,6 +184,8 @@ class Verifier:
             logits = apply_penalties_and_masks(logits, rows)
         if all(r.params.greedy for r in reqs):  # one-hot rows: the argmax decides
             emitted = greedy_verify(argmax(logits).tolist(), drafted)
+        elif all(r.params.greedy or r.params.coupled for r in reqs):  # or the seeded race
+            emitted = greedy_verify(target_tokens(logits, rows or _chain_rows(samplers)), drafted)
         else:
             uniform = request_uniforms(reqs, [k + 1 for k in num_drafts], self.device)
             draft_probs = drafts.probs if drafts is not None else None
@@ -192,9 +195,9 @@ class Verifier:
                 emitted = verify_sampled(
                     logits, temperatures, ids, draft_probs, num_drafts, uniform, self.method
                 )
-            else:  # top-k/top-p, seeded (coupled) or greedy rows among them
+            else:  # top-k/top-p rows, or seeded (coupled) or greedy rows among them
                 rows = rows or _chain_rows(samplers)
-                probs = couple_seeded_rows(logits_to_probs(logits, rows), rows)
+                probs = couple_seeded_rows(logits_to_probs(logits, rows), rows, logits)
                 draft_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
                 emitted = emitted_tokens(
                     probs, draft_ids, draft_probs, num_drafts, uniform, self.method
@@ -231,7 +234,7 @@ class Verifier:
         if greedy:
             best = argmax(logits).tolist()
         else:
-            probs = couple_seeded_rows(logits_to_probs(logits, rows), rows)
+            probs = couple_seeded_rows(logits_to_probs(logits, rows), rows, logits)
             counts = [len(t.tokens) + 1 for t in shapes]
             uniform = request_uniforms(reqs, counts, self.device)
         draft_q = drafts.probs if drafts is not None else None

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
 
@@ -224,8 +223,6 @@ class Request:
     num_preemptions: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     generator: torch.Generator | None = None  # seeded: samples independent of the batch
-    # A seeded request's noise by output position, kept from the draft's use to the target's.
-    coupled_noise: dict[int, np.ndarray] = field(default_factory=dict)
     prompt_logprobs: list | None = None  # gathered chunk by chunk; None until asked for
     grammar: GrammarMatcher | None = None
     error: str | None = None

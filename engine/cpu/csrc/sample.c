@@ -413,3 +413,76 @@ void tandem_sample_head(const float *logits, const float *inv_temperature, const
     out[r] = at < n ? head[at] : vocab;
   }
 }
+
+/* ---------------------------------------------------------------------------------------
+ * The coupled race of seeded rows (engine/sample/sampler.py `coupled_winner`, the same tokens,
+ * on CPU rows): for log-weights z[vocab] and the row's key (its seed and output position), the
+ * token maximising z(x) - log E(x), E(x) = -log u(x), u(x) = (k + 1/2) / 2^24 with k the top
+ * 24 bits of splitmix64 stepped x + 1 times from the key. With m = z(top) and E_top its time,
+ * x can win only if E(x) < exp(z(x) - m) E_top, and E >= 1 - u, so only if z(x) >= m +
+ * log(2^-10 / E_top) or 1 - u(x) < 2^-10 (u's top ten bits all ones). Those few get the exact
+ * key in float64; every other token costs a hash and two compares. out[r] = -1 for a row with
+ * a NaN or no finite top (the caller's own path answers those). */
+#define RACE_LUCKY ((1u << 24) - (1u << 14) - 1) /* from here 1 - u < 2^-10 (one spare) */
+
+INLINE uint64_t race_bits(uint64_t key, int64_t x) {
+  uint64_t s = key + (uint64_t)(x + 1) * 0x9E3779B97F4A7C15ull;
+  s = (s ^ (s >> 30)) * 0xBF58476D1CE4E5B9ull;
+  s = (s ^ (s >> 27)) * 0x94D049BB133111EBull;
+  return (s ^ (s >> 31)) >> 40;
+}
+
+static double race_time(uint64_t key, int64_t x) {
+  return -log(((double)race_bits(key, x) + 0.5) * 0x1p-24);
+}
+
+static int64_t race_row(const float *z, int64_t vocab, uint64_t key) {
+  float m = -INFINITY;
+  int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+  for (int64_t i = 0; i < vocab; i++) {
+    nan |= z[i] != z[i];
+    m = z[i] > m ? z[i] : m;
+  }
+  if (nan || isinf(m)) return -1;
+  int64_t top = 0; /* the first m, a block of 16 at a time */
+  for (int found = 0; !found; top += found ? 0 : 16) {
+    const int n = (int)span(vocab, top, 16);
+#pragma omp simd reduction(| : found)
+    for (int l = 0; l < n; l++) found |= z[top + l] == m;
+  }
+  while (z[top] != m) top++;
+  const double e_top = race_time(key, top);
+  const float near = (float)((double)m + log(0x1p-10 / e_top)) - 1e-3f; /* the margin: rounding */
+  double best = (double)m - log(e_top);
+  int64_t win = top, b = 0;
+  for (; b < vocab; b += 16) {
+    const int n = (int)span(vocab, b, 16);
+    int hit[16], any = 0;
+    if (n == 16) {
+#pragma omp simd reduction(| : any)
+      for (int l = 0; l < 16; l++) {
+        hit[l] = (z[b + l] >= near) | (race_bits(key, b + l) >= RACE_LUCKY);
+        any |= hit[l];
+      }
+    } else {
+      for (int l = 0; l < n; l++) {
+        hit[l] = (z[b + l] >= near) | (race_bits(key, b + l) >= RACE_LUCKY);
+        any |= hit[l];
+      }
+    }
+    for (int l = 0; any && l < n; l++) {
+      const int64_t x = b + l;
+      if (!hit[l] || x == top) continue;
+      const double k = (double)z[x] - log(race_time(key, x));
+      if (k > best || (k == best && x < win)) best = k, win = x;
+    }
+  }
+  return win;
+}
+
+void tandem_race_rows(const float *z, const uint64_t *keys, int64_t rows, int64_t vocab,
+                      int64_t *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && rows >= 4)
+  for (int64_t r = 0; r < rows; r++) out[r] = race_row(z + r * vocab, vocab, keys[r]);
+}

@@ -257,7 +257,7 @@ class DraftModelProposer:
         tokens = sample_from(q, request_uniforms(reqs, [1] * len(reqs), q.device)).tolist()
         coupled = [j for j, row in enumerate(rows) if row.request.params.coupled]
         if coupled:  # the target's own noise for these positions: the Gumbel coupling
-            raced = coupled_tokens(q[coupled], [rows[j] for j in coupled])
+            raced = coupled_tokens(logits[coupled], [rows[j] for j in coupled])
             for j, token in zip(coupled, raced, strict=True):
                 tokens[j] = token
         out: list[tuple[list[int], torch.Tensor | None]] = []
