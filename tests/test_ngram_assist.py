@@ -5,11 +5,14 @@ asked only for requests given K > 0, and the draft model gets no work for those 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from engine.config import SpecConfig
 from engine.spec.policy import AdaptiveDraftLength
-from engine.spec.proposers.ngram import prompt_lookup
+from engine.spec.proposers.ngram import longest_match, prompt_lookup
+from engine.types.request import Request, SamplingParams
 from tests.engine_utils import drain, greedy, hf_greedy, make_engine, random_prompts
 from tests.test_draft_length import memory_then_compute_bound
 from tests.test_speculative import (
@@ -21,6 +24,32 @@ from tests.test_speculative import (
 )
 
 MAX_TOKENS = 24
+
+
+def _brute_force(tokens: list[int], k: int, n_max: int, n_min: int) -> tuple[int, list[int]]:
+    """The longest suffix n-gram with an earlier occurrence, and what followed the latest one."""
+    size = len(tokens)
+    for n in range(min(n_max, size - 1), max(n_min, 1) - 1, -1):
+        for end in range(size - 2, n - 2, -1):
+            if tokens[end - n + 1 : end + 1] == tokens[size - n :]:
+                return n, tokens[end + 1 : end + 1 + k]
+    return 0, []
+
+
+def test_longest_match_is_the_longest_latest_match_on_lists_and_on_a_requests_bytes():
+    """The byte search finds what the brute force finds, with token values whose bytes also
+    match across token boundaries (which must not count), and on `Request.token_bytes`
+    extended token by token."""
+    rng = random.Random(0)
+    for trial in range(400):
+        values = [0, 1, 256, 65536, 1 << 24, 257] if trial % 2 else [5, 6, 7]
+        tokens = [rng.choice(values) for _ in range(rng.randint(1, 60))]
+        n_max, n_min, k = rng.randint(1, 8), rng.randint(1, 3), rng.randint(1, 6)
+        assert longest_match(tokens, k, n_max, n_min) == _brute_force(tokens, k, n_max, n_min)
+    req = Request("r", tokens[:5], SamplingParams())
+    for token in tokens[5:]:
+        req.output_token_ids.append(token)
+        assert longest_match(req.token_bytes(), 4, 6, 1) == _brute_force(req.all_token_ids, 4, 6, 1)
 
 
 def test_greedy_with_lookups_equals_target_only(tiny_dirs):

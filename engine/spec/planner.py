@@ -91,7 +91,7 @@ class SpecPlanner:
             # A lookup where the request drafts or decodes alone (in a batch: the rows priced).
             if cap and self.lookup is not None and grammar is None and (k > 0 or batch == 1):
                 limit = LOOKUP_MAX if req.params.max_draft_tokens is None else cap
-                match, found = self.lookup(req.all_token_ids, limit)
+                match, found = self.lookup(req.token_bytes(), limit)
                 # Alone: a draft model's K is the lookup's rival; in a batch, its cap.
                 rival = k if self.keeps_draft_kv or batch > 1 else 0
                 n = self.policy.lookup_length(req, rival, match, len(found), batch) if found else 0

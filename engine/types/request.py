@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -227,10 +228,20 @@ class Request:
     grammar: GrammarMatcher | None = None
     error: str | None = None
     error_code: str | None = None  # invalid_grammar: the request's own grammar failed
+    _token_bytes: bytearray = field(default_factory=bytearray, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_bytes(self) -> bytearray:
+        """all_token_ids as int32s, as prompt lookups search them: extended as tokens come."""
+        have, n = len(self._token_bytes) // 4, self.num_tokens
+        if have != n:
+            if have > n:
+                self._token_bytes, have = bytearray(), 0
+            self._token_bytes += array("i", self.token_ids(have, n)).tobytes()
+        return self._token_bytes
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """`all_token_ids[start:end]` without joining the whole context first."""

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from engine.config import SpecConfig
 from engine.spec.proposers.base import DraftBatch, ModelFreeProposer, Proposer
@@ -19,30 +18,36 @@ def prompt_lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int
     return longest_match(tokens, k, n_max, n_min)[1]
 
 
-def longest_match(tokens: list[int], k: int, n_max: int, n_min: int) -> tuple[int, list[int]]:
+def longest_match(
+    tokens: list[int] | bytes | bytearray, k: int, n_max: int, n_min: int
+) -> tuple[int, list[int]]:
     """(n, up to k tokens): the longest suffix n-gram of `tokens` (n_min <= n <= n_max) that
-    occurred earlier, and what followed its latest earlier occurrence; (0, []) if none."""
-    length = len(tokens)
+    occurred earlier, and what followed its latest earlier occurrence; (0, []) if none.
+    `tokens`: a list or `Request.token_bytes`; a match of n tokens has one of n - 1 (bisected)."""
+    buf = tokens if isinstance(tokens, bytes | bytearray) else array("i", tokens).tobytes()
+    length = len(buf) // 4
     if length < 2 or n_min < 1:
         return 0, []
-    seq = np.asarray(tokens)
-    ends = np.flatnonzero(seq[: length - 1] == seq[-1])  # candidate ends, counted backwards
-    if len(ends) == 0:
+    lo, hi, at = 0, min(n_max, length - 1), -1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if (found := _latest(buf, length, mid)) >= 0:
+            lo, at = mid, found
+        else:
+            hi = mid - 1
+    if lo < n_min:
         return 0, []
-    matched = np.ones(len(ends), dtype=np.int64)
-    alive = np.ones(len(ends), dtype=bool)
-    for t in range(1, min(n_max, length - 1)):
-        back = ends - t
-        alive &= back >= 0
-        alive[alive] = seq[back[alive]] == seq[length - 1 - t]
-        if not alive.any():
-            break
-        matched += alive
-    best = int(matched.max())
-    if best < n_min:
-        return 0, []
-    end = int(ends[np.flatnonzero(matched == best)[-1]])  # the latest of the longest
-    return best, tokens[end + 1 : end + 1 + k]
+    return lo, array("i", buf[4 * (at + lo) : 4 * (at + lo + k)]).tolist()
+
+
+def _latest(buf: bytes | bytearray, length: int, n: int) -> int:
+    """The start of the last n tokens' latest occurrence ending before the last token, or -1."""
+    needle, end = buf[4 * (length - n) :], 4 * (length - 1)
+    while (at := buf.rfind(needle, 0, end)) % 4:  # a match across tokens: look further back
+        if at < 0:
+            return -1
+        end = at + len(needle) - 1
+    return at // 4
 
 
 def prompt_lookup_branches(
