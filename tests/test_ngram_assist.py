@@ -6,6 +6,7 @@ asked only for requests given K > 0, and the draft model gets no work for those 
 from __future__ import annotations
 
 import random
+from array import array
 
 import pytest
 
@@ -66,8 +67,9 @@ def test_greedy_with_lookups_equals_target_only(tiny_dirs):
     lookup = engine.planner.lookup
     assert lookup is not None
 
-    def recording_lookup(tokens: list[int], k: int) -> tuple[int, list[int]]:
-        asked.append((tokens, sum(not r.is_prefill for r in engine.scheduler.running)))
+    def recording_lookup(tokens: bytearray, k: int) -> tuple[int, list[int]]:
+        running = engine.scheduler.running
+        asked.append((array("i", tokens).tolist(), sum(not r.is_prefill for r in running)))
         return lookup(tokens, k)
 
     engine.planner.lookup = recording_lookup

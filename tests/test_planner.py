@@ -71,7 +71,7 @@ def test_a_grammar_forces_its_tokens_and_a_lookup_gives_its_continuation():
     # As the n-gram lookup finds them: only `repeats` has an earlier occurrence of its suffix.
     planner.keeps_draft_kv = True  # as beside a draft model
     planner.lookup = lambda tokens, k: (
-        (3, [8, 5, 6][:k]) if tokens == repeats.all_token_ids else (0, [])
+        (3, [8, 5, 6][:k]) if tokens == repeats.token_bytes() else (0, [])
     )
     plans = planner.plan([forced, repeats, plain], num_other_tokens=0)
 
@@ -104,7 +104,9 @@ def test_in_a_batch_a_lookup_drafts_what_pays_at_its_match_length_within_the_bat
             return min(k, found) if match >= 3 else 0  # a 1-token match does not pay
 
     planner = SpecPlanner(SpecConfig("ngram", None, 4), ByMatch({"copy": 2, "chat": 3}, 4), None)
-    planner.lookup = lambda tokens, k: (3, [8, 5, 6, 7]) if tokens[0] == 5 else (1, [4, 9, 3])
+    planner.lookup = lambda tokens, k: (
+        (3, [8, 5, 6, 7]) if tokens == copying.token_bytes() else (1, [4, 9, 3])
+    )
     plans = planner.plan([copying, chatting], num_other_tokens=0)
     assert told == [("copy", 2, 3, 4, 2), ("chat", 3, 1, 3, 2)]
     assert (plans[copying].k, plans[copying].given) == (2, [8, 5])
