@@ -126,6 +126,7 @@ class SpecConfig:
     tree_drafts: str = "top"
     verification: str = "block"
     draft_quantization: str = "auto"
+    max_request_slowdown: float | None = 0.03
 
     def __post_init__(self) -> None:
         _check_choice("--speculative-method", self.method, SPEC_METHODS)
@@ -166,6 +167,10 @@ class SpecConfig:
             self.method != "suffix" or self.suffix_max_depth > self.max_draft_tokens,
             "suffix_max_depth must exceed --max-draft-tokens (a match and its drafts share "
             f"the depth; got {self.suffix_max_depth} and {self.max_draft_tokens})",
+        )
+        _check(
+            self.max_request_slowdown is None or 0 <= self.max_request_slowdown < 1,
+            f"max_request_slowdown must be null or in [0, 1) (got {self.max_request_slowdown})",
         )
         _check(
             0 <= self.suffix_cache_tokens <= 10_000_000,

@@ -239,16 +239,13 @@ OPTIONS: tuple[Option, ...] = (
         metavar="on|off",
     ),
     Option("speculative.ngram_max", None, int, "longest suffix n-gram prompt lookup matches"),
-    Option(
-        "speculative.ngram_min", None, int, "shortest suffix n-gram prompt lookup falls back to"
-    ),
+    Option("speculative.ngram_min", None, int, "shortest suffix n-gram prompt lookup takes"),
     Option(
         "speculative.ngram_assist",
         None,
         int,
-        "with a draft model, a decoding request whose last N (or more) tokens occurred earlier "
-        "in its context may verify what followed them in place of the draft's drafts (0..16; "
-        "0 = never)",
+        "with a draft model, a request whose last N+ tokens occurred earlier in its context may "
+        "verify what followed them in place of the draft's drafts (0..16; 0 = never)",
     ),
     Option(
         "speculative.suffix_max_depth",
@@ -256,6 +253,12 @@ OPTIONS: tuple[Option, ...] = (
         int,
         "suffix decoding: the depth of its suffix tries, a matched suffix of the context and "
         "the drafts after it together (2..64, above --max-draft-tokens)",
+    ),
+    Option(
+        "speculative.max_request_slowdown",
+        None,
+        optional(float),
+        "adaptive K: most a request's rate may fall for the batch's drafts (0..1, null: no cap)",
     ),
     Option(
         "speculative.suffix_cache_tokens",
@@ -334,8 +337,7 @@ OPTIONS: tuple[Option, ...] = (
         "server.api_key",
         "--api-key",
         optional(str),
-        "require 'Authorization: Bearer KEY' on the API: /v1, /tokenize, /detokenize (default: "
-        "no key)",
+        "require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize (default: no key)",
         metavar="KEY",
     ),
     Option(
@@ -374,8 +376,7 @@ OPTIONS: tuple[Option, ...] = (
         "--max-request-tokens",
         optional(int, ("auto", "none", "null")),
         "most tokens one request may ask for: its prompts plus max_tokens x n for each (a chat "
-        "request without max_tokens gets what fits); more get HTTP 400 (auto = 8 x "
-        "--max-model-len)",
+        "request without max_tokens gets what fits); more: HTTP 400 (auto: 8 x --max-model-len)",
         metavar="N",
     ),
     Option(
@@ -383,8 +384,7 @@ OPTIONS: tuple[Option, ...] = (
         "--request-timeout",
         optional(float, ("none", "null", "off")),
         "seconds a request may take from arrival to its last token, queueing included; past it "
-        "the request is aborted and the client gets HTTP 504 (or an error event in a stream); "
-        "off = no limit",
+        "it is aborted and the client gets HTTP 504 (an error event in a stream); off: no limit",
         metavar="SECONDS",
     ),
     Option(

@@ -412,6 +412,28 @@ def test_a_request_whose_drafts_keep_failing_drops_out_of_a_good_batch():
     assert min(choice.ks[:-1]) > 0
 
 
+def test_no_request_loses_more_than_the_cap_to_speed_up_the_others():
+    """`max_request_slowdown`: a request that gains nothing from drafts waits for the others'
+    only while their drafts cost the step at most that fraction; a batch that all gains
+    drafts as before, and so does a mixed one where drafts are nearly free."""
+    reqs = _requests(7, accepted=950, trials=1000, temperature=0)
+    reqs += _requests(1, accepted=1, trials=2000, temperature=0)
+    reqs[-1].request_id = "hopeless"
+    capped = AdaptiveDraftLength(8, memory_then_compute_bound(), max_request_slowdown=0.03)
+    assert capped.search.max_slowdown == 0.03
+    assert capped.choose(reqs).ks == [0] * 8  # a draft pass alone costs a tenth of the step
+    good = _requests(8, accepted=950, trials=1000, temperature=0)
+    assert min(capped.choose(good).ks) > 0
+    cheap = [0.010 + 0.00001 * n for n in SIZES]  # passes flat, drafts nearly free
+    model = CostModel(SIZES, cheap, draft_fixed=0.00001, draft_per_token=0.000001)
+    ks = AdaptiveDraftLength(8, model, max_request_slowdown=0.03).choose(reqs).ks
+    assert min(ks[:-1]) > 0  # (the hopeless one's drafts cost nothing either)
+    spec = SpecConfig(method="ngram")
+    assert spec.max_request_slowdown == 0.03  # the default engine's
+    with pytest.raises(ValueError, match="max_request_slowdown"):
+        SpecConfig(method="ngram", max_request_slowdown=1.0)
+
+
 def test_k_falls_as_the_batch_grows_and_reaches_zero_when_compute_bound():
     policy = AdaptiveDraftLength(8, memory_then_compute_bound())
     per_request = []

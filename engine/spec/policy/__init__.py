@@ -26,7 +26,10 @@ def policy_for(spec: SpecConfig, cost_model: CostModel | None) -> DraftLengthPol
         return NoSpeculation()
     if cost_model is not None:
         return AdaptiveDraftLength(
-            spec.max_draft_tokens, cost_model, max_branches=spec.max_branches
+            spec.max_draft_tokens,
+            cost_model,
+            max_branches=spec.max_branches,
+            max_request_slowdown=spec.max_request_slowdown,
         )
     return FixedDraftLength(spec.max_draft_tokens, spec.draft_branches or 1)
 

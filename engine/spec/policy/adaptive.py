@@ -18,7 +18,8 @@ PROBE_STEPS = 8
 
 class AdaptiveDraftLength:
     """Maximise the batch's expected accepted tokens per second on the measured cost model
-    (docs/ADAPTIVE_K.md, "The choice"): one K unless per-request K beats it by `uniform_margin`;
+    (docs/ADAPTIVE_K.md, "The choice"): one K unless per-request K beats it by `uniform_margin`,
+    no request's expected rate below 1 - `max_request_slowdown` of its rate without drafts;
     probes (K = 1) after `probe_interval` steps without drafts."""
 
     def __init__(
@@ -34,13 +35,14 @@ class AdaptiveDraftLength:
         max_branches: int = 1,
         reuse_steps: int = 4,
         plain_reuse_steps: int = PLAIN_REUSE_STEPS,
+        max_request_slowdown: float | None = None,
     ) -> None:
         self.max_draft_tokens = max_draft_tokens
         self.max_branches = max_branches
         self.uniform_margin = uniform_margin
         self.cost = cost
         self.estimates = AcceptanceEstimates(max_draft_tokens, prior, prior_weight, request_weight)
-        self.search = BatchSearch(cost, self.estimates)
+        self.search = BatchSearch(cost, self.estimates, max_request_slowdown)
         self.catch_up = CatchUp()
         self.reuse = DecisionReuse(reuse_steps, plain_reuse_steps)
         self.probe_interval = probe_interval

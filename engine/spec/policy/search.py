@@ -13,9 +13,21 @@ class BatchSearch:
     """Chain searches take `gains` [requests, K_max] (the chance a d-th draft is kept),
     contexts, the pass's other tokens and `catch_up` (per request, `CatchUp.tokens`)."""
 
-    def __init__(self, cost: CostModel, estimates: AcceptanceEstimates) -> None:
+    def __init__(
+        self, cost: CostModel, estimates: AcceptanceEstimates, max_slowdown: float | None = None
+    ) -> None:
         self.cost = cost
         self.estimates = estimates
+        self.max_slowdown = max_slowdown
+
+    def _fair(
+        self, rows: int, rates: np.ndarray, seconds: np.ndarray, plain: float, least: np.ndarray
+    ) -> np.ndarray:
+        """`rates`, 0 where some request's rate would fall past `max_slowdown` (None: no cap):
+        `least` (its 1 + kept drafts) in `seconds` against one token in `plain`'s."""
+        if rows == 1 or self.max_slowdown is None:
+            return rates
+        return np.where(seconds * (1 - self.max_slowdown) <= least * plain, rates, 0.0)
 
     def _seconds(
         self,
@@ -67,7 +79,8 @@ class BatchSearch:
             drafting * catch_up.sum(),
             drafting * float(catch_up @ context),
         )
-        rates = tokens / seconds
+        least = 1 + np.concatenate([[0.0], np.cumsum(gains, axis=1).min(axis=0)])
+        rates = self._fair(rows, tokens / seconds, seconds, float(seconds[0]), least)
         best = int(np.argmax(rates))
         return np.full(rows, best, dtype=np.int64), float(rates[best])
 
@@ -91,6 +104,11 @@ class BatchSearch:
             rows, num_other + rows, m, passes, float(context.sum()), draft_pairs, 1, fed, fed_pairs
         )
         rates = tokens / seconds
+        if rows > 1 and self.max_slowdown is not None:  # each request's kept drafts by prefix
+            kept = np.zeros((order.size + 1, rows))
+            kept[np.arange(1, order.size + 1), owner] = gains.reshape(-1)[order]
+            least = 1 + np.cumsum(kept, axis=0).min(axis=1)
+            rates = self._fair(rows, rates, seconds, float(seconds[0]), least)
         best = int(np.argmax(rates))
         ks = np.zeros(rows, dtype=np.int64)
         np.add.at(ks, owner[:best], 1)
@@ -124,6 +142,7 @@ class BatchSearch:
         kept with `root_acceptance`, deeper positions with a each; N x K drafts, K passes."""
         rows, k_max = len(a), self.estimates.max_draft_tokens
         total_context = float(context.sum())
+        plain = self._seconds(rows, num_other + rows, np.zeros(1), np.zeros(1), total_context, 0.0)
         best = (1, 0, 0.0)
         for n in range(2, max_branches + 1):
             first = self.estimates.root_acceptance(a, n)  # [rows]
@@ -142,7 +161,8 @@ class BatchSearch:
                 catch_up.sum(),
                 float(catch_up @ context),
             )
-            rates = tokens / seconds
+            least = 1 + np.cumsum(gains, axis=1).min(axis=0)
+            rates = self._fair(rows, tokens / seconds, seconds, float(plain[0]), least)
             i = int(np.argmax(rates))
             if rates[i] > best[2]:
                 best = (n, int(k[i]), float(rates[i]))
