@@ -235,11 +235,9 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_bytes(self) -> bytearray:
-        """all_token_ids as int32s, as prompt lookups search them: extended as tokens come."""
+        """all_token_ids as int32s, as prompt lookups search them: extended as output comes."""
         have, n = len(self._token_bytes) // 4, self.num_tokens
-        if have != n:
-            if have > n:
-                self._token_bytes, have = bytearray(), 0
+        if have < n:
             self._token_bytes += array("i", self.token_ids(have, n)).tobytes()
         return self._token_bytes
 
