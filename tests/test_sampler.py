@@ -244,22 +244,41 @@ def test_coupled_race_equals_the_plain_race_and_follows_p():
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="Tandem's CPU kernels did not build")
-def test_the_kernels_race_is_the_numpy_race():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_kernels_race_is_the_numpy_race(threads):
     """CPU rows race in C (engine/cpu/csrc/sample.c): the same token as `coupled_winner` on
-    rows of every spread, with masked (-inf) tokens; a NaN row is left to numpy (-1)."""
-    gen = torch.Generator().manual_seed(0)
-    for trial in range(120):
-        vocab = (50, 1003, 49152)[trial % 3]
-        spread = float(torch.rand(1, generator=gen)) * 8 + 0.3
-        z = torch.randn(4, vocab, generator=gen) * spread
-        z[1, : vocab // 2] = float("-inf")
-        z[2, 5] = z[2].max() + 30  # one token far ahead: it nearly always wins
-        keys = [race_key(trial, position) for position in range(4)]
-        expected = [coupled_winner(z[j].numpy(), trial, j) for j in range(4)]
-        assert cpu_sampling.race_rows(z, keys) == expected
-    z[0, 3] = float("nan")
-    z[3] = float("-inf")
-    assert cpu_sampling.race_rows(z, keys)[0] == -1 and cpu_sampling.race_rows(z, keys)[3] == -1
+    the rows over their temperatures, of every spread, with masked (-inf) tokens, one row or
+    several (a row split between threads); a NaN row is left to numpy (-1)."""
+    gen, before = torch.Generator().manual_seed(0), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for trial in range(120):
+            vocab, rows = (50, 1003, 49152)[trial % 3], (4, 1, 2)[trial // 3 % 3]
+            spread = float(torch.rand(1, generator=gen)) * 8 + 0.3
+            z = torch.randn(rows, vocab, generator=gen) * spread
+            z[rows // 2, : vocab // 2] = float("-inf")
+            z[-1, 5] = z[-1].max() + 30  # one token far ahead: it nearly always wins
+            t = [(1.0, 0.7, 0.31, 1.3)[(trial + j) % 4] for j in range(rows)]
+            keys = [race_key(trial, position) for position in range(rows)]
+            expected = [coupled_winner((z[j] / t[j]).numpy(), trial, j) for j in range(rows)]
+            assert cpu_sampling.race_rows(z, t, keys) == expected
+        # Two logits a float apart with one quotient: the first is the top, as numpy's argmax.
+        z, t = torch.randn(2, 49152, generator=gen), 3.0
+        top = np.float32(13.0)  # quotients in [4, 8) are spaced wider than 13's floats / 3
+        while np.nextafter(top, np.float32(0)) / np.float32(t) != top / np.float32(t):
+            top = np.nextafter(top, np.float32(0))
+        z[:, 100], z[:, 30000] = float(np.nextafter(top, np.float32(0))), float(top)
+        keys = [race_key(7, position) for position in range(2)]
+        expected = [coupled_winner((z[j] / t).numpy(), 7, j) for j in range(2)]
+        assert cpu_sampling.race_rows(z, [t, t], keys) == expected
+        z = torch.randn(4, 4099, generator=gen)
+        z[0, 3] = float("nan")
+        z[3] = float("-inf")
+        keys = [race_key(1, position) for position in range(4)]
+        raced = cpu_sampling.race_rows(z, [0.7] * 4, keys)
+        assert raced[0] == -1 and raced[3] == -1 and min(raced[1:3]) >= 0
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_seeded_rows_are_one_hot_at_their_coupled_sample():

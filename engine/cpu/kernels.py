@@ -285,7 +285,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tandem_sample_final.argtypes = [ptr] * 7 + [i64, i64, ptr, i32]
     lib.tandem_verify_sampled.argtypes = [ptr] * 7 + [i32, i64, i64, ptr, ptr, i32]
     lib.tandem_sample_head.argtypes = [ptr] * 4 + [i64] * 3 + [ptr] * 3 + [i32]
-    lib.tandem_race_rows.argtypes = [ptr, ptr, i64, i64, ptr, i32]
+    lib.tandem_race_rows.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i32]
     samplers = ("rows", "logits", "final", "head")
     for name in [f"sample_{s}" for s in samplers] + ["verify_sampled", "race_rows"]:
         getattr(lib, f"tandem_{name}").restype = None  # wrapped in engine/cpu/sampling.py

@@ -54,14 +54,20 @@ def sample_head(
     return list(out), q
 
 
-def race_rows(z: torch.Tensor, keys: list[int]) -> list[int]:
-    """The coupled race's token of each row of log-weights z [rows, vocab] float32 under its
-    key (`sampler.coupled_winner`); -1 for a row with a NaN or no finite weight."""
-    z = z.contiguous()
-    rows, vocab = z.shape
+def race_rows(logits: torch.Tensor, temperatures: list[float], keys: list[int]) -> list[int]:
+    """Each row's coupled race token of logits [rows, vocab] / its temperature under its key
+    (`sampler.coupled_winner`); -1 for a row with a NaN or no finite weight."""
+    logits = logits.contiguous()
+    rows, vocab = logits.shape
     out = (ctypes.c_int64 * rows)()
     cpu_kernels.require().tandem_race_rows(
-        z.data_ptr(), (ctypes.c_uint64 * rows)(*keys), rows, vocab, out, torch.get_num_threads()
+        logits.data_ptr(),
+        (ctypes.c_float * rows)(*temperatures),
+        (ctypes.c_uint64 * rows)(*keys),
+        rows,
+        vocab,
+        out,
+        torch.get_num_threads(),
     )
     return list(out)
 

@@ -207,15 +207,22 @@ def coupled_tokens(
     rows: list[RowSpec],  # each row's request and place: its noise is (seed, output position)
 ) -> list[int]:
     """Each row's coupled sample of the distribution it samples from (`scaled_logits`)."""
-    scaled = scaled_logits(logits, [row.request.params for row in rows])
+    params = [row.request.params for row in rows]
+    temperatures = [p.temperature for p in params]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):  # else the kernel divides
+        logits, temperatures = scaled_logits(logits, params), [1.0] * len(rows)
     tokens = [-1] * len(rows)
-    if kernel_rows(scaled):
+    if kernel_rows(logits):
         keys = [race_key(_seed(row), row.num_generated) for row in rows]
-        tokens = cpu_sampling.race_rows(scaled, keys)
+        tokens = cpu_sampling.race_rows(logits, temperatures, keys)
     z = None
     for j, row in enumerate(rows):
         if tokens[j] < 0:
-            z = scaled.detach().to("cpu", torch.float32).numpy() if z is None else z
+            if z is None:
+                scaled = logits / torch.tensor(temperatures, dtype=logits.dtype)[:, None].to(
+                    logits.device
+                )
+                z = scaled.detach().to("cpu", torch.float32).numpy()
             tokens[j] = coupled_winner(z[j], _seed(row), row.num_generated)
     return tokens
 

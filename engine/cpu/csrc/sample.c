@@ -1,4 +1,6 @@
 #include "vec.h"
+#include <float.h>
+#include <stdlib.h>
 
 /* ---------------------------------------------------------------------------------------
  * Inverse-CDF sampling, row by row: for each row of non-negative mass p[vocab] and a draw
@@ -422,7 +424,15 @@ void tandem_sample_head(const float *logits, const float *inv_temperature, const
  * x can win only if E(x) < exp(z(x) - m) E_top, and E >= 1 - u, so only if z(x) >= m +
  * log(2^-10 / E_top) or 1 - u(x) < 2^-10 (u's top ten bits all ones). Those few get the exact
  * key in float64; every other token costs a hash and two compares. out[r] = -1 for a row with
- * a NaN or no finite top (the caller's own path answers those). */
+ * a NaN or no finite top (the caller's own path answers those).
+ *
+ * z = logits / t[r] (t = 1: the logits) as float32 division rounds it (torch's `logits / t`),
+ * found without dividing the row: the rounded quotient never decreases as l grows, so each
+ * threshold on z is one on l (`least_quotient_at`) and only the candidates are divided. Rows
+ * fewer than twice the threads are split into a share per thread: the logits come straight
+ * from the LM head, out of the cache, and each thread reads its share. Every share gives its maximum (its first index) and
+ * then its best candidate; the row's winner is the greatest (key, -x) over the shares, which
+ * is the one a pass over the whole row in order finds. */
 #define RACE_LUCKY ((1u << 24) - (1u << 14) - 1) /* from here 1 - u < 2^-10 (one spare) */
 
 INLINE uint64_t race_bits(uint64_t key, int64_t x) {
@@ -436,53 +446,139 @@ static double race_time(uint64_t key, int64_t x) {
   return -log(((double)race_bits(key, x) + 0.5) * 0x1p-24);
 }
 
-static int64_t race_row(const float *z, int64_t vocab, uint64_t key) {
-  float m = -INFINITY;
+struct race_share {
+  float m;       /* the share's largest z */
+  int nan;       /* whether it holds a NaN */
+  int64_t top;   /* the first x with z(x) = m */
+  double best;   /* the share's best key among its candidates (-inf: none) */
+  int64_t win;   /* its token */
+};
+
+/* The least float a with a / t >= v (t > 0): division by t rounds monotonically, so
+ * l / t >= v exactly when l >= a, and a row is compared without dividing it. */
+static float least_quotient_at(float v, float t) {
+  float a = v * t;
+  if (isinf(a) && !isinf(v)) a = a > 0 ? FLT_MAX : -FLT_MAX;
+  while (!(a / t >= v) && a != INFINITY) a = nextafterf(a, INFINITY);
+  for (float b = nextafterf(a, -INFINITY); b / t >= v && b != a; b = nextafterf(b, -INFINITY))
+    a = b;
+  return a;
+}
+
+/* A share's largest z = l / t (the largest l over t) and the first x with z(x) = it: the
+ * first l at or above the least float with that quotient. */
+static void race_max(const float *l, float t, int64_t lo, int64_t hi, struct race_share *s) {
+  float top_l = -INFINITY;
   int nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : nan)
-  for (int64_t i = 0; i < vocab; i++) {
-    nan |= z[i] != z[i];
-    m = z[i] > m ? z[i] : m;
+#pragma omp simd reduction(max : top_l) reduction(| : nan)
+  for (int64_t i = lo; i < hi; i++) {
+    nan |= l[i] != l[i];
+    top_l = l[i] > top_l ? l[i] : top_l;
   }
-  if (nan || isinf(m)) return -1;
-  int64_t top = 0; /* the first m, a block of 16 at a time */
-  for (int found = 0; !found; top += found ? 0 : 16) {
-    const int n = (int)span(vocab, top, 16);
+  const float m = top_l / t;
+  int64_t top = lo;
+  if (!nan && !isinf(m)) {
+    const float a = least_quotient_at(m, t);
+    for (int found = 0; !found; top += found ? 0 : 16) { /* a block of 16 at a time */
+      const int n = (int)span(hi, top, 16);
 #pragma omp simd reduction(| : found)
-    for (int l = 0; l < n; l++) found |= z[top + l] == m;
+      for (int j = 0; j < n; j++) found |= l[top + j] >= a;
+    }
+    while (!(l[top] >= a)) top++;
   }
-  while (z[top] != m) top++;
-  const double e_top = race_time(key, top);
-  const float near = (float)((double)m + log(0x1p-10 / e_top)) - 1e-3f; /* the margin: rounding */
-  double best = (double)m - log(e_top);
-  int64_t win = top, b = 0;
-  for (; b < vocab; b += 16) {
-    const int n = (int)span(vocab, b, 16);
+  s->m = m, s->nan = nan, s->top = top;
+}
+
+/* The row's largest z and its first index from its shares (in order); 0 if it races in C. */
+static int race_top(const struct race_share *s, int shares, float *m, int64_t *top) {
+  int nan = 0;
+  *m = -INFINITY, *top = 0;
+  for (int p = 0; p < shares; p++) {
+    nan |= s[p].nan;
+    if (s[p].m > *m) *m = s[p].m, *top = s[p].top;
+  }
+  return !nan && !isinf(*m);
+}
+
+/* A share's best candidate: the tokens with z >= near (l at or above the least float with
+ * that quotient) or a lucky u, each keyed exactly; the top is the row's, keyed by the caller. */
+static void race_candidates(const float *l, float t, int64_t lo, int64_t hi, uint64_t key,
+                            float near, int64_t top, struct race_share *s) {
+  const float at = least_quotient_at(near, t);
+  double best = -INFINITY;
+  int64_t win = hi;
+  for (int64_t b = lo; b < hi; b += 16) {
+    const int n = (int)span(hi, b, 16);
     int hit[16], any = 0;
     if (n == 16) {
 #pragma omp simd reduction(| : any)
-      for (int l = 0; l < 16; l++) {
-        hit[l] = (z[b + l] >= near) | (race_bits(key, b + l) >= RACE_LUCKY);
-        any |= hit[l];
+      for (int j = 0; j < 16; j++) {
+        hit[j] = (l[b + j] >= at) | (race_bits(key, b + j) >= RACE_LUCKY);
+        any |= hit[j];
       }
     } else {
-      for (int l = 0; l < n; l++) {
-        hit[l] = (z[b + l] >= near) | (race_bits(key, b + l) >= RACE_LUCKY);
-        any |= hit[l];
+      for (int j = 0; j < n; j++) {
+        hit[j] = (l[b + j] >= at) | (race_bits(key, b + j) >= RACE_LUCKY);
+        any |= hit[j];
       }
     }
-    for (int l = 0; any && l < n; l++) {
-      const int64_t x = b + l;
-      if (!hit[l] || x == top) continue;
-      const double k = (double)z[x] - log(race_time(key, x));
-      if (k > best || (k == best && x < win)) best = k, win = x;
+    for (int j = 0; any && j < n; j++) {
+      const int64_t x = b + j;
+      if (!hit[j] || x == top) continue;
+      const double k = (double)(l[x] / t) - log(race_time(key, x));
+      if (k > best) best = k, win = x; /* x ascending: a tie keeps the earlier */
     }
   }
-  return win;
+  s->best = best, s->win = win;
 }
 
-void tandem_race_rows(const float *z, const uint64_t *keys, int64_t rows, int64_t vocab,
-                      int64_t *out, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && rows >= 4)
-  for (int64_t r = 0; r < rows; r++) out[r] = race_row(z + r * vocab, vocab, keys[r]);
+void tandem_race_rows(const float *logits, const float *temperature, const uint64_t *keys,
+                      int64_t rows, int64_t vocab, int64_t *out, int nthreads) {
+  const int team = nthreads > 1 ? nthreads : 1;
+  const int shares = rows >= 2 * team || vocab < 4096 ? 1 : team;
+  const int64_t tasks = rows * shares, width = (vocab + shares - 1) / shares;
+  struct race_share small[64];
+  struct race_share *s = tasks <= 64 ? small : malloc((size_t)tasks * sizeof *s);
+  if (!s) {
+    for (int64_t r = 0; r < rows; r++) out[r] = -1;
+    return;
+  }
+#pragma omp parallel num_threads(team) if (team > 1 && tasks > 1)
+  {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < tasks; i++) {
+      const int64_t r = i / shares, lo = i % shares * width;
+      const int64_t hi = lo + width < vocab ? lo + width : vocab;
+      race_max(logits + r * vocab, temperature[r], lo, hi > lo ? hi : lo, s + i);
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < tasks; i++) {
+      const int64_t r = i / shares, lo = i % shares * width;
+      const int64_t hi = lo + width < vocab ? lo + width : vocab;
+      float m;
+      int64_t top;
+      s[i].best = -INFINITY, s[i].win = vocab;
+      if (!race_top(s + r * shares, shares, &m, &top) || hi <= lo) continue;
+      const uint64_t key = keys[r];
+      const float near = (float)((double)m + log(0x1p-10 / race_time(key, top))) - 1e-3f;
+      race_candidates(logits + r * vocab, temperature[r], lo, hi, key, near, top, s + i);
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+      float m;
+      int64_t top;
+      if (!race_top(s + r * shares, shares, &m, &top)) {
+        out[r] = -1;
+        continue;
+      }
+      double best = (double)m - log(race_time(keys[r], top));
+      int64_t win = top;
+      for (int p = 0; p < shares; p++) {
+        const struct race_share *c = s + r * shares + p;
+        if (c->best > best || (c->best == best && c->win < win)) best = c->best, win = c->win;
+      }
+      out[r] = win;
+    }
+  }
+  if (s != small) free(s);
 }
