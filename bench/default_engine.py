@@ -19,7 +19,9 @@ concurrency 1 the decode steps by K. Each config runs once per value of each lis
 (--verification seeded: each request brings a seed). `--workload families`: request i of
 family i % 6, with per-family decode and end-to-end rates (end-to-end from adding the request).
 `--interleave`: the configs' engines up at once, request by request (waves of --concurrency)
-in turn, per family the median over --rounds of each config's ratio to the first (`interleaved`).
+in turn, per family the median over --rounds of each config's ratio to the first, and each
+other config's decode tokens a step (drafted, share kept). `ngram-16` verifies every lookup's
+whole chain: its tokens a step are what lookups could give if verifying cost nothing.
 `passes`: the best time of a target pass of --concurrency requests feeding --rows tokens after
 --context cached ones, per --cpu-activations and --cpu-attention mode, alternating pass by pass.
 `run_closed_loop`: the closed-loop driver of bench/gpu_bench.py's Tandem rows (greedy, EOS
@@ -70,6 +72,8 @@ CONFIGS = {
     "adaptive": SpecConfig(**_ADAPTIVE),
     "adaptive+lookup": SpecConfig(**_ADAPTIVE, ngram_assist=3),
     "ngram": SpecConfig(method="ngram", max_draft_tokens=4, draft_length="adaptive"),
+    # Every lookup's whole chain (up to 16): how many tokens lookups could give a step at all.
+    "ngram-16": SpecConfig(method="ngram", max_draft_tokens=16, draft_length="fixed"),
     "suffix": SpecConfig(method="suffix", max_draft_tokens=4, draft_length="adaptive"),
 }  # fmt: skip
 
@@ -224,6 +228,7 @@ def interleaved(args: argparse.Namespace) -> None:
     families, prompts = _workload(engines[names[0]], args.workload, args.requests, c)
     params = _params(args.max_tokens, args.temperature, ver == "seeded")
     work, rates = list(enumerate(prompts)), {n: [] for n in names}
+    drafting: dict[str, list] = {n: [] for n in names}  # (index, times record) of every round
     for n in names:  # the warm-ups
         _closed_loop(engines[n], work[args.requests :], c, params)
     for rnd in range(args.rounds):
@@ -234,6 +239,7 @@ def interleaved(args: argparse.Namespace) -> None:
                     engines[n], work[w : min(w + c, args.requests)], c, params, times=times[n]
                 )
         for n in names:
+            drafting[n] += times[n].items()
             rows = [(families[i][0] if families else "chat", *t) for i, t in times[n].items()]
             rates[n].append(family_rates(rows))
         print(f"round {rnd + 1}, decode tok/s:", {n: round(rates[n][-1]["all"]["decode_tokens_per_s"], 1) for n in names}, flush=True)  # fmt: skip
@@ -244,6 +250,16 @@ def interleaved(args: argparse.Namespace) -> None:
                  for f in rates[n][0]]  # fmt: skip
         head = f"{n} / {names[0]}, c={c} T={args.temperature}, {what} rate"
         print(f"{head}, median of {args.rounds}: {'  '.join(cells)}", flush=True)
+    for n in names[1:]:  # what a decode step of a request gave: tokens, drafts, the share kept
+        name = {i: families[i][0] if families else "chat" for i, _ in drafting[n]}
+        steps = {f: [0] * 4 for f in [*dict.fromkeys(name.values()), "all"]}
+        for i, t in drafting[n]:
+            counts = (t[3] - t[4], t[5] - 1, *t[6:])  # decode tokens, steps, drafted, kept
+            for f in (name[i], "all"):
+                steps[f] = [a + b for a, b in zip(steps[f], counts, strict=True)]
+        cells = [f"{f} {tok / max(s, 1):.2f} ({d / max(s, 1):.2f} drafted, {k / max(d, 1):.0%} kept)"
+                 for f, (tok, s, d, k) in steps.items()]  # fmt: skip
+        print(f"{n}, decode tokens a step (all rounds): {'  '.join(cells)}", flush=True)
 
 
 def _closed_loop(
@@ -254,12 +270,12 @@ def _closed_loop(
     """Run `prompts` (index, tokens) with `concurrency` in flight; output tokens, seconds.
     With `steps`, every step that computed no prompt token is added to it as (seconds, tokens
     out) under its mean K, rounded. With `times`, each request's [added, first token, last
-    token, output tokens, tokens of its first step] under its index."""
+    token, output tokens, tokens of its first step, steps with tokens, drafted, kept] by index."""
     times = {} if times is None else times
     queue = iter(prompts)
     for i, prompt in itertools.islice(queue, concurrency):
         eng.add_request(str(i), prompt, params(i))
-        times[i] = [time.perf_counter(), 0.0, 0.0, 0, 0]
+        times[i] = [time.perf_counter(), 0.0, 0.0, 0, 0, 0, 0, 0]
     tokens, start = 0, time.perf_counter()
     while eng.has_work():
         prompt_tokens, step_start = eng.totals.prompt_tokens, time.perf_counter()
@@ -272,13 +288,18 @@ def _closed_loop(
             tokens += len(out.new_token_ids)
             if out.new_token_ids:
                 record = times[int(out.request_id)]
-                record[1:] = [record[1] or now, now, record[3] + len(out.new_token_ids),
-                              record[4] or len(out.new_token_ids)]  # fmt: skip
+                record[1:6] = [record[1] or now, now, record[3] + len(out.new_token_ids),
+                               record[4] or len(out.new_token_ids), record[5] + 1]  # fmt: skip
             if out.finished:
+                drafts = out.drafts_by_source.values()
+                times[int(out.request_id)][6:] = [
+                    sum(d for d, _ in drafts),
+                    sum(a for _, a in drafts),
+                ]
                 nxt = next(queue, None)
                 if nxt is not None:
                     eng.add_request(str(nxt[0]), nxt[1], params(nxt[0]))
-                    times[nxt[0]] = [time.perf_counter(), 0.0, 0.0, 0, 0]
+                    times[nxt[0]] = [time.perf_counter(), 0.0, 0.0, 0, 0, 0, 0, 0]
     return tokens, time.perf_counter() - start
 
 
@@ -351,8 +372,8 @@ def run_closed_loop(
         gc.unfreeze()  # what the run leaves behind (an engine dropped later) stays collectable
     d = {k: v - before[k] for k, v in _counters(engine).items()}
     started = [t for t in times.values() if t[3]]
-    ttft = [first - added for added, first, _, _, _ in started]
-    itl = [(last - first) / (n - 1) for _, first, last, n, _ in started if n > 1]
+    ttft = [first - added for added, first, *_ in started]
+    itl = [(last - first) / (n - 1) for _, first, last, n, *_ in started if n > 1]
     return RunResult(
         setting, concurrency, num_requests, tokens, seconds, tokens / seconds,
         ttft_mean_ms=1e3 * statistics.fmean(ttft),

@@ -4,6 +4,7 @@ timed run where it can (the heap is frozen first) and reports the ones that rema
 from __future__ import annotations
 
 import gc
+import re
 
 from bench.default_engine import run_closed_loop
 from tests.engine_utils import make_engine, random_prompts
@@ -43,8 +44,9 @@ def test_the_speed_driver_times_each_requests_first_and_last_tokens(tiny_dirs):
     times: dict[int, list] = {}
     tokens, seconds = _closed_loop(engine, prompts, 2, lambda i: params, times=times)
     assert tokens == 12 and seconds > 0 and sorted(times) == [0, 1, 2]
-    for added, first, last, count, first_count in times.values():
+    for added, first, last, count, first_count, steps, drafted, kept in times.values():
         assert added < first < last and count == 4 and first_count == 1
+        assert steps == 4 and drafted == kept == 0  # speculation off: a token a step
 
 
 def test_interleave_runs_every_wave_on_every_engine_in_turn(tiny_dirs, monkeypatch, capsys):
@@ -89,3 +91,7 @@ def test_interleave_runs_every_wave_on_every_engine_in_turn(tiny_dirs, monkeypat
     for what in ("decode", "end-to-end"):
         line = next(x for x in out.splitlines() if x.startswith(f"ngram / off, c=2 T=0.0, {what}"))
         assert "chat" in line and "rag" in line and "all" in line and "median of 2" in line
+    line = next(x for x in out.splitlines() if x.startswith("ngram, decode tokens a step"))
+    cells = re.findall(r"(\w+) ([\d.]+) \(([\d.]+) drafted, (\d+)% kept\)", line)
+    assert [c[0] for c in cells] == ["chat", "rag", "all"]
+    assert all(float(tokens) >= 1 and 0 <= int(kept) <= 100 for _, tokens, _, kept in cells)
