@@ -429,10 +429,10 @@ void tandem_sample_head(const float *logits, const float *inv_temperature, const
  * z = logits / t[r] (t = 1: the logits) as float32 division rounds it (torch's `logits / t`),
  * found without dividing the row: the rounded quotient never decreases as l grows, so each
  * threshold on z is one on l (`least_quotient_at`) and only the candidates are divided. Rows
- * fewer than twice the threads are split into a share per thread: the logits come straight
- * from the LM head, out of the cache, and each thread reads its share. Every share gives its maximum (its first index) and
- * then its best candidate; the row's winner is the greatest (key, -x) over the shares, which
- * is the one a pass over the whole row in order finds. */
+ * fewer than twice the threads are split into a share per thread (logits the LM head has just
+ * written are read from memory, and each thread reads only its share). Each share gives its
+ * maximum and first index, then its best candidate; the row's winner is the greatest
+ * (key, -x) over the shares, the one a pass over the whole row in order finds. */
 #define RACE_LUCKY ((1u << 24) - (1u << 14) - 1) /* from here 1 - u < 2^-10 (one spare) */
 
 INLINE uint64_t race_bits(uint64_t key, int64_t x) {
