@@ -228,7 +228,7 @@ def interleaved(args: argparse.Namespace) -> None:
     families, prompts = _workload(engines[names[0]], args.workload, args.requests, c)
     params = _params(args.max_tokens, args.temperature, ver == "seeded")
     work, rates = list(enumerate(prompts)), {n: [] for n in names}
-    drafting: dict[str, list] = {n: [] for n in names}  # (index, times record) of every round
+    records: dict[str, list] = {n: [] for n in names}  # (index, times record) of every round
     for n in names:  # the warm-ups
         _closed_loop(engines[n], work[args.requests :], c, params)
     for rnd in range(args.rounds):
@@ -239,7 +239,7 @@ def interleaved(args: argparse.Namespace) -> None:
                     engines[n], work[w : min(w + c, args.requests)], c, params, times=times[n]
                 )
         for n in names:
-            drafting[n] += times[n].items()
+            records[n] += times[n].items()
             rows = [(families[i][0] if families else "chat", *t) for i, t in times[n].items()]
             rates[n].append(family_rates(rows))
         print(f"round {rnd + 1}, decode tok/s:", {n: round(rates[n][-1]["all"]["decode_tokens_per_s"], 1) for n in names}, flush=True)  # fmt: skip
@@ -251,9 +251,9 @@ def interleaved(args: argparse.Namespace) -> None:
         head = f"{n} / {names[0]}, c={c} T={args.temperature}, {what} rate"
         print(f"{head}, median of {args.rounds}: {'  '.join(cells)}", flush=True)
     for n in names[1:]:  # what a decode step of a request gave: tokens, drafts, the share kept
-        name = {i: families[i][0] if families else "chat" for i, _ in drafting[n]}
+        name = {i: families[i][0] if families else "chat" for i, _ in records[n]}
         steps = {f: [0] * 4 for f in [*dict.fromkeys(name.values()), "all"]}
-        for i, t in drafting[n]:
+        for i, t in records[n]:
             counts = (t[3] - t[4], t[5] - 1, *t[6:])  # decode tokens, steps, drafted, kept
             for f in (name[i], "all"):
                 steps[f] = [a + b for a, b in zip(steps[f], counts, strict=True)]

@@ -208,20 +208,20 @@ def coupled_tokens(
 ) -> list[int]:
     """Each row's coupled sample of the distribution it samples from (`scaled_logits`)."""
     params = [row.request.params for row in rows]
-    temperatures = [p.temperature for p in params]
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):  # else the kernel divides
-        logits, temperatures = scaled_logits(logits, params), [1.0] * len(rows)
+    masked = any(p.top_k > 0 or p.top_p < 1.0 for p in params)  # else the kernel divides
+    scaled = scaled_logits(logits, params) if masked else None
     tokens = [-1] * len(rows)
     if kernel_rows(logits):
         keys = [race_key(_seed(row), row.num_generated) for row in rows]
-        tokens = cpu_sampling.race_rows(logits, temperatures, keys)
+        if scaled is None:
+            tokens = cpu_sampling.race_rows(logits, [p.temperature for p in params], keys)
+        else:
+            tokens = cpu_sampling.race_rows(scaled, [1.0] * len(rows), keys)
     z = None
     for j, row in enumerate(rows):
         if tokens[j] < 0:
             if z is None:
-                scaled = logits / torch.tensor(temperatures, dtype=logits.dtype)[:, None].to(
-                    logits.device
-                )
+                scaled = scaled_logits(logits, params) if scaled is None else scaled
                 z = scaled.detach().to("cpu", torch.float32).numpy()
             tokens[j] = coupled_winner(z[j], _seed(row), row.num_generated)
     return tokens
